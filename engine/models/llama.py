@@ -1,0 +1,252 @@
+"""Our forward pass for the Llama family: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+One call processes, for a batch of sequences, a *block* of new tokens per sequence with arbitrary
+position ids and an arbitrary attention mask over the sequence's pending entries plus the block
+(a draft or verification tree), against that sequence's slot in the :class:`KVCache`.
+
+Weights use Hugging Face names so checkpoints load as they are; q/k/v and gate/up projections are
+fused into one matrix each at load time (one GEMM instead of three / two).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kv_cache import KVCache
+from engine.models.config import ModelConfig
+from engine.models.rope import RotaryTables, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference implementation, then scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, layer: int, ctx: "ForwardContext") -> torch.Tensor:
+        """x: [batch, block, hidden]"""
+        b, t, _ = x.shape
+        cfg = self.cfg
+        qkv = self.qkv_proj(self.input_layernorm(x))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(b, t, cfg.num_heads, cfg.head_dim), ctx.cos, ctx.sin)
+        k = apply_rotary(k.view(b, t, cfg.num_kv_heads, cfg.head_dim), ctx.cos, ctx.sin)
+        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        keys, values = ctx.store_and_read(layer, k, v)  # [batch, kv_heads, kv_len, head_dim]
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=ctx.mask, enable_gqa=True
+        )  # [batch, heads, block, head_dim]
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+@dataclass
+class ForwardContext:
+    """What every layer of one forward shares: cache addressing, rotary values and the mask."""
+
+    cache: KVCache
+    slots: torch.Tensor  # [batch] slot ids
+    single_slot: Optional[int]  # set when batch == 1: the cache is read as a view, not gathered
+    offsets: torch.Tensor  # [batch, block] absolute cache positions of the block
+    kv_len: int  # keys read per sequence: max over the batch of (lens + pending + block)
+    cos: torch.Tensor  # [batch, block, 1, head_dim]
+    sin: torch.Tensor
+    mask: Optional[torch.Tensor]  # [batch, 1, block, kv_len] bool, True = attend; None = attend all
+
+    def store_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: [batch, block, kv_heads, head_dim] -> cached + new: [batch, kv_heads, kv_len, head_dim]"""
+        cache = self.cache
+        if self.single_slot is not None:
+            s, start = self.single_slot, int(self.offsets[0, 0])
+            cache.k[layer, s, start:start + k.shape[1]] = k[0]
+            cache.v[layer, s, start:start + v.shape[1]] = v[0]
+            keys = cache.k[layer, s, : self.kv_len].unsqueeze(0)
+            values = cache.v[layer, s, : self.kv_len].unsqueeze(0)
+        else:
+            cache.write(layer, self.slots, self.offsets, k, v)
+            keys = cache.k[layer][self.slots, : self.kv_len]
+            values = cache.v[layer][self.slots, : self.kv_len]
+        return keys.transpose(1, 2), values.transpose(1, 2)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [batch, rows, vocab] float32, rows = selected block positions
+    hidden: torch.Tensor  # [batch, block, hidden] final-norm hidden states of every block token
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope: Optional[RotaryTables] = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        """A cache sized for this model; also (re)builds the rotary tables for ``max_len`` positions."""
+        if self.rope is None or self.rope.max_pos < max_len:
+            self.rope = RotaryTables(self.cfg, max_len, self.dtype, self.device)
+        c = self.cfg
+        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [batch, block]
+        positions: torch.Tensor,  # [batch, block]
+        cache: KVCache,
+        slots: list[int],
+        block_mask: Optional[torch.Tensor] = None,  # [batch, block, width] bool, see build_mask
+        num_new: Optional[list[int]] = None,  # valid tokens per row (rest is padding); default all
+        logits_rows: Optional[torch.Tensor] = None,  # [batch, rows] block indices; None = all
+    ) -> ForwardOutput:
+        """Appends the block to each slot's pending entries and returns logits for it.
+
+        ``block_mask`` column ``c`` of row ``b`` is the cache position ``lens[b] + c``: the
+        sequence's pending entries come first, then its block.  Committed context (``< lens``)
+        is always visible.  ``None`` means plain causal attention over everything.
+        """
+        b, t = input_ids.shape
+        counts = num_new if num_new is not None else [t] * b
+        cache.check_room(slots, t)
+        ctx = self._context(cache, slots, positions, block_mask)
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, i, ctx)
+        cache.advance(slots, counts)
+        hidden = self.norm(x)
+        rows = hidden if logits_rows is None else torch.gather(
+            hidden, 1, logits_rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        return ForwardOutput(logits=self.lm_head(rows).float(), hidden=hidden)
+
+    def _context(self, cache: KVCache, slots: list[int], positions: torch.Tensor,
+                 block_mask: Optional[torch.Tensor]) -> ForwardContext:
+        if self.rope is None or cache.max_len > self.rope.max_pos:
+            self.rope = RotaryTables(self.cfg, cache.max_len, self.dtype, self.device)
+        if int(positions.max()) >= self.rope.max_pos or int(positions.min()) < 0:
+            raise ValueError(f"position ids must be in [0, {self.rope.max_pos})")
+        b, t = positions.shape
+        slot_t = torch.tensor(slots, dtype=torch.long)
+        lens = cache.lens[slot_t]
+        start = lens + cache.pending[slot_t]  # [batch] where each block is written
+        offsets = start[:, None] + torch.arange(t)  # [batch, block]
+        kv_len = int(start.max()) + t
+        mask = build_mask(lens, start, t, kv_len, block_mask)
+        cos, sin = self.rope.lookup(positions.to(self.device))
+        dev = self.device
+        return ForwardContext(
+            cache=cache, slots=slot_t.to(dev), single_slot=slots[0] if b == 1 else None,
+            offsets=offsets.to(dev), kv_len=kv_len, cos=cos, sin=sin,
+            mask=None if mask is None else mask.to(dev),
+        )
+
+
+def build_mask(lens: torch.Tensor, start: torch.Tensor, block: int, kv_len: int,
+               block_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Attention mask over ``kv_len`` cache positions for a block written at ``start``.
+
+    lens, start: [batch]; block_mask: [batch, block, width] -> [batch, 1, block, kv_len] or None.
+    Committed context is always visible; without ``block_mask`` a query at ``start + i`` sees every
+    position ``<= start + i`` (causal).  Each query always sees itself, so padded rows stay finite.
+    """
+    b = lens.shape[0]
+    pos = torch.arange(kv_len)  # [kv_len]
+    qpos = start[:, None] + torch.arange(block)  # [batch, block]
+    if block_mask is None:
+        if b == 1 and block == 1:
+            return None  # one query that sees the whole (exactly sized) key range
+        return (pos[None, None, :] <= qpos[:, :, None]).unsqueeze(1)
+    width = block_mask.shape[-1]
+    rel = pos[None, :] - lens[:, None]  # [batch, kv_len] column of block_mask
+    inside = (rel >= 0) & (rel < width)
+    cols = rel.clamp(0, width - 1)[:, None, :].expand(b, block, kv_len)
+    visible = torch.gather(block_mask.to(torch.bool).cpu(), 2, cols) & inside[:, None, :]
+    visible |= pos[None, None, :] < lens[:, None, None]
+    visible |= pos[None, None, :] == qpos[:, :, None]
+    return visible.unsqueeze(1)
+
+
+def _take(sd: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in sd:
+        raise KeyError(f"checkpoint has no tensor {name!r}")
+    return sd.pop(name)
+
+
+def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device | str = "cpu") -> LlamaModel:
+    """Builds a :class:`LlamaModel` from a Hugging Face state dict (fusing q/k/v and gate/up).
+
+    Consumes ``state_dict`` (tensors are popped as they are placed) to keep peak memory low.
+    """
+    sd = dict(state_dict)
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    own: dict[str, torch.Tensor] = {}
+    own["embed_tokens.weight"] = _take(sd, "model.embed_tokens.weight")
+    own["norm.weight"] = _take(sd, "model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        own["lm_head.weight"] = _take(sd, "lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        own[f"layers.{i}.qkv_proj.weight"] = torch.cat(
+            [_take(sd, a + f"{n}_proj.weight") for n in "qkv"])
+        if cfg.attention_bias:
+            own[f"layers.{i}.qkv_proj.bias"] = torch.cat([_take(sd, a + f"{n}_proj.bias") for n in "qkv"])
+        own[f"layers.{i}.o_proj.weight"] = _take(sd, a + "o_proj.weight")
+        own[f"layers.{i}.gate_up_proj.weight"] = torch.cat(
+            [_take(sd, m + "gate_proj.weight"), _take(sd, m + "up_proj.weight")])
+        own[f"layers.{i}.down_proj.weight"] = _take(sd, m + "down_proj.weight")
+        own[f"layers.{i}.input_layernorm.weight"] = _take(sd, p + "input_layernorm.weight")
+        own[f"layers.{i}.post_attention_layernorm.weight"] = _take(sd, p + "post_attention_layernorm.weight")
+    sd.pop("lm_head.weight", None)  # tied checkpoints may still carry a copy
+    leftovers = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
+    if leftovers:
+        raise ValueError(f"checkpoint has tensors our runtime does not use: {leftovers[:5]}")
+    own = {k: v.to(device=device, dtype=dtype) for k, v in own.items()}
+    model.load_state_dict(own, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {missing[:5]}")
+    return model.eval()
