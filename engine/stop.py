@@ -1,0 +1,222 @@
+"""Incremental detokenisation and stop conditions.
+
+A request's output is produced token by token (plain decoding) or several tokens at a time (a
+speculative step emits ``accepted + 1``).  :class:`TextStream` turns those tokens into the text that
+may be sent to the client *now*:
+
+* :class:`IncrementalDetokenizer` yields the text delta of each token, holding back incomplete UTF-8
+  sequences and decoding in a window of previous tokens (SentencePiece leading spaces);
+* :class:`StopChecker` holds a request's stop conditions: stop strings, stop / EOS token ids and
+  ``max_tokens``;
+* :class:`TextStream` withholds a tail that could still grow into a stop string, cuts the text right
+  before a completed stop string, and tells the caller how many fed tokens were consumed.
+
+Stop-string semantics are those of the character stream, independent of how it is split into tokens
+or steps: the stop string that *completes first* wins (ties: the one that starts first), the output is
+cut right before it, and nothing after it is ever emitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+from engine.request import SamplingParams
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing token sequence (the prefix-offset / read-offset technique).
+
+    ``ids[prefix_offset:read_offset]`` are a few tokens already turned into text; decoding
+    ``ids[prefix_offset:]`` and removing the text of that prefix gives the new text, with the
+    leading space / merge behaviour a token has *in context* (a SentencePiece "▁word" decodes to
+    "word" alone but " word" after another token).  While the decoded text ends in U+FFFD the last
+    token(s) end inside a multi-byte UTF-8 character, so nothing is emitted and the offsets stay put
+    until the character completes.  The window starts on the last few prompt tokens.
+    """
+
+    PROMPT_WINDOW = 5
+
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids = list(prompt_token_ids[-self.PROMPT_WINDOW:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""  # all text produced so far
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def _advance(self, allow_incomplete: bool) -> str:
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        incomplete = new_text.endswith(_REPLACEMENT_CHAR) and not allow_incomplete
+        if len(new_text) <= len(prefix_text) or incomplete:
+            return ""
+        delta = new_text[len(prefix_text):]
+        # the tokens just read become the next prefix window; drop everything before it
+        self._ids = self._ids[self._read_offset:]
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
+        self.text += delta
+        return delta
+
+    def add(self, token_id: int) -> str:
+        """Append one token and return the text that became final (possibly "")."""
+        self._ids.append(int(token_id))
+        return self._advance(allow_incomplete=False)
+
+    def flush(self) -> str:
+        """At the end of generation, return text still held for an incomplete UTF-8 sequence."""
+        return self._advance(allow_incomplete=True)
+
+
+class StopChecker:
+    """A request's stop conditions (immutable; shared logic for every :class:`TextStream`).
+
+    ``eos_token_ids`` count as stop tokens unless ``ignore_eos``.  Stop strings are matched on
+    detokenised text; a stop token finishes the request without emitting its own text.
+    """
+
+    def __init__(
+        self,
+        stop_strings: Sequence[str] = (),
+        stop_token_ids: Iterable[int] = (),
+        eos_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
+        max_tokens: int = 16,
+    ) -> None:
+        if any(not s for s in stop_strings):
+            raise ValueError("stop strings must be non-empty")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.stop_strings = tuple(dict.fromkeys(stop_strings))
+        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        if not ignore_eos:
+            self.stop_token_ids |= frozenset(int(t) for t in eos_token_ids)
+        self.max_tokens = max_tokens
+        # every proper prefix of a stop string: a text tail equal to one may still become a stop string
+        self._prefixes = frozenset(s[:i] for s in self.stop_strings for i in range(1, len(s)))
+        self._max_prefix_len = max((len(s) - 1 for s in self.stop_strings), default=0)
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, eos_token_ids: Iterable[int]) -> "StopChecker":
+        return cls(params.stop, params.stop_token_ids, eos_token_ids, params.ignore_eos, params.max_tokens)
+
+    def is_stop_token(self, token_id: int) -> bool:
+        return int(token_id) in self.stop_token_ids
+
+    def find_stop(self, text: str) -> Optional[tuple[int, str]]:
+        """``(start, stop_string)`` of the match in ``text`` that ends first (ties: starts first)."""
+        best: Optional[tuple[int, int, str]] = None  # (end, start, stop)
+        for s in self.stop_strings:
+            start = text.find(s)
+            if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
+                best = (start + len(s), start, s)
+        return None if best is None else (best[1], best[2])
+
+    def holdback(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+        for n in range(min(len(text), self._max_prefix_len), 0, -1):
+            if text[-n:] in self._prefixes:
+                return n
+        return 0
+
+
+@dataclass
+class StreamUpdate:
+    """What one :meth:`TextStream.feed` call produced."""
+
+    text: str  # text that may be emitted now
+    consumed: int  # leading fed tokens that belong to the output; the rest are dropped
+    finished: bool = False
+    finish_reason: Optional[str] = None  # "stop" | "length"
+    stop_reason: Optional[str | int] = None  # the stop string or stop/EOS token id that finished it
+
+
+class TextStream:
+    """Per-request output text: detokenise, withhold possible stop-string starts, stop.
+
+    Each fed token, in order:
+
+    1. count it; a stop / EOS token finishes with ``"stop"`` (its text is not emitted);
+    2. else append its text delta to the withheld buffer; if a stop string now occurs there, emit the
+       text before it and finish with ``"stop"`` (the withheld buffer always contains every character
+       a future match could start at, so a match can never involve already-emitted text);
+    3. else, at ``max_tokens`` tokens, finish with ``"length"``;
+    4. else emit all but the longest tail that is a proper prefix of a stop string.
+
+    On finish the withheld text (and any incomplete UTF-8 held by the detokenizer) is flushed.
+    Tokens fed after the finishing one are not consumed.
+    """
+
+    def __init__(self, detokenizer: IncrementalDetokenizer, checker: StopChecker) -> None:
+        self.detokenizer = detokenizer
+        self.checker = checker
+        self.num_tokens = 0  # consumed tokens, stop/EOS token included
+        self.text = ""  # everything emitted so far
+        self.finished = False
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Optional[str | int] = None
+        self._held = ""
+
+    @classmethod
+    def create(
+        cls,
+        tokenizer,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        eos_token_ids: Iterable[int],
+        skip_special_tokens: bool = True,
+    ) -> "TextStream":
+        detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+        return cls(detok, StopChecker.from_params(params, eos_token_ids))
+
+    def feed(self, token_ids: Iterable[int]) -> StreamUpdate:
+        """Feed one step's tokens; stops at the first token that finishes the request."""
+        pieces, consumed = [], 0
+        for tok in token_ids:
+            if self.finished:
+                break
+            consumed += 1
+            pieces.append(self._step(int(tok)))
+        emitted = "".join(pieces)
+        self.text += emitted
+        return StreamUpdate(emitted, consumed, self.finished, self.finish_reason, self.stop_reason)
+
+    def _step(self, tok: int) -> str:
+        self.num_tokens += 1
+        if self.checker.is_stop_token(tok):
+            return self._finish("stop", tok)
+        self._held += self.detokenizer.add(tok)
+        match = self.checker.find_stop(self._held)
+        if match is not None:
+            out = self._held[:match[0]]
+            self._held = ""
+            self._set_finished("stop", match[1])
+            return out
+        if self.num_tokens >= self.checker.max_tokens:
+            return self._finish("length", None)
+        cut = len(self._held) - self.checker.holdback(self._held)
+        out, self._held = self._held[:cut], self._held[cut:]
+        return out
+
+    def _finish(self, reason: str, stop_reason: Optional[str | int]) -> str:
+        """Flush withheld text; a stop string completed by the flushed bytes still truncates."""
+        rest = self._held + self.detokenizer.flush()
+        self._held = ""
+        match = self.checker.find_stop(rest)
+        if match is not None:
+            rest = rest[:match[0]]
+            reason, stop_reason = "stop", match[1]
+        self._set_finished(reason, stop_reason)
+        return rest
+
+    def _set_finished(self, reason: str, stop_reason: Optional[str | int]) -> None:
+        self.finished = True
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
