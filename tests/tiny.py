@@ -43,3 +43,24 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
     """Reference logits for a whole sequence, [len, vocab]."""
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float()
+
+
+def tiny_tokenizer(vocab: int = VOCAB):
+    """A word-level tokenizer over ``vocab`` tokens: id 0 is ``</s>`` (EOS), id i is ``w{i}``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"</s>": 0, **{f"w{i}": i for i in range(1, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="w1")
+
+
+def tiny_loaded(kind: str = "llama", seed: int = 0, layers: int = 2):
+    """A tiny model wrapped as the loader returns it (our runtime + config + tokenizer)."""
+    from engine.models.loader import LoadedModel
+
+    hf = tiny_hf(kind, seed=seed, layers=layers)
+    cfg = ModelConfig.from_hf(hf.config)
+    model = build_model(cfg, hf.state_dict(), torch.float32)
+    return LoadedModel(model, cfg, tiny_tokenizer(cfg.vocab_size), f"tiny-{kind}-{seed}", path=None)

@@ -1,0 +1,58 @@
+"""Packs per-sequence blocks of different lengths into one padded model forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.models.llama import ForwardOutput, LlamaModel
+
+
+@dataclass
+class Block:
+    """New tokens of one sequence for one forward.
+
+    ``mask`` ([n, pending + n] bool) says which of the slot's pending entries and block tokens each
+    block token sees (committed context is always visible); ``None`` is causal attention.
+    ``logit_rows`` are the block indices whose logits are needed.
+    """
+
+    slot: int
+    tokens: list[int]
+    positions: list[int]
+    logit_rows: list[int]
+    mask: Optional[torch.Tensor] = None
+
+
+def run_blocks(model: LlamaModel, cache: KVCache, blocks: list[Block]) -> tuple[ForwardOutput, list[torch.Tensor]]:
+    """One forward over all blocks; returns the raw output and each block's logits [rows, vocab]."""
+    b = len(blocks)
+    t = max(len(bl.tokens) for bl in blocks)
+    ids = torch.zeros(b, t, dtype=torch.long)
+    pos = torch.zeros(b, t, dtype=torch.long)
+    k = max(max(len(bl.logit_rows) for bl in blocks), 1)
+    rows = torch.zeros(b, k, dtype=torch.long)
+    any_mask = any(bl.mask is not None for bl in blocks)
+    pending = [int(cache.pending[bl.slot]) for bl in blocks]
+    width = max(p + t for p in pending)
+    mask = torch.zeros(b, t, width, dtype=torch.bool) if any_mask else None
+    for i, bl in enumerate(blocks):
+        n = len(bl.tokens)
+        ids[i, :n] = torch.tensor(bl.tokens)
+        pos[i, :n] = torch.tensor(bl.positions)
+        pos[i, n:] = bl.positions[-1]
+        if bl.logit_rows:
+            rows[i, : len(bl.logit_rows)] = torch.tensor(bl.logit_rows)
+        if mask is not None:
+            if bl.mask is None:  # causal over pending + block
+                mask[i, :n, : pending[i]] = True
+                mask[i, :n, pending[i]: pending[i] + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            else:
+                mask[i, :n, : bl.mask.shape[1]] = bl.mask
+    out = model(ids.to(model.device), pos, cache, [bl.slot for bl in blocks], block_mask=mask,
+                num_new=[len(bl.tokens) for bl in blocks], logits_rows=rows.to(model.device))
+    per_block = [out.logits[i, : len(bl.logit_rows)] for i, bl in enumerate(blocks)]
+    return out, per_block

@@ -1,0 +1,168 @@
+"""The synchronous engine: ``step()`` = schedule -> run -> postprocess.
+
+``EngineCore`` owns the target (and optional draft) model, their KV caches, the scheduler and the
+runner.  It is driven by one thread (see ``engine.async_engine``); nothing here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from engine.config import EngineConfig
+from engine.models.loader import LoadedModel
+from engine.request import GenerationRequest, RequestOutput
+from engine.runner import ModelRunner, SeqStepResult, record_step
+from engine.sampler import token_count_matrix
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.spec.proposer import DraftModelProposer
+from engine.spec.tree import SubTree, TreeTopology
+from engine.stats import StepStats
+from engine.stop import TextStream
+
+
+class EngineCore:
+    def __init__(self, target: LoadedModel, draft: Optional[LoadedModel] = None,
+                 config: Optional[EngineConfig] = None, model_name: Optional[str] = None) -> None:
+        self.config = config or EngineConfig()
+        self.target = target
+        self.tokenizer = target.tokenizer
+        self.model_name = model_name or target.source
+        self.max_model_len = min(self.config.max_model_len, target.config.max_position_embeddings,
+                                 target.config.sliding_window or 1 << 30)
+        self.vocab_size = target.config.vocab_size
+        self.topology = TreeTopology(self.config.tree if draft is not None else ())
+        slot_len = self.max_model_len + self.topology.num_nodes + 1
+        self.cache = target.model.new_cache(self.config.max_batch, slot_len)
+        proposer = None
+        if draft is not None:
+            _check_pair(target, draft)
+            draft_cache = draft.model.new_cache(self.config.max_batch, slot_len)
+            proposer = DraftModelProposer(draft.model, draft_cache, self.vocab_size, self.config.without_replacement)
+        self.runner = ModelRunner(target.model, self.cache, self.vocab_size, proposer)
+        self.scheduler = Scheduler(self.config, self.cache, proposer.cache if proposer else None)
+        self.eos_token_ids = set(target.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
+        self._stats: list[StepStats] = []
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, req: GenerationRequest) -> None:
+        """Queues a request; raises ``ValueError`` with a user-facing message if it cannot run."""
+        self._validate(req)
+        stream = TextStream.create(self.tokenizer, req.prompt_token_ids, req.sampling, self.eos_token_ids)
+        seq = Sequence.create(req, stream)
+        if not self.runner.proposer:
+            seq.request.spec.enabled = False
+        if req.sampling.needs_history:
+            seq.output_counts = torch.zeros(self.vocab_size, dtype=torch.int32)
+            if req.sampling.repetition_penalty != 1.0:
+                seq.prompt_mask = token_count_matrix([req.prompt_token_ids], self.vocab_size)[0] > 0
+        self.scheduler.add(seq)
+
+    def _validate(self, req: GenerationRequest) -> None:
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if n + req.sampling.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {n + req.sampling.max_tokens} tokens ({n} in the prompt, "
+                f"{req.sampling.max_tokens} in the completion). Please reduce the prompt or max_tokens.")
+        if max(req.sampling.logit_bias, default=-1) >= self.vocab_size:
+            raise ValueError(f"logit_bias token ids must be < {self.vocab_size}")
+        if self.scheduler.find(req.request_id) is not None:
+            raise ValueError(f"request id {req.request_id!r} is already running")
+        if req.spec.tree is not None and req.spec.enabled:
+            self.topology.subtree(req.spec.tree)  # raises if it does not fit the engine's tree
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.scheduler.find(request_id)
+        if seq is not None:
+            self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.cache.usage()
+
+    def drain_step_stats(self) -> list[StepStats]:
+        out, self._stats = self._stats, []
+        return out
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        stats = StepStats()
+        if plan.prefill:
+            stats.prefill_tokens = sum(end - s.target_cached for s, end in plan.prefill)
+            self.runner.prefill(plan.prefill)
+        outputs = []
+        if plan.decode:
+            subs = [self._subtree(seq) for seq in plan.decode]
+            stats.budget = max(sub.num_nodes for sub in subs)
+            for res in self.runner.step(plan.decode, subs, stats):
+                record_step(stats, res)
+                outputs.append(self._postprocess(res, stats))
+        stats.step_seconds = time.perf_counter() - t0
+        if not plan.empty:
+            self._stats.append(stats)
+        return outputs
+
+    def _subtree(self, seq: Sequence) -> SubTree:
+        spec = seq.request.spec
+        if not spec.enabled or seq.draft_slot is None:
+            return self.topology.subtree(())
+        widths = spec.tree if spec.tree is not None else self.topology.widths
+        depth = min(len(widths), seq.remaining - 1)
+        if spec.max_depth is not None:
+            depth = min(depth, spec.max_depth)
+        return self.topology.subtree(tuple(widths[: max(depth, 0)]))
+
+    def _postprocess(self, res: SeqStepResult, stats: StepStats) -> RequestOutput:
+        seq, result = res.seq, res.result
+        update = seq.stream.feed(result.tokens)
+        new = result.tokens[: update.consumed]
+        seq.tokens.extend(new)
+        if seq.output_counts is not None and new:
+            seq.output_counts.index_add_(0, torch.tensor(new), torch.ones(len(new), dtype=torch.int32))
+        if res.drafted:
+            seq.spec.steps += 1
+            seq.spec.drafted_tokens += res.drafted
+            seq.spec.accepted_tokens += len(result.accepted)
+        stats.emitted_tokens += len(new)
+        if update.finished:
+            self.scheduler.finish(seq)
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=new, new_text=update.text,
+            finished=update.finished, finish_reason=update.finish_reason,
+            logprobs=res.logprobs[: len(new)] if res.logprobs is not None else None,
+            prompt_tokens=seq.num_prompt, completion_tokens=seq.num_output, spec=seq.spec,
+        )
+
+
+def _check_pair(target: LoadedModel, draft: LoadedModel) -> None:
+    """Target and draft must share a tokenizer (same ids for the same text)."""
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        probe = "def hello_world():\n    print('héllo, wörld') # 12345"
+        if target.tokenizer.encode(probe) != draft.tokenizer.encode(probe):
+            raise ValueError("the draft model's tokenizer differs from the target's; they must share one")
+    if abs(tv - dv) > 1024:
+        raise ValueError(f"target vocab {tv} and draft vocab {dv} differ too much to share a tokenizer")

@@ -1,0 +1,86 @@
+"""Continuous batching: admits waiting requests between steps and splits long prompts into chunks.
+
+Every step runs at most ``prefill_chunk`` prompt tokens (so a long prompt never stalls running
+streams for long) and one speculative step for every sequence whose prompt is cached.  A sequence
+whose prefill completes in this step decodes in the same step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache
+from engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class SchedulerOutput:
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, cache tokens up to)
+    decode: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cache: KVCache, draft_cache: Optional[KVCache]) -> None:
+        self.config = config
+        self.cache = cache
+        self.draft_cache = draft_cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        self._admit()
+        out = SchedulerOutput()
+        budget = self.config.prefill_chunk
+        for seq in self.running:
+            if seq.status is SeqStatus.PREFILLING and budget > 0:
+                goal = seq.num_prompt - 1  # the last prompt token is the first step's root
+                end = min(goal, seq.target_cached + budget)
+                if end > seq.target_cached:
+                    out.prefill.append((seq, end))
+                    budget -= end - seq.target_cached
+                if end == goal:
+                    seq.status = SeqStatus.RUNNING
+            if seq.status is SeqStatus.RUNNING:
+                out.decode.append(seq)
+        return out
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_batch and self.cache.free_slots:
+            if self.draft_cache is not None and not self.draft_cache.free_slots:
+                break
+            seq = self.waiting.popleft()
+            seq.slot = self.cache.allocate()
+            if self.draft_cache is not None and seq.request.spec.enabled:
+                seq.draft_slot = self.draft_cache.allocate()
+            seq.status = SeqStatus.PREFILLING
+            self.running.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Frees the sequence's slots at once (finished or aborted)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.slot is not None:
+            self.cache.free(seq.slot)
+            seq.slot = None
+        if seq.draft_slot is not None and self.draft_cache is not None:
+            self.draft_cache.free(seq.draft_slot)
+            seq.draft_slot = None
+        seq.status = SeqStatus.FINISHED
+
+    def find(self, request_id: str) -> Optional[Sequence]:
+        for seq in (*self.running, *self.waiting):
+            if seq.request_id == request_id:
+                return seq
+        return None

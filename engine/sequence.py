@@ -1,0 +1,73 @@
+"""One request's state inside the engine: tokens, cache slots, generator, text stream, stats."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from engine.request import GenerationRequest, SpecUsage, TokenLogprob
+from engine.sampler import make_generator
+from engine.stop import TextStream
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """Token bookkeeping follows one invariant: the target cache holds every token but the last
+    one (the *root* of the next step, not yet cached).  The draft cache may lag further behind
+    (its deepest accepted node was never run); ``draft_cached`` says how far it got."""
+
+    request: GenerationRequest
+    stream: TextStream
+    generator: torch.Generator
+    tokens: list[int]  # prompt + accepted output tokens
+    num_prompt: int
+    slot: Optional[int] = None  # target cache slot
+    draft_slot: Optional[int] = None
+    target_cached: int = 0  # tokens in the target cache (committed)
+    draft_cached: int = 0  # tokens in the draft cache (committed)
+    status: SeqStatus = SeqStatus.WAITING
+    arrival: float = field(default_factory=time.monotonic)
+    spec: SpecUsage = field(default_factory=SpecUsage)
+    pending_ids: list[int] = field(default_factory=list)  # output tokens not yet handed out
+    pending_text: str = ""
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    output_counts: Optional[torch.Tensor] = None  # [vocab] int32, only when penalties are on
+    prompt_mask: Optional[torch.Tensor] = None  # [vocab] bool, only with a repetition penalty
+
+    @classmethod
+    def create(cls, request: GenerationRequest, stream: TextStream) -> "Sequence":
+        ids = list(request.prompt_token_ids)
+        return cls(request=request, stream=stream, generator=make_generator(request.sampling.seed),
+                   tokens=ids, num_prompt=len(ids))
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def root(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def remaining(self) -> int:
+        """Tokens this request may still produce."""
+        return self.request.sampling.max_tokens - self.num_output
