@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.models.loader import LoadedModel
 from engine.request import GenerationRequest, RequestOutput
 from engine.runner import ModelRunner, SeqStepResult, record_step
-from engine.sampler import token_count_matrix
+from engine.sampler import SamplingTensors, token_count_matrix
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.spec.proposer import DraftModelProposer
@@ -55,6 +55,7 @@ class EngineCore:
         self._validate(req)
         stream = TextStream.create(self.tokenizer, req.prompt_token_ids, req.sampling, self.eos_token_ids)
         seq = Sequence.create(req, stream)
+        seq.sampling_tensors = SamplingTensors.from_params([req.sampling], self.vocab_size)
         if not self.runner.proposer:
             seq.request.spec.enabled = False
         if req.sampling.needs_history:

@@ -17,7 +17,7 @@ from engine.batching import Block, run_blocks
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
 from engine.request import TokenLogprob
-from engine.sampler import SamplingTensors, compute_probs, raw_logprobs
+from engine.sampler import compute_probs, raw_logprobs
 from engine.sequence import Sequence
 from engine.spec.history import RowHistory
 from engine.spec.proposer import DraftModelProposer, DraftTree
@@ -70,7 +70,7 @@ class ModelRunner:
         for seq, tree in zip(seqs, trees):
             root_pos = len(seq.tokens) - 1
             toks = [seq.root] + [t if t != DEAD else 0 for t in tree.tokens]
-            pos = [root_pos] + (root_pos + tree.sub.depth).tolist()
+            pos = block_positions(root_pos, tree.sub)
             blocks.append(Block(seq.slot, toks, pos, list(range(len(toks))),
                                 tree.sub.mask if tree.sub.num_nodes else None))
         _, logits = run_blocks(self.target, self.cache, blocks)  # each [1+n, vocab]
@@ -95,7 +95,7 @@ class ModelRunner:
         params = seq.request.sampling
         children = children_of(tree.sub) if tree.tokens else [[]]
         logits = logits[:, : self.vocab_size]
-        st = SamplingTensors.from_params([params], self.vocab_size, [0])
+        st = seq.sampling_tensors
 
         def processed(row: int) -> torch.Tensor:
             hist = RowHistory.for_rows(seq, tree.tokens, tree.sub, [row]) if params.needs_history else None
@@ -129,13 +129,25 @@ class ModelRunner:
 
     def _update_caches(self, seq: Sequence, tree: DraftTree, result: VerifyResult) -> None:
         """Target keeps root + accepted path; the draft keeps the accepted nodes it ran."""
-        self.cache.keep(seq.slot, [0] + [1 + i for i in result.accepted])
+        self.cache.keep(seq.slot, kept_block_rows(result))
         seq.target_cached = len(seq.tokens) + len(result.accepted)
         if tree.tokens and self.proposer is not None:
             ran = tree.sub.level_offsets[tree.drafted_levels]
             kept = [i for i in result.accepted if i < ran]
             self.proposer.cache.keep(seq.draft_slot, kept)
             seq.draft_cached += len(kept)
+
+
+def block_positions(root_pos: int, sub: SubTree) -> list[int]:
+    """Position ids of a verification block: the root's, then root + depth for every node
+    (siblings share a position)."""
+    return [root_pos] + (root_pos + sub.depth).tolist()
+
+
+def kept_block_rows(result: VerifyResult) -> list[int]:
+    """Target cache entries kept after verification: the root and the accepted path.  The final
+    (bonus or correction) token is not cached: it is the next step's root."""
+    return [0] + [1 + i for i in result.accepted]
 
 
 def record_step(stats: StepStats, res: SeqStepResult) -> None:

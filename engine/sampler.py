@@ -21,6 +21,7 @@ whatever else shares its batch: each request draws its own uniforms in a fixed o
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -125,6 +126,21 @@ class SamplingTensors:
             any_greedy=bool(greedy.any()),
             all_greedy=bool(greedy.all()),
         )
+
+
+    def repeat_rows(self, n: int) -> "SamplingTensors":
+        """This one-row packing repeated for ``n`` rows (tree nodes of one request), without
+        re-reading the params."""
+        if self.num_rows != 1:
+            raise ValueError("repeat_rows needs a one-row SamplingTensors")
+        rep = lambda t: t.expand(n).contiguous()  # noqa: E731
+        offsets = torch.arange(n, device=self.bias_index.device)[:, None] * self.vocab_size
+        return dataclasses.replace(
+            self, temperature=rep(self.temperature), greedy=rep(self.greedy), top_k=rep(self.top_k),
+            top_p=rep(self.top_p), min_p=rep(self.min_p), repetition_penalty=rep(self.repetition_penalty),
+            presence_penalty=rep(self.presence_penalty), frequency_penalty=rep(self.frequency_penalty),
+            bias_index=(offsets + self.bias_index[None, :]).flatten(),
+            bias_value=self.bias_value.repeat(n))
 
 
 def _effective_top_k(top_k: int, vocab_size: int) -> int:
@@ -269,9 +285,24 @@ def compute_probs(
     Disabled filters are skipped for the whole batch via the host-side flags, so the common case
     (no top-k / top-p / min-p) never sorts the vocabulary.
     """
+    return finish_probs(process_logits(logits, st, token_counts, prompt_mask), st)
+
+
+def process_logits(
+    logits: torch.Tensor,  # [rows, vocab] any float dtype
+    st: SamplingTensors,
+    token_counts: Optional[torch.Tensor] = None,  # [rows, vocab]
+    prompt_mask: Optional[torch.Tensor] = None,  # [rows, vocab] bool
+) -> torch.Tensor:  # -> [rows, vocab] float32
+    """The history-dependent first half: logit_bias, then penalties (a float32 copy).
+    Greedy decisions (argmax, top-k children) are taken on these logits."""
     x = logits.to(torch.float32, copy=True)
     x = apply_logit_bias(x, st)
-    x = apply_penalties(x, st, token_counts, prompt_mask)
+    return apply_penalties(x, st, token_counts, prompt_mask)
+
+
+def finish_probs(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:  # [rows, vocab] -> [rows, vocab]
+    """The second half: temperature, top-k, top-p, min-p, softmax; greedy rows one-hot."""
     if st.all_greedy:
         return one_hot_argmax(x)
     greedy_probs = one_hot_argmax(x) if st.any_greedy else None

@@ -33,9 +33,11 @@ class Scheduler:
         self.draft_cache = draft_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._by_id[seq.request_id] = seq
 
     def schedule(self) -> SchedulerOutput:
         self._admit()
@@ -78,9 +80,7 @@ class Scheduler:
             self.draft_cache.free(seq.draft_slot)
             seq.draft_slot = None
         seq.status = SeqStatus.FINISHED
+        self._by_id.pop(seq.request_id, None)
 
     def find(self, request_id: str) -> Optional[Sequence]:
-        for seq in (*self.running, *self.waiting):
-            if seq.request_id == request_id:
-                return seq
-        return None
+        return self._by_id.get(request_id)

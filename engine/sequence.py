@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from engine.request import GenerationRequest, SpecUsage, TokenLogprob
-from engine.sampler import make_generator
+from engine.sampler import SamplingTensors, make_generator
 from engine.stop import TextStream
 
 
@@ -21,7 +21,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: two requests are never 'equal'
 class Sequence:
     """Token bookkeeping follows one invariant: the target cache holds every token but the last
     one (the *root* of the next step, not yet cached).  The draft cache may lag further behind
@@ -44,6 +44,7 @@ class Sequence:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     output_counts: Optional[torch.Tensor] = None  # [vocab] int32, only when penalties are on
     prompt_mask: Optional[torch.Tensor] = None  # [vocab] bool, only with a repetition penalty
+    sampling_tensors: Optional[SamplingTensors] = None  # one-row packing of the request's params
 
     @classmethod
     def create(cls, request: GenerationRequest, stream: TextStream) -> "Sequence":

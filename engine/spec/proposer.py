@@ -20,8 +20,7 @@ from engine.batching import Block, run_blocks
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
 from engine.sampler import (
-    SamplingTensors, apply_logit_bias, apply_penalties, compute_probs, draw_uniforms, sample_from_probs,
-    sample_k_distinct,
+    SamplingTensors, draw_uniforms, finish_probs, process_logits, sample_from_probs, sample_k_distinct,
 )
 from engine.sequence import Sequence
 from engine.spec.history import RowHistory
@@ -48,17 +47,14 @@ class DraftModelProposer:
 
     def propose(self, seqs: list[Sequence], subs: list[SubTree]) -> list[DraftTree]:
         trees = [DraftTree(sub, [DEAD] * sub.num_nodes) for sub in subs]
-        parent_logits = self._catch_up(seqs)  # [batch, vocab]: q at the root
-        frontier = {i: parent_logits[i][None] for i in range(len(seqs))}  # seq -> [parents, vocab]
-        max_depth = max(sub.max_depth for sub in subs)
-        for d in range(1, max_depth + 1):
+        frontier = {i: lg[None] for i, lg in enumerate(self._catch_up(seqs))}  # seq -> [parents, vocab]
+        for d in range(1, max(sub.max_depth for sub in subs) + 1):
             active = [i for i in range(len(seqs)) if subs[i].max_depth >= d]
-            for i in active:
-                self._sample_level(seqs[i], trees[i], d, frontier[i])
+            self._sample_level([seqs[i] for i in active], [trees[i] for i in active], d,
+                               [frontier[i] for i in active])
             to_run = [i for i in active if subs[i].max_depth > d]
             if to_run:
-                logits = self._run_level(seqs, trees, to_run, d)
-                frontier = dict(zip(to_run, logits))
+                frontier = dict(zip(to_run, self._run_level(seqs, trees, to_run, d)))
         return trees
 
     # ------------------------------------------------------------------ draft forwards
@@ -87,29 +83,64 @@ class DraftModelProposer:
         return logits
 
     # ------------------------------------------------------------------ sampling children
-    def _sample_level(self, seq: Sequence, tree: DraftTree, d: int, logits: torch.Tensor) -> None:
-        """logits: [parents, vocab] draft logits of the depth-(d-1) nodes, in level order."""
-        sub = tree.sub
-        lv = sub.level(d)
-        k = sub.widths[d - 1]
-        parent_rows = self._parent_rows(sub, d)  # block rows of the parents, in level order
-        params = seq.request.sampling
-        logits = self._pad_vocab(logits)
-        history = RowHistory.for_rows(seq, tree.tokens, sub, parent_rows) if params.needs_history else None
-        st = SamplingTensors.from_params([params], self.vocab_size, [0] * len(parent_rows))
-        if params.greedy:
-            chosen = self._top_k(logits, st, history, k)
-        else:
-            probs = compute_probs(logits, st, *(history.tensors() if history else (None, None)))
-            chosen = self._sample(probs, k, seq.generator)
-            for j, row in enumerate(parent_rows):
-                tree.q[row] = probs[j]
-        alive_parent = [row == 0 or tree.tokens[row - 1] != DEAD for row in parent_rows]
-        flat = chosen.tolist()
-        for j, node in enumerate(range(lv.start, lv.stop)):
-            parent_j, r = divmod(j, k)
-            tok = flat[parent_j][r] if alive_parent[parent_j] else DEAD
-            tree.tokens[node] = tok if tok >= 0 else DEAD
+    def _sample_level(self, seqs: list[Sequence], trees: list[DraftTree], d: int,
+                      logits: list[torch.Tensor]) -> None:
+        """Draws the depth-``d`` children of every sequence's depth-(d-1) nodes, all sequences at once.
+
+        logits[j]: [parents_j, vocab] draft logits of sequence j's depth-(d-1) nodes, in level order.
+        """
+        parent_rows = [self._parent_rows(t.sub, d) for t in trees]
+        row_seq = [j for j, rows in enumerate(parent_rows) for _ in rows]
+        x = self._pad_vocab(torch.cat(logits)).float()  # [rows, vocab]
+        st = SamplingTensors.from_params([s.request.sampling for s in seqs], self.vocab_size, row_seq)
+        counts, prompt = self._histories(seqs, trees, parent_rows)
+        x = process_logits(x, st, counts, prompt)
+        widths = [t.sub.widths[d - 1] for t in trees]
+        chosen = torch.full((x.shape[0], max(widths)), DEAD, dtype=torch.long)
+        greedy = st.greedy.tolist()
+        g_rows = [r for r in range(len(row_seq)) if greedy[r]]
+        if g_rows:
+            chosen[g_rows, : max(widths)] = x[g_rows].topk(max(widths), dim=-1).indices
+        s_rows = [r for r in range(len(row_seq)) if not greedy[r]]
+        first = [0] * len(trees)  # first row of each sequence
+        for r in range(len(row_seq) - 1, -1, -1):
+            first[row_seq[r]] = r
+        if s_rows:
+            probs = finish_probs(x, st)  # [rows, vocab]; greedy rows (one-hot) unused
+            gens = [seqs[row_seq[r]].generator for r in s_rows]
+            chosen[s_rows] = self._sample(probs[s_rows], [widths[row_seq[r]] for r in s_rows], gens, max(widths))
+            for r in s_rows:
+                j = row_seq[r]
+                trees[j].q[parent_rows[j][r - first[j]]] = probs[r]
+        self._place(trees, d, parent_rows, chosen.tolist(), first)
+
+    @staticmethod
+    def _place(trees: list[DraftTree], d: int, parent_rows: list[list[int]], chosen: list[list[int]],
+               first: list[int]) -> None:
+        for j, tree in enumerate(trees):
+            lv, k = tree.sub.level(d), tree.sub.widths[d - 1]
+            for n, node in enumerate(range(lv.start, lv.stop)):
+                pj, rank = divmod(n, k)
+                prow = parent_rows[j][pj]
+                alive = prow == 0 or tree.tokens[prow - 1] != DEAD
+                tok = chosen[first[j] + pj][rank] if alive else DEAD
+                tree.tokens[node] = tok if tok >= 0 else DEAD
+
+    def _histories(self, seqs, trees, parent_rows):
+        """Penalty histories of every parent row (None when no sequence uses penalties)."""
+        if not any(s.request.sampling.needs_history for s in seqs):
+            return None, None
+        counts, prompts = [], []
+        for s, t, rows in zip(seqs, trees, parent_rows):
+            if s.request.sampling.needs_history:
+                h = RowHistory.for_rows(s, t.tokens, t.sub, rows)
+                counts.append(h.counts)
+                prompts.append(h.prompt_mask if h.prompt_mask is not None
+                               else torch.zeros(len(rows), self.vocab_size, dtype=torch.bool))
+            else:
+                counts.append(torch.zeros(len(rows), self.vocab_size, dtype=torch.int32))
+                prompts.append(torch.zeros(len(rows), self.vocab_size, dtype=torch.bool))
+        return torch.cat(counts), torch.cat(prompts)
 
     @staticmethod
     def _parent_rows(sub: SubTree, d: int) -> list[int]:
@@ -118,19 +149,18 @@ class DraftModelProposer:
         prev = sub.level(d - 1)
         return [1 + i for i in range(prev.start, prev.stop)]
 
-    def _top_k(self, logits, st, history, k: int) -> torch.Tensor:
-        """Greedy trees take the ``k`` best tokens of the processed draft logits."""
-        x = apply_logit_bias(logits.float().clone(), st)
-        if history is not None:
-            x = apply_penalties(x, st, *history.tensors())
-        return x.topk(k, dim=-1).indices
-
-    def _sample(self, probs: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
-        """[parents, vocab] -> [parents, k] children, drawn in sampling order."""
-        u = draw_uniforms([generator] * probs.shape[0], [k] * probs.shape[0])
+    def _sample(self, probs: torch.Tensor, widths: list[int], generators: list[torch.Generator],
+                width: int) -> torch.Tensor:
+        """probs: [rows, vocab] -> [rows, width] children in sampling order (row r fills widths[r];
+        each row draws exactly widths[r] uniforms from its request's generator)."""
+        u = draw_uniforms(generators, widths)
+        u = torch.nn.functional.pad(u, (0, width - u.shape[1]))
         if self.without_replacement:
-            return sample_k_distinct(probs, u)
-        return torch.stack([sample_from_probs(probs, u[:, j]) for j in range(k)], dim=1)
+            out = sample_k_distinct(probs, u)
+        else:
+            out = torch.stack([sample_from_probs(probs, u[:, j]) for j in range(width)], dim=1)
+        cols = torch.arange(width)[None, :]
+        return torch.where(cols < torch.tensor(widths)[:, None], out, DEAD)
 
     def _pad_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary (extra target tokens get -inf: q = 0)."""

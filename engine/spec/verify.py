@@ -84,7 +84,7 @@ def verify_sampled(
         if not kids:
             y = _draw(p, generator)
             return VerifyResult(accepted, [tokens[i] for i in accepted] + [y], True, row, rows)
-        q = q_of(row).clone()
+        q = q_of(row)
         taken = None
         for c in kids:
             x = tokens[c]
@@ -94,10 +94,7 @@ def verify_sampled(
                 break
             p = residual(p, q)
             if without_replacement:
-                q[x] = 0.0
-                total = q.sum()
-                if total > 0:
-                    q = q / total
+                q = remove_candidate(q, x)
         if taken is None:
             y = _draw(p, generator)
             return VerifyResult(accepted, [tokens[i] for i in accepted] + [y], False, row, rows)
@@ -111,6 +108,15 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     r = (p - q).clamp_(min=0.0)
     total = r.sum()
     return r / total if total > 0 else p
+
+
+def remove_candidate(q: torch.Tensor, x: int) -> torch.Tensor:
+    """``q`` of the next sibling when siblings are drawn without replacement: ``x`` removed,
+    renormalised (exactly the law the next candidate was drawn from)."""
+    q = q.clone()
+    q[x] = 0.0
+    total = q.sum()
+    return q / total if total > 0 else q
 
 
 def _draw(p: torch.Tensor, generator: torch.Generator) -> int:

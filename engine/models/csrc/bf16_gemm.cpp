@@ -1,0 +1,295 @@
+// Small-M bf16 GEMM for CPUs with AVX2 + FMA (no native bf16):  y = round_bf16(x @ W^T + b).
+//
+// Built at first use by engine/models/cpu_kernels.py (torch.utils.cpp_extension.load).
+//
+// Shape of the problem: speculative decoding runs forwards of M = 1..64 rows against weights of
+// megabytes to hundreds of megabytes, so the weight matrix must be streamed from DRAM exactly once
+// while the few activation rows stay in cache.  torch's bf16 path on CPUs without avx512_bf16 /
+// AMX is fast for M = 1 (a GEMV) but falls back to a slow kernel for M >= 2.
+//
+// Numerics (batch invariance).  Every output element y[m, n] is computed by exactly the same
+// sequence of floating-point operations whatever M is, whatever the other rows contain, whatever
+// the tiling or the thread count:
+//   * one 8-lane fp32 accumulator per (m, n), fed by one FMA per 8 k's, in increasing k order,
+//     never split over K (no K-blocking, no split-K across threads);
+//   * one fixed horizontal reduction of the 8 lanes, then + bias in fp32, then round-to-nearest-
+//     even to bf16.
+// Tiling (how many weight rows x activation rows one micro-kernel computes) and the split of N
+// across threads only decide *which* accumulators live in registers together, never the order of
+// operations inside one accumulator, so the result for one row is bitwise identical for M = 1 and
+// M = 16 (the property speculative verification relies on) and for 1 or many threads.
+//
+// bf16 -> fp32 conversion in registers.  A 256-bit load of 16 consecutive bf16 weights gives eight
+// 32-bit lanes, lane j = (w[2j+1] << 16) | w[2j].  Shifting each lane left by 16 yields the fp32
+// values of the even elements w[2j]; masking the low half away yields the odd elements w[2j+1]:
+// one integer op per 8 weights and no cross-lane shuffle.  The activations are converted once per
+// call into an fp32 scratch buffer laid out to match: per chunk of 16 k's, the 8 even elements
+// then the 8 odd ones (zero padded to a multiple of 16).  Accumulator lane j thus sees, per chunk
+// c, k = 16c + 2j then k = 16c + 2j + 1.  The tail of K (K % 16) is handled by copying the weight
+// tail into a zero-padded 16-element buffer, identically for every M.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+
+namespace {
+
+constexpr int64_t kChunk = 16;  // k's per step: one 256-bit load of bf16 weights
+constexpr int kMaxR = 8;        // weight rows per micro-kernel (max)
+constexpr int kMaxC = 4;        // activation rows per micro-kernel (max)
+
+inline float bf16_bits_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint16_t f32_to_bf16_rne(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as c10::BFloat16 does
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// The single horizontal reduction used for every output element.
+inline float hsum8(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);                       // 4 lanes: (0+4, 1+5, 2+6, 3+7)
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));    // 2 lanes: (0+4+2+6, 1+5+3+7)
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+
+// x row (bf16, K elements) -> fp32 scratch row (Kp = nchunks * 16 elements, even/odd layout).
+void convert_row(const uint16_t* src, int64_t K, float* dst, int64_t nchunks) {
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const int64_t nfull = K / kChunk;
+  for (int64_t c = 0; c < nfull; ++c) {
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c * kChunk));
+    _mm256_storeu_ps(dst + c * kChunk, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+    _mm256_storeu_ps(dst + c * kChunk + 8, _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask)));
+  }
+  if (nfull < nchunks) {  // tail chunk, zero padded
+    float* d = dst + nfull * kChunk;
+    for (int j = 0; j < kChunk; ++j) d[j] = 0.0f;
+    for (int64_t k = nfull * kChunk; k < K; ++k) {
+      const int64_t j = k - nfull * kChunk;
+      d[(j & 1) * 8 + (j >> 1)] = bf16_bits_to_f32(src[k]);
+    }
+  }
+}
+
+// One step (16 k's) of an R x C tile: R weight rows (row stride ldw, in bf16 elements) against
+// C activation rows (row stride ldx, in floats).  Per accumulator: FMA(even), then FMA(odd).
+// The C activation vectors of a half-chunk are held in registers and reused over the R weight
+// rows; the weight vector is re-loaded (from L1) for the odd half rather than kept, so that R*C
+// accumulators + C activations + 1 weight temporary fit the 16 ymm registers (R=4, C=3).
+template <int R, int C>
+__attribute__((always_inline)) inline void step(const uint16_t* w, int64_t ldw, const float* x,
+                                                int64_t ldx, __m256 (&acc)[R][C]) {
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256 xv[C];
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) xv[c] = _mm256_loadu_ps(x + c * ldx);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * ldw));
+    const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(we, xv[c], acc[r][c]);
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) xv[c] = _mm256_loadu_ps(x + c * ldx + 8);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * ldw));
+    const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(wo, xv[c], acc[r][c]);
+  }
+}
+
+// Full-K R x C tile.  w: first weight row; wtail: [R][16] zero-padded K tail (or nullptr when
+// K % 16 == 0); x: first scratch row; out[r * kMaxC + c] receives the reduced fp32 dot products.
+template <int R, int C>
+void tile(const uint16_t* w, int64_t ldw, int64_t nfull, const uint16_t* wtail, const float* x,
+          int64_t ldx, float* out, const char* pf, int64_t pf_lines) {
+  __m256 acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  // Software prefetch of the next weight block, spread one cache line per step over the m-tiles
+  // of the current block, so that DRAM is read evenly rather than in bursts at each block start.
+  int64_t ch = 0;
+  for (; ch < pf_lines; ++ch) {
+    _mm_prefetch(pf + ch * 64, _MM_HINT_T0);
+    step<R, C>(w + ch * kChunk, ldw, x + ch * kChunk, ldx, acc);
+  }
+  for (; ch < nfull; ++ch) step<R, C>(w + ch * kChunk, ldw, x + ch * kChunk, ldx, acc);
+  if (wtail != nullptr) step<R, C>(wtail, kChunk, x + nfull * kChunk, ldx, acc);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) out[r * kMaxC + c] = hsum8(acc[r][c]);
+}
+
+using TileFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*, int64_t,
+                        float*, const char*, int64_t);
+
+template <int R>
+constexpr TileFn tile_for_c(int c) {
+  return c == 1 ? &tile<R, 1> : c == 2 ? &tile<R, 2> : c == 3 ? &tile<R, 3> : &tile<R, 4>;
+}
+
+TileFn tile_fn(int r, int c) {
+  switch (r) {
+    case 1: return tile_for_c<1>(c);
+    case 2: return tile_for_c<2>(c);
+    case 3: return tile_for_c<3>(c);
+    case 4: return tile_for_c<4>(c);
+    case 5: return tile_for_c<5>(c);
+    case 6: return tile_for_c<6>(c);
+    case 7: return tile_for_c<7>(c);
+    default: return tile_for_c<8>(c);
+  }
+}
+
+// Register blocking for a given M (numerically irrelevant, see the header comment):
+// R*C accumulators + C activation vectors + 1 weight temporary <= 16 ymm registers.
+void blocking(int64_t M, int* rb, int* cb) {
+  static const char* env_r = std::getenv("MCSD_BF16_RB");  // tuning hooks (benchmarks only)
+  static const char* env_c = std::getenv("MCSD_BF16_CB");
+  if (M == 1) {
+    *rb = 8, *cb = 1;
+  } else if (M == 2) {
+    *rb = 6, *cb = 2;
+  } else {
+    *rb = 4, *cb = 3;
+  }
+  if (env_r != nullptr) *rb = std::clamp(std::atoi(env_r), 1, kMaxR);
+  if (env_c != nullptr) *cb = std::clamp(std::atoi(env_c), 1, kMaxC);
+}
+
+}  // namespace
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "bf16_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "bf16_linear: x and weight must be bfloat16");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(),
+              "bf16_linear: weight must be a contiguous [N, K] matrix");
+  TORCH_CHECK(x.dim() >= 1, "bf16_linear: x must have at least one dimension");
+  const int64_t N = weight.size(0);
+  const int64_t K = weight.size(1);
+  TORCH_CHECK(x.size(-1) == K, "bf16_linear: x has ", x.size(-1), " features, weight expects ", K);
+  const uint16_t* bptr = nullptr;
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = *bias;
+    TORCH_CHECK(b.device().is_cpu() && b.scalar_type() == at::kBFloat16 && b.dim() == 1 &&
+                    b.size(0) == N,
+                "bf16_linear: bias must be a bfloat16 [N] tensor");
+    b = b.contiguous();
+    bptr = reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>());
+  }
+
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  at::Tensor out = at::empty(out_shape, x.options());
+  int64_t M = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) M *= x.size(d);
+  if (out.numel() == 0) return out;
+  uint16_t* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+
+  const int64_t nchunks = (K + kChunk - 1) / kChunk;
+  const int64_t nfull = K / kChunk;
+  const int64_t ktail = K - nfull * kChunk;
+  const int64_t Kp = nchunks * kChunk;
+
+  // Activations -> fp32 scratch (even/odd layout, zero padded).
+  at::Tensor x2 = x.reshape({M, K});
+  if (K > 0 && x2.stride(1) != 1) x2 = x2.contiguous();
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
+  const int64_t ldxb = M > 1 ? x2.stride(0) : K;
+  at::Tensor scratch = at::empty({std::max<int64_t>(M * Kp, 1)}, x.options().dtype(at::kFloat));
+  float* xs = scratch.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)),
+                   [&](int64_t m0, int64_t m1) {
+                     for (int64_t m = m0; m < m1; ++m) convert_row(xb + m * ldxb, K, xs + m * Kp, nchunks);
+                   });
+
+  const uint16_t* wb = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  int rb, cb;
+  blocking(M, &rb, &cb);
+  const int64_t nblocks = (N + rb - 1) / rb;
+  const int64_t ntiles = (M + cb - 1) / cb;
+  // Grain: enough weight bytes per task to amortise the fork (~256 KiB of weights).
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, rb * K * 2));
+
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    alignas(32) uint16_t wtail[kMaxR * kChunk];
+    alignas(32) float res[kMaxR * kMaxC];
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * rb;
+      const int r = static_cast<int>(std::min<int64_t>(rb, N - n0));
+      const uint16_t* w = wb + n0 * K;
+      const uint16_t* tailp = nullptr;
+      if (ktail > 0) {
+        std::memset(wtail, 0, sizeof(wtail));
+        for (int i = 0; i < r; ++i)
+          std::memcpy(wtail + i * kChunk, w + i * K + nfull * kChunk, ktail * sizeof(uint16_t));
+        tailp = wtail;
+      }
+      // next block's weights: [n0 + r, n0 + r + rb) rows, contiguous
+      const char* next = reinterpret_cast<const char*>(w + r * K);
+      const int64_t next_lines =
+          (std::min<int64_t>(rb, std::max<int64_t>(0, N - n0 - r)) * K * 2 + 63) / 64;
+      const int64_t pf_quota = (next_lines + ntiles - 1) / ntiles;
+      const char* pf = nullptr;
+      for (int64_t t = 0, m0 = 0; t < ntiles; ++t) {
+        // balanced tiles: the first (M % ntiles) tiles get one row more
+        const int c = static_cast<int>(M / ntiles + (t < M % ntiles ? 1 : 0));
+        int64_t pf_lines = 0;
+        if (ntiles > 1 && blk + 1 < b1) {
+          const int64_t start = t * pf_quota;
+          pf_lines = std::max<int64_t>(0, std::min(pf_quota, next_lines - start));
+          pf_lines = std::min(pf_lines, nfull);
+          pf = next + start * 64;
+        }
+        tile_fn(r, c)(w, K, nfull, tailp, xs + m0 * Kp, Kp, res, pf, pf_lines);
+        for (int j = 0; j < c; ++j) {
+          uint16_t* yrow = y + (m0 + j) * N + n0;
+          for (int i = 0; i < r; ++i) {
+            float v = res[i * kMaxC + j];
+            if (bptr != nullptr) v += bf16_bits_to_f32(bptr[n0 + i]);
+            yrow[i] = f32_to_bf16_rne(v);
+          }
+        }
+        m0 += c;
+      }
+    }
+  });
+  return out;
+}
+
+// Registered as torch.ops.mcsd.bf16_linear (a plain shared library, no Python binding code: this
+// keeps the one-off compilation short).
+TORCH_LIBRARY(mcsd, m) {
+  m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mcsd, CPU, m) { m.impl("bf16_linear", &bf16_linear); }

@@ -1,0 +1,134 @@
+"""Exact-distribution harness (ALGORITHMS.md §5): many seeded runs of the real engine on toy
+table-driven models, compared by chi-square with the exactly enumerated target joint."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from scipy import stats
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.models.loader import LoadedModel
+from engine.request import GenerationRequest, SamplingParams
+from engine.sampler import SamplingTensors, compute_probs
+from tests.tiny import tiny_tokenizer
+from tests.toy import ToyModel, random_table
+
+VOCAB = 6
+PROMPT = [2, 3]
+NEW_TOKENS = 3
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    tree: tuple[int, ...]
+    without_replacement: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    runs: int = 200_000
+    sabotage: str = ""  # a planted bug, see ``apply_sabotage``
+    extra: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+def loaded(seed: int) -> LoadedModel:
+    model = ToyModel(random_table(VOCAB, seed))
+    return LoadedModel(model, model.cfg, tiny_tokenizer(VOCAB), f"toy-{seed}", path=None)
+
+
+def params(case: Case, seed: int) -> SamplingParams:
+    return SamplingParams(temperature=case.temperature, top_p=case.top_p, max_tokens=NEW_TOKENS,
+                          ignore_eos=True, seed=seed)
+
+
+def exact_joint(case: Case) -> dict[tuple[int, ...], float]:
+    """Target joint of the NEW_TOKENS generated tokens, by enumeration."""
+    table = random_table(VOCAB, 0)
+    st = SamplingTensors.from_params([params(case, 0)], VOCAB)
+    cond = compute_probs(table.clamp_min(1e-30).log().view(-1, VOCAB), st.repeat_rows(VOCAB * (VOCAB + 1)))
+    cond = cond.view(VOCAB, VOCAB + 1, VOCAB).double()  # [cur, prev, next]
+    joint = {}
+    for seq in itertools.product(range(VOCAB), repeat=NEW_TOKENS):
+        ctx, pr = list(PROMPT), 1.0
+        for x in seq:
+            pr *= float(cond[ctx[-1], ctx[-2], x])
+            ctx.append(x)
+        joint[seq] = pr
+    return joint
+
+
+def apply_sabotage(name: str) -> None:
+    """Planted bugs (ALGORITHMS.md §5); each must make the harness fail."""
+    import engine.runner as runner
+    import engine.spec.verify as verify
+
+    if name == "no_q_renorm":
+        def broken_remove(q, x):
+            q = q.clone()
+            q[x] = 0.0
+            return q
+        verify.remove_candidate = broken_remove
+    elif name == "positions_off_by_one":
+        runner.block_positions = lambda root_pos, sub: [root_pos] + (root_pos + sub.depth + 1).tolist()
+    elif name == "bonus_cached":
+        def broken_kept(result):
+            rows = [0] + [1 + i for i in result.accepted]
+            return rows + [rows[-1]] if result.bonus else rows  # an extra entry stands for the bonus
+        runner.kept_block_rows = broken_kept
+    elif name:
+        raise ValueError(name)
+
+
+def _worker(args) -> Counter:
+    case, start, count, batch = args
+    torch.set_num_threads(1)
+    apply_sabotage(case.sabotage)
+    counts: Counter = Counter()
+    target, draft = loaded(0), loaded(1)
+    for lo in range(start, start + count, batch):
+        n = min(batch, start + count - lo)
+        core = EngineCore(target, draft, EngineConfig(max_batch=n, max_model_len=8, tree=case.tree or (1,),
+                                                      without_replacement=case.without_replacement))
+        for i in range(n):
+            core.add_request(GenerationRequest(f"r{lo + i}", PROMPT, params(case, seed=lo + i)))
+        outs: dict[str, list[int]] = {}
+        while core.has_unfinished():
+            for o in core.step():
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        counts.update(tuple(v) for v in outs.values())
+    return counts
+
+
+def sample_counts(case: Case, workers: int = 2, batch: int = 2500) -> Counter:
+    per = -(-case.runs // workers)
+    jobs = [(case, w * per, min(per, case.runs - w * per), batch) for w in range(workers)]
+    with mp.get_context("spawn").Pool(workers) as pool:
+        parts = pool.map(_worker, jobs)
+    return sum(parts, Counter())
+
+
+def chi_square(counts: Counter, joint: dict) -> float:
+    """p-value; cells expecting fewer than 5 observations are pooled into one."""
+    n = sum(counts.values())
+    obs, exp, pooled_o, pooled_e = [], [], 0, 0.0
+    for seq, pr in joint.items():
+        if pr * n >= 5:
+            obs.append(counts.get(seq, 0))
+            exp.append(pr * n)
+        else:
+            pooled_o += counts.get(seq, 0)
+            pooled_e += pr * n
+    if pooled_e > 0:
+        obs.append(pooled_o)
+        exp.append(pooled_e)
+    unexpected = sum(c for s, c in counts.items() if s not in joint)
+    if unexpected:
+        return 0.0
+    exp_t = torch.tensor(exp, dtype=torch.float64)
+    exp_t *= n / exp_t.sum()  # absorb float rounding of the enumerated probabilities
+    return float(stats.chisquare(obs, exp_t.numpy()).pvalue)
