@@ -1,0 +1,189 @@
+"""MCSD engine on tiny random models: greedy speculation is token-identical to plain decoding,
+batching, stops inside multi-token steps, sampling options with speculation, accounting."""
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.request import GenerationRequest, SamplingParams, SpecOptions
+from tests.engine_utils import run_engine
+from tests.tiny import VOCAB, tiny_loaded
+
+PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [42]]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def models(request):
+    target = tiny_loaded(request.param, seed=0)
+    return target, tiny_loaded(request.param, seed=0), tiny_loaded(request.param, seed=1, layers=1)
+
+
+def plain(target, prompts, **kw):
+    outs, _ = run_engine(target, None, prompts, tree=(), **kw)
+    return [o.tokens for o in outs]
+
+
+@pytest.mark.parametrize("tree", [(1, 1, 1), (4, 2, 2), (3, 1, 1), (2, 2, 2, 1)])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_speculation_equals_plain_decoding(models, tree, batch):
+    target, self_draft, other_draft = models
+    prompts = PROMPTS[:batch]
+    expected = plain(target, prompts, ignore_eos=True)
+    for draft in (self_draft, other_draft):
+        outs, _ = run_engine(target, draft, prompts, tree=tree, ignore_eos=True)
+        assert [o.tokens for o in outs] == expected
+    assert all(o.spec.accepted_tokens > 0 for o in run_engine(target, self_draft, prompts, tree=tree,
+                                                              ignore_eos=True)[0])
+
+
+def test_requests_joining_between_steps_match_one_at_a_time(models):
+    target, self_draft, other_draft = models
+    alone = [plain(target, [p], ignore_eos=True)[0] for p in PROMPTS]
+    outs, _ = run_engine(target, other_draft, PROMPTS, max_batch=2, join_every=3, ignore_eos=True)
+    assert [o.tokens for o in outs] == alone
+
+
+def test_self_drafting_accepts_everything_and_counts_add_up(models):
+    target, self_draft, _ = models
+    outs, core = run_engine(target, self_draft, PROMPTS[:1], tree=(2, 2, 2), max_tokens=20, ignore_eos=True)
+    o = outs[0]
+    assert len(o.tokens) == 20 and o.finish_reason == "length"
+    assert o.spec.steps == 5  # 4 tokens per step (3 accepted + bonus); the last step is capped by max_tokens
+    stats = core.drain_step_stats()
+    decode = [s for s in stats if s.num_seqs]
+    assert sum(s.emitted_tokens for s in decode) == 20
+    assert sum(s.accepted_tokens for s in decode) == o.spec.accepted_tokens == 20 - len(decode)
+    assert sum(s.drafted_tokens for s in decode) == o.spec.drafted_tokens
+    assert decode[0].accepted_by_depth == [1, 1, 1] and decode[0].accepted_by_rank == [3]
+    assert decode[0].accepted_per_position == [1, 1, 1]
+
+
+def test_stop_string_inside_a_multi_token_step_does_not_leak(models):
+    target, self_draft, _ = models
+    ref, _ = run_engine(target, None, PROMPTS[:1], tree=(), ignore_eos=True, max_tokens=16)
+    words = ref[0].text.split()
+    stop = " ".join(words[5:7])  # spans two tokens, reached in the middle of a 4-token step
+    outs, _ = run_engine(target, self_draft, PROMPTS[:1], tree=(3, 1, 1), ignore_eos=True, max_tokens=16,
+                         stop=[stop])
+    assert outs[0].finish_reason == "stop"
+    assert stop not in outs[0].text
+    assert ref[0].text.startswith(outs[0].text)
+    assert outs[0].text == ref[0].text[: ref[0].text.index(stop)]
+
+
+def test_stop_token_and_max_tokens_inside_a_step(models):
+    target, self_draft, _ = models
+    ref = plain(target, PROMPTS[:1], ignore_eos=True, max_tokens=16)[0]
+    stop_tok = ref[6]
+    first = ref.index(stop_tok)
+    outs, _ = run_engine(target, self_draft, PROMPTS[:1], tree=(4, 1, 1), ignore_eos=True, max_tokens=16,
+                         stop_token_ids=[stop_tok])
+    assert outs[0].tokens == ref[: first + 1] and outs[0].finish_reason == "stop"
+    outs, _ = run_engine(target, self_draft, PROMPTS[:1], tree=(4, 1, 1), ignore_eos=True, max_tokens=7)
+    assert outs[0].tokens == ref[:7] and outs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("opts", [
+    dict(repetition_penalty=1.3), dict(presence_penalty=1.5, frequency_penalty=0.5),
+    dict(logit_bias={7: 5.0, 9: -100.0}),
+])
+def test_greedy_with_penalties_and_bias_equals_plain(models, opts):
+    target, self_draft, other_draft = models
+    expected = plain(target, PROMPTS, ignore_eos=True, **opts)
+    for draft in (self_draft, other_draft):
+        outs, _ = run_engine(target, draft, PROMPTS, ignore_eos=True, **opts)
+        assert [o.tokens for o in outs] == expected
+    if "logit_bias" in opts:
+        assert all(9 not in toks for toks in expected)
+
+
+def test_seeded_sampling_reproduces_and_respects_top_k(models):
+    target, _, other_draft = models
+    kw = dict(temperature=0.9, top_k=3, seed=1234, ignore_eos=True, max_tokens=12)
+    a, _ = run_engine(target, other_draft, PROMPTS, **kw)
+    b, _ = run_engine(target, other_draft, PROMPTS[:2], **kw)
+    assert [o.tokens for o in a[:2]] == [o.tokens for o in b]  # batch composition does not matter
+    # top_k=3: every emitted token is among the target's 3 best at its position
+    for prompt, o in zip(PROMPTS, a):
+        ctx = list(prompt)
+        for tok in o.tokens:
+            with torch.no_grad():
+                cache = target.model.new_cache(1, 64)
+                slot = cache.allocate()
+                logits = target.model(torch.tensor([ctx]), torch.arange(len(ctx))[None], cache, [slot]).logits[0, -1]
+            assert tok in logits.topk(3).indices.tolist()
+            ctx.append(tok)
+
+
+def test_logprobs_match_plain_decoding(models):
+    target, self_draft, _ = models
+    ref, _ = run_engine(target, None, PROMPTS[:2], tree=(), ignore_eos=True, logprobs=3, max_tokens=10)
+    spec, _ = run_engine(target, self_draft, PROMPTS[:2], ignore_eos=True, logprobs=3, max_tokens=10)
+    for r, s in zip(ref, spec):
+        assert [lp.token_id for lp in s.logprobs] == r.tokens
+        for a, b in zip(r.logprobs, s.logprobs):
+            assert abs(a.logprob - b.logprob) < 1e-4
+            assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) == 3
+
+
+def test_per_request_speculation_options(models):
+    target, self_draft, _ = models
+    off, _ = run_engine(target, self_draft, PROMPTS[:2], ignore_eos=True, spec=SpecOptions(enabled=False))
+    assert all(o.spec.drafted_tokens == 0 for o in off)
+    capped, _ = run_engine(target, self_draft, PROMPTS[:1], ignore_eos=True, max_tokens=12,
+                           spec=SpecOptions(max_depth=1))
+    assert capped[0].spec.steps == 6  # 2 tokens per step
+    narrow, _ = run_engine(target, self_draft, PROMPTS[:1], ignore_eos=True, max_tokens=12,
+                           spec=SpecOptions(tree=(1, 1)))
+    assert narrow[0].spec.drafted_tokens == 2 * narrow[0].spec.steps
+
+
+def test_bad_requests_are_rejected_clearly(models):
+    target, self_draft, _ = models
+    core = EngineCore(target, self_draft, EngineConfig(max_batch=2, max_model_len=32, tree=(2, 2)))
+    with pytest.raises(ValueError, match="maximum context length is 32"):
+        core.add_request(GenerationRequest("a", [1] * 30, SamplingParams(max_tokens=8)))
+    with pytest.raises(ValueError, match="does not fit"):
+        core.add_request(GenerationRequest("b", [1, 2], SamplingParams(), SpecOptions(tree=(3,))))
+    with pytest.raises(ValueError, match="token ids"):
+        core.add_request(GenerationRequest("c", [VOCAB + 5], SamplingParams()))
+    with pytest.raises(ValueError, match="empty"):
+        core.add_request(GenerationRequest("d", [], SamplingParams()))
+    assert not core.has_unfinished()
+
+
+def test_abort_frees_slots_at_once(models):
+    target, self_draft, _ = models
+    core = EngineCore(target, self_draft, EngineConfig(max_batch=2, max_model_len=64, tree=(2, 2)))
+    for i in range(3):
+        core.add_request(GenerationRequest(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True)))
+    core.step()
+    assert core.num_running == 2 and core.num_waiting == 1 and core.cache.free_slots == 0
+    core.abort_request("r0")
+    assert core.num_running == 1 and core.cache.free_slots == 1
+    core.abort_request("r2")  # still waiting
+    assert core.num_waiting == 0
+    while core.has_unfinished():
+        outs = core.step()
+        assert all(o.request_id == "r1" for o in outs)
+    assert core.cache.free_slots == 2 and core.runner.proposer.cache.free_slots == 2
+
+
+def test_long_prompt_is_prefilled_in_chunks_while_others_decode(models):
+    target, self_draft, _ = models
+    core = EngineCore(target, self_draft, EngineConfig(max_batch=2, max_model_len=256, tree=(2,), prefill_chunk=16))
+    core.add_request(GenerationRequest("short", [1, 2], SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)))
+    core.step()
+    core.add_request(GenerationRequest("long", list(range(1, 90)), SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)))
+    short_tokens_during_prefill = 0
+    for _ in range(5):  # 88 prompt tokens at 16 per step: the short stream keeps flowing
+        outs = core.step()
+        short_tokens_during_prefill += sum(len(o.new_token_ids) for o in outs if o.request_id == "short")
+        assert core.drain_step_stats()[-1].prefill_tokens <= 16
+    assert short_tokens_during_prefill >= 5
+    ref = plain(target, [list(range(1, 90))], ignore_eos=True, max_tokens=4)[0]
+    got = []
+    while core.has_unfinished():
+        got += [t for o in core.step() if o.request_id == "long" for t in o.new_token_ids]
+    assert got == ref
