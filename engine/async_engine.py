@@ -268,10 +268,10 @@ class AsyncEngine:
             log.exception("engine loop crashed")
             self.load_error = f"engine loop crashed: {exc}"
             self.state = EngineState.FAILED
-            self._fail(list(self._entries.values()), f"engine loop crashed: {exc}")
+            self._fail(self._snapshot(), f"engine loop crashed: {exc}")
         finally:
             if self.state is EngineState.READY and self._stop_now:
-                self._fail(list(self._entries.values()), None)
+                self._fail(self._snapshot(), None)
 
     def _loop(self) -> None:
         busy = False
@@ -325,7 +325,7 @@ class AsyncEngine:
             outputs = self.core.step()
         except Exception as exc:  # noqa: BLE001 - fail this batch, keep serving
             log.exception("engine step failed")
-            self._fail([e for e in self._entries.values() if e.admitted], f"engine step failed: {exc}")
+            self._fail([e for e in self._snapshot() if e.admitted], f"engine step failed: {exc}")
             outputs = []
         now = time.perf_counter()
         for out in outputs:
@@ -338,6 +338,11 @@ class AsyncEngine:
             else:
                 self._deliver(entry, out)
         self._drain_stats()
+
+    def _snapshot(self) -> list[_Entry]:
+        """The unfinished requests (the event loop inserts into ``_entries`` under the lock)."""
+        with self._cond:
+            return list(self._entries.values())
 
     def _fail(self, entries: list[_Entry], message: Optional[str]) -> None:
         """Ends ``entries`` with an error output (or an abort when ``message`` is None)."""

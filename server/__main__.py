@@ -1,0 +1,81 @@
+"""``python -m server --model ... --draft-model ...``: start the OpenAI-compatible server.
+
+The HTTP server starts first and the models load on the engine thread, so ``/health`` answers 503
+while loading (orchestrators can probe it) instead of the port being closed.  If loading fails the
+reason is logged and the process exits with status 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from typing import Optional, Sequence
+
+import uvicorn
+
+from engine.async_engine import AsyncEngine
+from server.app import create_app
+from server.settings import Settings, SettingsError, load_settings
+
+log = logging.getLogger("server")
+
+
+def build_core(settings: Settings):
+    """Loads target and draft and builds the :class:`EngineCore` (runs on the engine thread)."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.models.loader import load_model
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    log.info("loading target %s (%s, %s)", settings.model, settings.dtype, settings.device)
+    target = load_model(settings.model, settings.dtype, settings.device)
+    draft = None
+    if settings.draft_model:
+        log.info("loading draft %s", settings.draft_model)
+        draft = load_model(settings.draft_model, settings.dtype, settings.device)
+    extra = {"max_model_len": settings.max_model_len} if settings.max_model_len else {}
+    config = EngineConfig(max_batch=settings.max_batch, tree=settings.tree, prefill_chunk=settings.prefill_chunk,
+                          spec_enabled=settings.spec_enabled, **extra)
+    # The single place where the server builds the engine core.
+    core = EngineCore(target, draft, config, model_name=settings.model_id)
+    log.info("engine ready: context %d tokens, tree %s, max batch %d",
+             core.max_model_len, list(settings.tree) if draft else "none (no draft model)", settings.max_batch)
+    return core
+
+
+def _exit_if_load_fails(engine: AsyncEngine, server: uvicorn.Server, status: list[int]) -> None:
+    if not engine.wait_ready():
+        log.error("model loading failed: %s", engine.load_error)
+        status[0] = 1
+        server.should_exit = True
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        settings = load_settings(argv)
+        if not settings.model:
+            raise SettingsError("no model given: use --model, MCSD_MODEL or a --config preset")
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = AsyncEngine(lambda: build_core(settings), max_queue=settings.max_queue)
+    app = create_app(settings, engine)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=int(settings.shutdown_grace) + 1)
+    server = uvicorn.Server(config)
+    status = [0]
+    threading.Thread(target=_exit_if_load_fails, args=(engine, server, status), daemon=True).start()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its (already finished) graceful shutdown
+        pass
+    return status[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The FastAPI application: routes, authentication, CORS, lifecycle.
+
+The routes are thin: validate (pydantic), call :class:`OpenAIServing`, return JSON or SSE.  The
+engine's background thread starts with the app (lifespan) and is shut down gracefully with it.
+``/health`` answers 503 until the engine's core is built, so a load balancer (or ``__main__``,
+which starts HTTP first and loads the models in the background) sees the server as not ready.
+"""
+
+from __future__ import annotations
+
+import secrets
+from contextlib import asynccontextmanager
+from typing import Optional
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from engine.async_engine import AsyncEngine, EngineState, EngineUnavailable
+from server.errors import APIError, BodySizeLimit, install_error_handlers
+from server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from server.serving import OpenAIServing
+from server.settings import Settings
+
+
+class ApiKeyAuth:
+    """Pure ASGI middleware: ``Authorization: Bearer <key>`` on the protected paths.
+
+    It runs before the body is parsed, so an unauthenticated client learns nothing about request
+    validation; CORS preflight (OPTIONS) requests pass, as browsers send them without credentials.
+    """
+
+    def __init__(self, app, api_key: str, protected: tuple[str, ...]) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.protected = protected
+
+    def _needs_key(self, scope) -> bool:
+        path = scope.get("path", "")
+        return (scope["type"] == "http" and scope.get("method") != "OPTIONS"
+                and any(path == p or path.startswith(p.rstrip("/") + "/") for p in self.protected))
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self._needs_key(scope):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                message = ("Missing API key: send 'Authorization: Bearer <key>'." if not given
+                           else "Incorrect API key provided.")
+                response = APIError(401, message, code="invalid_api_key").to_json_response()
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _json(model: BaseModel, status: int = 200) -> JSONResponse:
+    return JSONResponse(model.model_dump(mode="json"), status_code=status)
+
+
+def _protected_paths(settings: Settings) -> tuple[str, ...]:
+    paths = ["/v1"]
+    if settings.metrics_auth:
+        paths.append("/metrics")
+    if settings.health_auth:
+        paths.append("/health")
+    return tuple(paths)
+
+
+def create_app(settings: Settings, engine: AsyncEngine, metrics: Optional[ServerMetrics] = None) -> FastAPI:
+    """The app for one engine.  The app owns the engine's lifecycle: it starts the engine thread on
+    startup and shuts it down (``settings.shutdown_grace`` seconds for in-flight requests) on exit."""
+    metrics = metrics or ServerMetrics()
+    engine.listener = metrics
+    serving = OpenAIServing(engine, settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        yield
+        await engine.shutdown(settings.shutdown_grace)
+
+    app = FastAPI(title="MCSD OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine, app.state.settings, app.state.metrics = engine, settings, metrics
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyAuth, api_key=settings.api_key, protected=_protected_paths(settings))
+    if settings.cors_origins:  # outermost, so preflight answers come before authentication
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in settings.cors_origins)
+    app.include_router(_v1_router(serving))
+    app.include_router(_ops_router(engine, metrics))
+    return app
+
+
+def _require_ready(engine: AsyncEngine) -> None:
+    if engine.state is not EngineState.READY:
+        raise EngineUnavailable(engine.unavailable_reason())
+
+
+def _v1_router(serving: OpenAIServing) -> APIRouter:
+    router = APIRouter(prefix="/v1")
+
+    @router.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        _require_ready(serving.engine)
+        result = await serving.completions(body, request)
+        return result if isinstance(result, Response) else _json(result)
+
+    @router.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _require_ready(serving.engine)
+        result = await serving.chat(body, request)
+        return result if isinstance(result, Response) else _json(result)
+
+    @router.get("/models")
+    async def models() -> Response:
+        ready = serving.engine.state is EngineState.READY
+        card = ModelCard(id=serving.settings.model_id,
+                         max_model_len=serving.engine.core.max_model_len if ready else None)
+        return _json(ModelList(data=[card]))
+
+    return router
+
+
+def _ops_router(engine: AsyncEngine, metrics: ServerMetrics) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> Response:
+        """200 with the engine's queue state when ready; 503 while loading, failed or stopping."""
+        if engine.state is not EngineState.READY:
+            return APIError(503, engine.unavailable_reason(), code="engine_unavailable").to_json_response()
+        g = engine.gauges
+        return JSONResponse({"status": "ok", "running": g.num_running, "waiting": g.num_waiting,
+                             "unfinished": engine.num_unfinished, "kv_cache_usage": g.kv_cache_usage})
+
+    @router.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(engine), media_type=CONTENT_TYPE_LATEST)
+
+    return router

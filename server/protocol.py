@@ -1,0 +1,358 @@
+"""Pydantic v2 models of the OpenAI API subset we serve, plus our extensions.
+
+Requests are validated strictly (``"max_tokens": "5"`` is a type error, as with OpenAI) but
+unknown fields are ignored, like OpenAI does.  Fields that would *change the meaning* of a request
+but that we cannot honour (``suffix``, ``tools``, structured ``response_format``, ``best_of`` other
+than ``n``) are rejected with a clear message instead of being silently dropped.
+
+Extensions: the request field ``speculative`` (per-request speculation settings) and
+``usage.speculative`` (per-request speculation statistics); ``repetition_penalty``, ``top_k``,
+``min_p``, ``ignore_eos`` and ``stop_token_ids`` as in vLLM.
+
+The ``to_sampling_params`` / ``to_spec_options`` methods translate into the engine's contracts
+(:mod:`engine.request`); the routes never touch OpenAI field semantics themselves.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.request import SamplingParams, SpecOptions
+
+MAX_STOP = 16  # OpenAI allows 4; be lenient
+MAX_LOGPROBS = 20
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class FieldError(ValueError):
+    """A cross-field check that failed; ``param`` names the field to blame in the error object
+    (pydantic reports model-level errors without a location)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# ---------------------------------------------------------------------------- request parts
+class SpeculativeOptions(_Request):
+    """Extension: ``{"speculative": {"enabled": false}}`` turns speculation off for one request;
+    ``max_depth`` caps the drafted depth, ``tree`` gives widths per depth (e.g. ``[4, 2, 2]``)."""
+
+    enabled: bool = True
+    max_depth: Optional[Annotated[int, Field(ge=0, le=64)]] = None
+    tree: Optional[Annotated[list[Annotated[int, Field(ge=1, le=64)]], Field(max_length=32)]] = None
+    method: Annotated[str, Field(min_length=1, max_length=32)] = "mcsd"
+
+    def to_spec_options(self) -> SpecOptions:
+        tree = tuple(self.tree) if self.tree is not None else None
+        return SpecOptions(enabled=self.enabled, max_depth=self.max_depth, tree=tree, method=self.method)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+def _check_stop(v: Any) -> Optional[list[str]]:
+    if v is None:
+        return None
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ValueError("stop must be a string or a list of strings")
+    if len(items) > MAX_STOP:
+        raise ValueError(f"stop accepts at most {MAX_STOP} strings, got {len(items)}")
+    if any(not s for s in items):
+        raise ValueError("stop strings must be non-empty")
+    return items
+
+
+class _SamplingFields(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[Annotated[int, Field(ge=1)]] = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    stop: Optional[Any] = None
+    seed: Optional[Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]] = None
+    user: Optional[str] = None
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[NonNegInt]] = None
+    speculative: Optional[SpeculativeOptions] = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _validate_stop(cls, v: Any) -> Optional[list[str]]:
+        return _check_stop(v)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        for key in v or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise FieldError("stream_options", "stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+    def top_logprobs_count(self) -> Optional[int]:
+        raise NotImplementedError
+
+    def to_sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
+        """Engine parameters for choice ``choice`` of this request (seed + choice when seeded,
+        so the n choices differ but the request is reproducible)."""
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            seed=None if self.seed is None else self.seed + choice,
+            max_tokens=max_tokens, stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos, logprobs=self.top_logprobs_count())
+
+    def to_spec_options(self, default_enabled: bool = True) -> SpecOptions:
+        """The request's ``speculative`` field, or the server's default when it has none."""
+        return (self.speculative or SpeculativeOptions(enabled=default_enabled)).to_spec_options()
+
+
+# ---------------------------------------------------------------------------- completions
+class CompletionRequest(_SamplingFields):
+    prompt: Any
+    echo: bool = False
+    logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
+    suffix: Optional[str] = None
+    best_of: Optional[Annotated[int, Field(ge=1)]] = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, v: Any) -> str | list[str] | list[int] | list[list[int]]:
+        """One of: a string, a list of strings, a list of token ids, a list of token-id lists."""
+        msg = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        is_ids = lambda x: isinstance(x, list) and all(type(t) is int and t >= 0 for t in x)  # noqa: E731
+        if isinstance(v, str):
+            return v
+        if not isinstance(v, list) or not v:
+            raise ValueError(msg if not isinstance(v, list) else "prompt must not be empty")
+        if all(isinstance(p, str) for p in v) or is_ids(v):
+            return v
+        if all(is_ids(p) and p for p in v):
+            return v
+        raise ValueError(msg)
+
+    @model_validator(mode="after")
+    def _check_unsupported(self):
+        if self.suffix:
+            raise FieldError("suffix", "suffix is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise FieldError("best_of", "best_of other than n is not supported by this server")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        return list(p) if isinstance(p[0], (str, list)) else [p]
+
+    def top_logprobs_count(self) -> Optional[int]:
+        return self.logprobs
+
+
+# ---------------------------------------------------------------------------- chat
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Any] = None
+    name: Optional[str] = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, v: Any) -> Optional[str]:
+        """A string, or a list of ``{"type": "text", "text": ...}`` parts (joined)."""
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(p, dict) for p in v):
+            if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in v):
+                raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
+            return "".join(p["text"] for p in v)
+        raise ValueError("content must be a string or a list of text content parts")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Optional[Annotated[int, Field(ge=1)]] = None
+    logprobs: bool = False
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
+    tools: Optional[list[Any]] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
+        if self.tools:
+            raise FieldError("tools", "tools are not supported by this server")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise FieldError("response_format", "response_format other than text is not supported by this server")
+        return self
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def top_logprobs_count(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.content or "", **({"name": m.name} if m.name else {})}
+                for m in self.messages]
+
+
+# ---------------------------------------------------------------------------- responses
+class SpecUsageInfo(_Response):
+    steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    speculative: Optional[SpecUsageInfo] = None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatLogprobToken] = Field(default_factory=list)
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str = ""
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class DeltaMessage(_Response):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class CompletionChunk(CompletionResponse):
+    """Streamed completions reuse the response shape (``object`` stays ``text_completion``)."""
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "mcsd"
+    max_model_len: Optional[int] = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo

@@ -1,0 +1,309 @@
+"""OpenAI completions / chat completions on top of :class:`AsyncEngine`: translate, await, format.
+
+One API call becomes ``len(prompts) * n`` engine requests (``{call_id}-{index}``, choice index =
+prompt * n + i, OpenAI's order) submitted all-or-nothing.  Non-streaming calls collect every
+choice; streaming calls turn each engine delta into a chunk as it arrives, so the n choices'
+chunks interleave, distinguished by ``index``.  Either way the request group is aborted when the
+client goes away: streaming responses are cancelled by Starlette on disconnect, non-streaming ones
+race the collection against a disconnect watcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from engine.async_engine import AsyncEngine, EngineErrorOutput, RequestGroup
+from engine.request import GenerationRequest, RequestOutput, SpecUsage, TokenLogprob
+from server.errors import APIError, bad_request
+from server.protocol import (
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChatLogprobs, ChatLogprobToken, ChatResponseMessage, CompletionChoice, CompletionChunk,
+    CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, SpecUsageInfo, TopLogprob,
+    UsageInfo,
+)
+from server.settings import Settings
+from server.sse import sse_response
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str  # for echo
+
+
+@dataclass
+class Choice:
+    """Everything received so far for one choice."""
+
+    index: int
+    prompt_tokens: int
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    completion_tokens: int = 0
+    spec: SpecUsage = field(default_factory=SpecUsage)
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.new_text
+        self.logprobs.extend(out.logprobs or [])
+        self.completion_tokens = out.completion_tokens or self.completion_tokens
+        self.spec = out.spec
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+def raise_if_error(out: RequestOutput) -> None:
+    if isinstance(out, EngineErrorOutput) and out.kind == "invalid_request":
+        raise bad_request(out.error or "invalid request", code="invalid_request")
+    if out.finish_reason == "error":
+        raise APIError(500, out.error or "engine error", code="engine_error")
+
+
+def make_usage(prompts: list[Prompt], choices: list[Choice]) -> UsageInfo:
+    """Prompt tokens once per prompt (OpenAI), completion tokens and speculation over all choices."""
+    prompt = sum(len(p.token_ids) for p in prompts)
+    completion = sum(c.completion_tokens for c in choices)
+    steps = sum(c.spec.steps for c in choices)
+    drafted = sum(c.spec.drafted_tokens for c in choices)
+    accepted = sum(c.spec.accepted_tokens for c in choices)
+    spec = SpecUsageInfo(steps=steps, drafted_tokens=drafted, accepted_tokens=accepted,
+                         acceptance_rate=accepted / drafted if drafted else 0.0)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     speculative=spec)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so receive() only reports that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServing:
+    """The two generation endpoints; routes in :mod:`server.app` only call these methods."""
+
+    def __init__(self, engine: AsyncEngine, settings: Settings) -> None:
+        self.engine = engine
+        self.settings = settings
+
+    @property
+    def tokenizer(self):
+        return self.engine.core.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.core.max_model_len
+
+    # ------------------------------------------------------------------ translation
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model not in (self.settings.model_id, self.settings.model):
+            raise APIError(404, f"The model `{model}` does not exist. Available: `{self.settings.model_id}`.",
+                           param="model", code="model_not_found")
+
+    def completion_prompts(self, body: CompletionRequest) -> list[Prompt]:
+        vocab = len(self.tokenizer)
+        prompts = []
+        for p in body.prompts():
+            if isinstance(p, str):
+                prompts.append(Prompt(self.tokenizer.encode(p), p))
+                continue
+            if any(t >= vocab for t in p):
+                raise bad_request(f"prompt token ids must be < the vocabulary size {vocab}", param="prompt")
+            prompts.append(Prompt(list(p), self.tokenizer.decode(p) if body.echo else ""))
+        return prompts
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> Prompt:
+        tok = self.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise bad_request("This model has no chat template; use /v1/completions.", param="messages")
+        try:
+            text = tok.apply_chat_template(body.template_messages(), add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - jinja errors (e.g. roles must alternate) are user errors
+            raise bad_request(f"The messages cannot be rendered with the model's chat template: {exc}",
+                              param="messages") from None
+        return Prompt(tok.encode(text, add_special_tokens=False), text)
+
+    def max_tokens_for(self, prompt: Prompt, requested: Optional[int], default: Optional[int],
+                       what: str, max_param: str) -> int:
+        """The completion budget; prompts that cannot fit the context are a 400 (OpenAI's
+        ``context_length_exceeded``) before anything is queued."""
+        limit, n = self.max_model_len, len(prompt.token_ids)
+        if n == 0:
+            raise bad_request(f"The {what} is empty.", param=what)
+        if n >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens, but the {what} has "
+                              f"{n} tokens. Please shorten the {what}.", param=what,
+                              code="context_length_exceeded")
+        if requested is None:
+            return min(default or limit - n, limit - n)
+        if n + requested > limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens, but you requested "
+                              f"{n + requested} tokens ({n} in the {what}, {requested} for the completion). "
+                              f"Please reduce the {what} or {max_param}.", param=max_param,
+                              code="context_length_exceeded")
+        return requested
+
+    def build_requests(self, call_id: str, body, prompts: list[Prompt], budgets: list[int]) -> list[GenerationRequest]:
+        total = len(prompts) * body.n
+        if total > self.engine.max_queue:
+            raise bad_request(f"The request asks for {total} completions; this server queues at most "
+                              f"{self.engine.max_queue} at once.", param="n")
+        try:
+            return [GenerationRequest(f"{call_id}-{p * body.n + i}", prompt.token_ids,
+                                      body.to_sampling_params(budgets[p], i),
+                                      body.to_spec_options(self.settings.spec_enabled))
+                    for p, prompt in enumerate(prompts) for i in range(body.n)]
+        except ValueError as exc:  # the engine contract's own checks
+            raise bad_request(str(exc), param=str(exc).split(" ")[0]) from None
+
+    # ------------------------------------------------------------------ running
+    async def collect(self, group: RequestGroup, choices: list[Choice], request: Request) -> bool:
+        """Fills ``choices`` from the group; False when the client disconnected first."""
+        async def consume() -> None:
+            async with group:
+                async for out in group:
+                    raise_if_error(out)
+                    choices[int(out.request_id.rsplit("-", 1)[1])].add(out)
+
+        work = asyncio.ensure_future(consume())
+        watch = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler itself is cancelled
+            watch.cancel()
+            if not work.done():
+                work.cancel()  # leaving `async with group` aborts the requests
+                await asyncio.gather(work, return_exceptions=True)
+        if work.cancelled():
+            return False
+        work.result()  # re-raises an APIError
+        return True
+
+    @staticmethod
+    async def outputs(group: RequestGroup) -> AsyncIterator[tuple[int, RequestOutput]]:
+        async with group:
+            async for out in group:
+                raise_if_error(out)
+                yield int(out.request_id.rsplit("-", 1)[1]), out
+
+    # ------------------------------------------------------------------ completions
+    async def completions(self, body: CompletionRequest, request: Request) -> Union[Response, CompletionResponse]:
+        self.check_model(body.model)
+        if body.echo and body.logprobs is not None:
+            raise bad_request("echo together with logprobs needs prompt logprobs, which this engine does not "
+                              "compute.", param="echo")
+        prompts = self.completion_prompts(body)
+        budgets = [self.max_tokens_for(p, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt", "max_tokens")
+                   for p in prompts]
+        call_id = f"cmpl-{uuid.uuid4().hex}"
+        reqs = self.build_requests(call_id, body, prompts, budgets)
+        choices = [Choice(i, len(prompts[i // body.n].token_ids)) for i in range(len(reqs))]
+        group = self.engine.submit(reqs)
+        fmt = LogprobFormatter(self.tokenizer)
+        if body.stream:
+            return sse_response(self._completion_chunks(call_id, body, prompts, choices, group, fmt))
+        if not await self.collect(group, choices, request):
+            return Response(status_code=499)
+        return CompletionResponse(
+            id=call_id, model=self.settings.model_id, usage=make_usage(prompts, choices),
+            choices=[CompletionChoice(
+                index=c.index, finish_reason=c.finish_reason,
+                text=(prompts[c.index // body.n].text if body.echo else "") + c.text,
+                logprobs=fmt.completion(c.logprobs, 0) if body.logprobs is not None else None)
+                for c in choices])
+
+    async def _completion_chunks(self, call_id, body, prompts, choices, group, fmt):
+        offsets = [0] * len(choices)
+        if body.echo:
+            for c in choices:
+                text = prompts[c.index // body.n].text
+                offsets[c.index] = len(text)
+                yield CompletionChunk(id=call_id, model=self.settings.model_id,
+                                      choices=[CompletionChoice(index=c.index, text=text, logprobs=None,
+                                                                finish_reason=None)])
+        async for index, out in self.outputs(group):
+            choices[index].add(out)
+            lp = fmt.completion(out.logprobs or [], offsets[index]) if body.logprobs is not None else None
+            offsets[index] += len(out.new_text)
+            if out.new_text or out.finished or out.logprobs:
+                yield CompletionChunk(id=call_id, model=self.settings.model_id, choices=[CompletionChoice(
+                    index=index, text=out.new_text, logprobs=lp, finish_reason=out.finish_reason)])
+        if body.include_usage:
+            yield CompletionChunk(id=call_id, model=self.settings.model_id, choices=[],
+                                  usage=make_usage(prompts, choices))
+
+    # ------------------------------------------------------------------ chat
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Union[Response, ChatCompletionResponse]:
+        self.check_model(body.model)
+        prompt = self.chat_prompt(body)
+        max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        budget = self.max_tokens_for(prompt, body.requested_max_tokens(), None, "messages", max_param)
+        call_id = f"chatcmpl-{uuid.uuid4().hex}"
+        reqs = self.build_requests(call_id, body, [prompt], [budget])
+        choices = [Choice(i, len(prompt.token_ids)) for i in range(len(reqs))]
+        group = self.engine.submit(reqs)
+        fmt = LogprobFormatter(self.tokenizer)
+        if body.stream:
+            return sse_response(self._chat_chunks(call_id, body, [prompt], choices, group, fmt))
+        if not await self.collect(group, choices, request):
+            return Response(status_code=499)
+        return ChatCompletionResponse(
+            id=call_id, model=self.settings.model_id, usage=make_usage([prompt], choices),
+            choices=[ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                                finish_reason=c.finish_reason,
+                                logprobs=fmt.chat(c.logprobs) if body.logprobs else None) for c in choices])
+
+    async def _chat_chunks(self, call_id, body, prompts, choices, group, fmt):
+        def chunk(index: int, delta: DeltaMessage, finish: Optional[str] = None, lp=None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=call_id, model=self.settings.model_id, choices=[
+                ChatChunkChoice(index=index, delta=delta, logprobs=lp, finish_reason=finish)])
+
+        for c in choices:
+            yield chunk(c.index, DeltaMessage(role="assistant", content=""))
+        async for index, out in self.outputs(group):
+            choices[index].add(out)
+            if out.new_text or out.logprobs:
+                lp = fmt.chat(out.logprobs or []) if body.logprobs else None
+                yield chunk(index, DeltaMessage(content=out.new_text), lp=lp)
+            if out.finished:
+                yield chunk(index, DeltaMessage(), finish=out.finish_reason)
+        if body.include_usage:
+            yield ChatCompletionChunk(id=call_id, model=self.settings.model_id, choices=[],
+                                      usage=make_usage(prompts, choices))
+
+
+class LogprobFormatter:
+    """Engine :class:`TokenLogprob` lists -> the two OpenAI logprob formats (token ids decoded)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def chat(self, lps: list[TokenLogprob]) -> ChatLogprobs:
+        def entry(tid: int, lp: float) -> TopLogprob:
+            s = self.token(tid)
+            return TopLogprob(token=s, logprob=lp, bytes=list(s.encode("utf-8")))
+
+        return ChatLogprobs(content=[
+            ChatLogprobToken(**entry(t.token_id, t.logprob).model_dump(),
+                             top_logprobs=[entry(tid, lp) for tid, lp in t.top]) for t in lps])
+
+    def completion(self, lps: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for t in lps:
+            s = self.token(t.token_id)
+            out.tokens.append(s)
+            out.token_logprobs.append(t.logprob)
+            out.top_logprobs.append({self.token(tid): lp for tid, lp in t.top})
+            out.text_offset.append(offset)
+            offset += len(s)
+        return out

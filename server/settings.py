@@ -1,0 +1,154 @@
+"""Server settings: one typed object from a preset file, the environment and CLI flags.
+
+Precedence, lowest first: field defaults < ``--config`` preset (TOML or YAML; a bare name means
+``configs/<name>.toml``) < ``MCSD_*`` environment variables < command-line flags.  Every field
+``foo_bar`` is ``--foo-bar`` on the command line, ``MCSD_FOO_BAR`` in the environment and
+``foo_bar`` in a preset.  Values are validated once, at start-up; a bad value stops the server
+with a message naming the field and where the value came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engine.spec.tree import parse_widths
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+ENV_PREFIX = "MCSD_"
+DTYPES = ("bf16", "bfloat16", "fp16", "float16", "half", "fp32", "float32", "float")
+
+
+class SettingsError(ValueError):
+    """Invalid settings; the message is meant for the person starting the server."""
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    model: Optional[str] = Field(None, description="target model: pack name, HF directory, GGUF file or hub id")
+    draft_model: Optional[str] = Field(None, description="draft model (same sources); none = no speculation")
+    dtype: str = Field("bf16", description="weights dtype: bf16, fp16 or fp32")
+    device: str = Field("cpu", description="cpu or cuda[:N]")
+    threads: Optional[int] = Field(None, ge=1, description="CPU threads for torch (default: torch's choice)")
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(8000, ge=0, le=65535, description="port to bind (0 = any free port)")
+    tree: tuple[int, ...] = Field((4, 2, 2), description="largest draft tree, widths per depth, e.g. 4,2,2")
+    spec_enabled: bool = Field(True, description="speculate for requests that do not say")
+    max_batch: int = Field(8, ge=1, description="sequences decoding together")
+    max_queue: int = Field(64, ge=1, description="requests waiting for a slot before 429")
+    max_model_len: Optional[int] = Field(None, ge=2, description="context length (default: the model's)")
+    prefill_chunk: int = Field(512, ge=1, description="prompt tokens prefilled per step")
+    api_key: Optional[str] = Field(None, description="require 'Authorization: Bearer <key>' on /v1/*")
+    metrics_auth: bool = Field(False, description="require the API key on /metrics too")
+    health_auth: bool = Field(False, description="require the API key on /health too")
+    cors_origins: list[str] = Field(default_factory=list, description="allowed CORS origins, comma separated")
+    served_model_name: Optional[str] = Field(None, description="model id in the API (default: --model)")
+    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest accepted request body")
+    shutdown_grace: float = Field(10.0, ge=0, description="seconds in-flight requests get at shutdown")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+
+    @field_validator("tree", mode="before")
+    @classmethod
+    def _parse_tree(cls, v: Any) -> tuple[int, ...]:
+        return parse_widths(v)
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _parse_origins(cls, v: Any) -> list[str]:
+        return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+    @field_validator("dtype")
+    @classmethod
+    def _check_dtype(cls, v: str) -> str:
+        if v.lower() not in DTYPES:
+            raise ValueError(f"unknown dtype {v!r}; use bf16, fp16 or fp32")
+        return v.lower()
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        kind, _, index = v.partition(":")
+        if kind not in ("cpu", "cuda") or (index and not index.isdigit()):
+            raise ValueError(f"unsupported device {v!r}; use cpu or cuda[:N]")
+        return v
+
+    @property
+    def model_id(self) -> str:
+        """The name clients must send as ``model``."""
+        return self.served_model_name or self.model or "default"
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n\n")[0],
+                                     argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", help="preset: a TOML/YAML file, or a name in configs/ (e.g. default)")
+    for name, info in Settings.model_fields.items():
+        if info.annotation is bool:
+            parser.add_argument(_flag(name), action=argparse.BooleanOptionalAction, help=info.description)
+        else:
+            parser.add_argument(_flag(name), metavar=name.upper(), help=info.description)
+    return parser
+
+
+def read_preset(ref: str) -> dict[str, Any]:
+    path = Path(ref)
+    if not path.suffix and not path.exists():
+        path = CONFIG_DIR / f"{ref}.toml"
+    if not path.is_file():
+        raise SettingsError(f"config preset {ref!r} not found (looked for {path})")
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise SettingsError(f"config preset {path} is not valid: {exc}") from None
+    if not isinstance(data, dict):
+        raise SettingsError(f"config preset {path} must be a table of settings")
+    data = data.get("server", data)  # an optional [server] table
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def load_settings(argv: Optional[Sequence[str]] = None,
+                  environ: Optional[Mapping[str, str]] = None) -> Settings:
+    """Settings from ``argv`` (default: sys.argv) and ``environ`` (default: os.environ)."""
+    environ = os.environ if environ is None else environ
+    cli = vars(build_parser().parse_args(argv))
+    preset = cli.pop("config", None) or environ.get(ENV_PREFIX + "CONFIG")
+    sources: dict[str, tuple[str, Any]] = {}
+    if preset:
+        sources.update({k: (f"config {preset}", v) for k, v in read_preset(preset).items()})
+    for name in Settings.model_fields:
+        if ENV_PREFIX + name.upper() in environ:
+            sources[name] = (ENV_PREFIX + name.upper(), environ[ENV_PREFIX + name.upper()])
+    sources.update({k: (_flag(k), v) for k, v in cli.items()})
+    try:
+        return Settings.model_validate({k: v for k, (_, v) in sources.items()})
+    except ValidationError as exc:
+        raise SettingsError(_describe(exc, sources)) from None
+
+
+def _describe(exc: ValidationError, sources: dict[str, tuple[str, Any]]) -> str:
+    lines = ["invalid server settings:"]
+    for err in exc.errors():
+        name = str(err["loc"][0]) if err["loc"] else "?"
+        origin = sources.get(name, ("default", None))[0]
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown setting"
+        lines.append(f"  {name} (from {origin}): {msg}")
+    return "\n".join(lines)

