@@ -1,0 +1,118 @@
+"""MCSD vs plain decoding vs ``transformers`` assisted generation (issue: MCSD engine, item 7).
+
+One interleaved run: for every prompt, every configuration runs back to back (same prompt, same
+machine state), so ratios are comparable even on a noisy machine.  Batch 1, exactly N new tokens.
+
+    .venv/bin/python benchmarks/bench_spec.py --limit 4 --temperatures 0,0.7
+
+Columns: tokens/s; speedup over our plain decoding (ratio of summed times over the same prompts);
+block efficiency = 1 + accepted/steps (tokens per target forward); acceptance = accepted/drafted;
+agreement = fraction of prompts whose greedy output equals plain decoding token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import (  # noqa: E402
+    hf_model, machine, print_table, prompt_ids, run_hf, run_ours, write_json,
+)
+from engine.models.loader import load_model  # noqa: E402
+from engine.spec.tree import parse_widths  # noqa: E402
+
+DEFAULT_CONFIGS = "plain;chain:1,1;chain:1,1,1;chain:1,1,1,1;tree:2,1,1;tree:3,2,1;tree:4,2,2;tree:2,2,1,1;hf-assisted"
+
+
+def parse_configs(spec: str) -> list[tuple[str, tuple[int, ...]]]:
+    out = []
+    for item in spec.split(";"):
+        kind, _, widths = item.partition(":")
+        if kind in ("plain", "hf-assisted", "hf-plain"):
+            out.append((kind, ()))
+        elif kind in ("chain", "tree"):
+            out.append((f"{kind} {widths}", parse_widths(widths)))
+        else:
+            raise SystemExit(f"unknown config {item!r}")
+    return out
+
+
+def run_config(name, tree, target, draft, hf_t, hf_d, ids, max_new, temperature, seed):
+    if name == "plain":
+        return run_ours(target, None, ids, max_new, temperature=temperature, seed=seed)
+    if name.startswith("hf-"):
+        kw = dict(assistant_model=hf_d) if name == "hf-assisted" else {}
+        if temperature > 0:
+            kw.update(do_sample=True, temperature=temperature, top_k=0)
+            torch.manual_seed(seed)
+        return run_hf(hf_t, ids, max_new, **kw)
+    return run_ours(target, draft, ids, max_new, tree=tree, temperature=temperature, seed=seed)
+
+
+def summarise(name, runs, plain_runs, temperature) -> dict:
+    secs = sum(r["seconds"] for r in runs)
+    toks = sum(len(r["tokens"]) for r in runs)
+    row = dict(config=name, temperature=temperature, tok_s=toks / secs,
+               speedup=sum(r["seconds"] for r in plain_runs) / secs)
+    steps = sum(r.get("steps", 0) for r in runs)
+    if steps:
+        acc, drafted = sum(r["accepted"] for r in runs), sum(r["drafted"] for r in runs)
+        row.update(block_eff=1 + acc / steps, acceptance=acc / drafted if drafted else 0.0,
+                   draft_frac=sum(r["draft_seconds"] for r in runs) / secs)
+    if temperature == 0:
+        row["agreement"] = sum(r["tokens"] == p["tokens"] for r, p in zip(runs, plain_runs)) / len(runs)
+    return row
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--prompts", default="benchmarks/prompts/bench.json")
+    ap.add_argument("--limit", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="';'-separated: plain, chain:W, tree:W, hf-assisted, hf-plain")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    target, draft = load_model(args.model, dtype=args.dtype), load_model(args.draft, dtype=args.dtype)
+    configs = parse_configs(args.configs)
+    hf_t = hf_d = None
+    if any(n.startswith("hf-") for n, _ in configs):
+        hf_t, hf_d = hf_model(target.path, target.model.dtype), hf_model(draft.path, draft.model.dtype)
+    prompts = prompt_ids(target.tokenizer, args.prompts, args.limit)
+    warm = prompts[0][1][:32]
+    for name, tree in configs:
+        run_config(name, tree, target, draft, hf_t, hf_d, warm, 4, 0.0, 0)
+
+    rows = []
+    for temperature in [float(t) for t in args.temperatures.split(",")]:
+        runs = {name: [] for name, _ in configs}
+        for i, (pid, ids) in enumerate(prompts):
+            for name, tree in configs:
+                r = run_config(name, tree, target, draft, hf_t, hf_d, ids, args.max_new_tokens, temperature,
+                               args.seed + i)
+                runs[name].append(r)
+                print(f"T={temperature} {pid} {name}: {len(r['tokens']) / r['seconds']:.2f} tok/s", flush=True)
+        rows += [summarise(name, runs[name], runs["plain"], temperature) for name, _ in configs]
+
+    print()
+    print_table(rows, [("config", "config", "<16"), ("temperature", "T", ">4.1f"), ("tok_s", "tok/s", ">7.2f"),
+                       ("speedup", "vs plain", ">8.2f"), ("block_eff", "block eff", ">9.2f"),
+                       ("acceptance", "accept", ">6.2f"), ("draft_frac", "draft time", ">10.2f"),
+                       ("agreement", "greedy agree", ">12.2f")])
+    write_json("spec.json", dict(args=vars(args), machine=machine(), rows=rows), args.out)
+
+
+if __name__ == "__main__":
+    main()
