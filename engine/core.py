@@ -56,8 +56,9 @@ class EngineCore:
         stream = TextStream.create(self.tokenizer, req.prompt_token_ids, req.sampling, self.eos_token_ids)
         seq = Sequence.create(req, stream)
         seq.sampling_tensors = SamplingTensors.from_params([req.sampling], self.vocab_size)
-        if not self.runner.proposer:
+        if not self.runner.proposer and req.spec.enabled:
             seq.request.spec.enabled = False
+            seq.spec.note = "speculation is off: the server runs without a draft model"
         if req.sampling.needs_history:
             seq.output_counts = torch.zeros(self.vocab_size, dtype=torch.int32)
             if req.sampling.repetition_penalty != 1.0:

@@ -124,6 +124,7 @@ class SpecUsage:
     steps: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    note: Optional[str] = None  # why speculation did not run for this request, when it did not
 
     @property
     def acceptance_rate(self) -> float:

@@ -242,6 +242,7 @@ class SpecUsageInfo(_Response):
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     acceptance_rate: float = 0.0
+    note: Optional[str] = None  # why speculation did not run, when it did not
 
 
 class UsageInfo(_Response):

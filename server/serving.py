@@ -74,8 +74,10 @@ def make_usage(prompts: list[Prompt], choices: list[Choice]) -> UsageInfo:
     steps = sum(c.spec.steps for c in choices)
     drafted = sum(c.spec.drafted_tokens for c in choices)
     accepted = sum(c.spec.accepted_tokens for c in choices)
+    notes = sorted({c.spec.note for c in choices if c.spec.note})
     spec = SpecUsageInfo(steps=steps, drafted_tokens=drafted, accepted_tokens=accepted,
-                         acceptance_rate=accepted / drafted if drafted else 0.0)
+                         acceptance_rate=accepted / drafted if drafted else 0.0,
+                         note="; ".join(notes) or None)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      speculative=spec)
 

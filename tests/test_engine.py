@@ -187,3 +187,11 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode(models):
     while core.has_unfinished():
         got += [t for o in core.step() if o.request_id == "long" for t in o.new_token_ids]
     assert got == ref
+
+
+def test_a_request_that_cannot_speculate_says_why(models):
+    target, _, _ = models
+    outs, _ = run_engine(target, None, PROMPTS[:1], tree=(), max_tokens=4, spec=SpecOptions(enabled=True))
+    assert outs[0].spec.note and "without a draft model" in outs[0].spec.note
+    outs, _ = run_engine(target, None, PROMPTS[:1], tree=(), max_tokens=4, spec=SpecOptions(enabled=False))
+    assert outs[0].spec.note is None

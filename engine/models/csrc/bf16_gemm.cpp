@@ -1,32 +1,42 @@
-// Small-M bf16 GEMM for CPUs with AVX2 + FMA (no native bf16):  y = round_bf16(x @ W^T + b).
+// Small-M bf16 GEMM for x86 CPUs with AVX2 + FMA (no native bf16):  y = round_bf16(x @ W^T + b).
 //
-// Built at first use by engine/models/cpu_kernels.py (torch.utils.cpp_extension.load).
+// Built once per machine at first use by engine/models/cpu_kernels.py and registered as the
+// operator torch.ops.mcsd_cpu.bf16_linear (a plain shared library without Python binding code,
+// which keeps the one-off compilation short).
 //
-// Shape of the problem: speculative decoding runs forwards of M = 1..64 rows against weights of
-// megabytes to hundreds of megabytes, so the weight matrix must be streamed from DRAM exactly once
-// while the few activation rows stay in cache.  torch's bf16 path on CPUs without avx512_bf16 /
-// AMX is fast for M = 1 (a GEMV) but falls back to a slow kernel for M >= 2.
+// The problem.  Speculative decoding runs forwards of M = 1..64 rows against weight matrices of
+// megabytes to hundreds of megabytes.  torch's bf16 matmul on CPUs without avx512_bf16 / AMX is a
+// decent GEMV for M = 1 but falls back to a slow kernel for M >= 2 (time linear in M).  Here every
+// weight is read from DRAM exactly once per call and the few activation rows stay in cache, so the
+// cost is max(weight bytes / bandwidth, M * N * K / FMA throughput).
 //
 // Numerics (batch invariance).  Every output element y[m, n] is computed by exactly the same
 // sequence of floating-point operations whatever M is, whatever the other rows contain, whatever
-// the tiling or the thread count:
-//   * one 8-lane fp32 accumulator per (m, n), fed by one FMA per 8 k's, in increasing k order,
+// the tiling and whatever the number of threads:
+//   * one 8-lane fp32 accumulator per (m, n), one FMA per 8 k's, in increasing k order (per lane),
 //     never split over K (no K-blocking, no split-K across threads);
-//   * one fixed horizontal reduction of the 8 lanes, then + bias in fp32, then round-to-nearest-
-//     even to bf16.
-// Tiling (how many weight rows x activation rows one micro-kernel computes) and the split of N
-// across threads only decide *which* accumulators live in registers together, never the order of
-// operations inside one accumulator, so the result for one row is bitwise identical for M = 1 and
-// M = 16 (the property speculative verification relies on) and for 1 or many threads.
+//   * then one fixed horizontal reduction of the 8 lanes (hsum8), + bias in fp32, and
+//     round-to-nearest-even to bf16.
+// The register tiling (how many weight rows x activation rows one micro-kernel computes) and the
+// split of N across threads only decide *which* accumulators live in registers together, never the
+// order of the operations inside one accumulator.  So the result for a row is bitwise identical for
+// M = 1 and M = 16 (what speculative verification relies on) and for 1 or 16 threads.  Compiled
+// with -ffp-contract=off and without -ffast-math so that the compiler cannot re-associate or fuse.
 //
-// bf16 -> fp32 conversion in registers.  A 256-bit load of 16 consecutive bf16 weights gives eight
-// 32-bit lanes, lane j = (w[2j+1] << 16) | w[2j].  Shifting each lane left by 16 yields the fp32
-// values of the even elements w[2j]; masking the low half away yields the odd elements w[2j+1]:
-// one integer op per 8 weights and no cross-lane shuffle.  The activations are converted once per
-// call into an fp32 scratch buffer laid out to match: per chunk of 16 k's, the 8 even elements
-// then the 8 odd ones (zero padded to a multiple of 16).  Accumulator lane j thus sees, per chunk
-// c, k = 16c + 2j then k = 16c + 2j + 1.  The tail of K (K % 16) is handled by copying the weight
-// tail into a zero-padded 16-element buffer, identically for every M.
+// bf16 -> fp32 in registers.  A 256-bit load of 16 consecutive bf16 weights gives eight 32-bit
+// lanes, lane j = (w[2j+1] << 16) | w[2j].  Shifting each lane left by 16 yields the fp32 values
+// of the even elements w[2j]; masking the low half away yields the odd elements w[2j+1]: one
+// integer op per 8 weights and no cross-lane shuffle (the classic zero-extend + shift would need
+// two).  The activations are converted once per call into an fp32 scratch buffer laid out to
+// match: per chunk of 16 k's, the 8 even elements, then the 8 odd ones (zero padded to a multiple
+// of 16).  Accumulator lane j thus sees, in chunk c, k = 16c + 2j and then k = 16c + 2j + 1.  The
+// tail of K (K % 16 != 0) is handled by copying the weight tail into a zero-padded 16-element
+// buffer and running the same step on it, identically for every M.
+//
+// Work split.  Threads (at::parallel_for, so torch.get_num_threads() is respected) take contiguous
+// ranges of R-row weight blocks.  For one block, the m-tiles of C activation rows run one after
+// the other: the block (R * K * 2 bytes) comes from DRAM during the first tile and from L1/L2 for
+// the others, while the next block is software-prefetched one cache line per step.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -37,18 +47,18 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 namespace {
 
-constexpr int64_t kChunk = 16;  // k's per step: one 256-bit load of bf16 weights
-constexpr int kMaxR = 8;        // weight rows per micro-kernel (max)
-constexpr int kMaxC = 4;        // activation rows per micro-kernel (max)
+constexpr int64_t kChunk = 16;  // k's per step: one 256-bit load of 16 bf16 weights
+constexpr int kMaxR = 8;        // weight rows per micro-kernel (8 only for C = 1, else <= 4)
+constexpr int kMaxC = 3;        // activation rows per micro-kernel
 
 inline float bf16_bits_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;
   std::memcpy(&f, &u, sizeof(f));
   return f;
@@ -62,22 +72,22 @@ inline uint16_t f32_to_bf16_rne(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-// The single horizontal reduction used for every output element.
+// The one horizontal reduction used for every output element: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
 inline float hsum8(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);                       // 4 lanes: (0+4, 1+5, 2+6, 3+7)
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));    // 2 lanes: (0+4+2+6, 1+5+3+7)
+  const __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
   lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
   return _mm_cvtss_f32(lo);
 }
 
-// x row (bf16, K elements) -> fp32 scratch row (Kp = nchunks * 16 elements, even/odd layout).
+// One activation row (K bf16) -> fp32 scratch row (nchunks * 16 floats, even/odd layout).
 void convert_row(const uint16_t* src, int64_t K, float* dst, int64_t nchunks) {
   const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   const int64_t nfull = K / kChunk;
   for (int64_t c = 0; c < nfull; ++c) {
-    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c * kChunk));
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c * kChunk));
     _mm256_storeu_ps(dst + c * kChunk, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
     _mm256_storeu_ps(dst + c * kChunk + 8, _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask)));
   }
@@ -91,11 +101,11 @@ void convert_row(const uint16_t* src, int64_t K, float* dst, int64_t nchunks) {
   }
 }
 
-// One step (16 k's) of an R x C tile: R weight rows (row stride ldw, in bf16 elements) against
-// C activation rows (row stride ldx, in floats).  Per accumulator: FMA(even), then FMA(odd).
-// The C activation vectors of a half-chunk are held in registers and reused over the R weight
+// One step (16 k's) of an R x C tile: R weight rows (row stride ldw, in bf16 elements) against C
+// scratch activation rows (row stride ldx, in floats).  Per accumulator: FMA(even), FMA(odd).
+// The C activation vectors of each half-chunk are held in registers and reused over the R weight
 // rows; the weight vector is re-loaded (from L1) for the odd half rather than kept, so that R*C
-// accumulators + C activations + 1 weight temporary fit the 16 ymm registers (R=4, C=3).
+// accumulators + C activations + 1 temporary fit the 16 ymm registers (R=4, C=3: 12 + 3 + 1).
 template <int R, int C>
 __attribute__((always_inline)) inline void step(const uint16_t* w, int64_t ldw, const float* x,
                                                 int64_t ldx, __m256 (&acc)[R][C]) {
@@ -121,8 +131,9 @@ __attribute__((always_inline)) inline void step(const uint16_t* w, int64_t ldw, 
   }
 }
 
-// Full-K R x C tile.  w: first weight row; wtail: [R][16] zero-padded K tail (or nullptr when
-// K % 16 == 0); x: first scratch row; out[r * kMaxC + c] receives the reduced fp32 dot products.
+// Full-K R x C tile.  w: first weight row (row stride ldw); nfull: whole 16-chunks of K; wtail:
+// [R][16] zero-padded K tail or nullptr; x: first scratch row (row stride ldx); out[r * kMaxC + c]
+// receives the reduced dot products; pf / pf_lines: cache lines to prefetch, one per step.
 template <int R, int C>
 void tile(const uint16_t* w, int64_t ldw, int64_t nfull, const uint16_t* wtail, const float* x,
           int64_t ldx, float* out, const char* pf, int64_t pf_lines) {
@@ -131,8 +142,6 @@ void tile(const uint16_t* w, int64_t ldw, int64_t nfull, const uint16_t* wtail, 
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  // Software prefetch of the next weight block, spread one cache line per step over the m-tiles
-  // of the current block, so that DRAM is read evenly rather than in bursts at each block start.
   int64_t ch = 0;
   for (; ch < pf_lines; ++ch) {
     _mm_prefetch(pf + ch * 64, _MM_HINT_T0);
@@ -150,46 +159,41 @@ using TileFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, cons
                         float*, const char*, int64_t);
 
 template <int R>
-constexpr TileFn tile_for_c(int c) {
-  return c == 1 ? &tile<R, 1> : c == 2 ? &tile<R, 2> : c == 3 ? &tile<R, 3> : &tile<R, 4>;
+TileFn tile_small_r(int c) {
+  return c == 1 ? &tile<R, 1> : c == 2 ? &tile<R, 2> : &tile<R, 3>;
 }
 
+// r: 1..8 rows (5..8 only with c == 1), c: 1..3 activation rows.
 TileFn tile_fn(int r, int c) {
   switch (r) {
-    case 1: return tile_for_c<1>(c);
-    case 2: return tile_for_c<2>(c);
-    case 3: return tile_for_c<3>(c);
-    case 4: return tile_for_c<4>(c);
-    case 5: return tile_for_c<5>(c);
-    case 6: return tile_for_c<6>(c);
-    case 7: return tile_for_c<7>(c);
-    default: return tile_for_c<8>(c);
+    case 1: return tile_small_r<1>(c);
+    case 2: return tile_small_r<2>(c);
+    case 3: return tile_small_r<3>(c);
+    case 4: return tile_small_r<4>(c);
+    case 5: return &tile<5, 1>;
+    case 6: return &tile<6, 1>;
+    case 7: return &tile<7, 1>;
+    default: return &tile<8, 1>;
   }
 }
 
-// Register blocking for a given M (numerically irrelevant, see the header comment):
-// R*C accumulators + C activation vectors + 1 weight temporary <= 16 ymm registers.
+// Register blocking for a given M; numerically irrelevant (see the header comment).
+// M = 1 is a GEMV bound by memory bandwidth: 8 rows at once for enough independent FMA chains.
+// Otherwise 4 weight rows x up to 3 activation rows (the best fit of the 16 ymm registers).
 void blocking(int64_t M, int* rb, int* cb) {
-  static const char* env_r = std::getenv("MCSD_BF16_RB");  // tuning hooks (benchmarks only)
-  static const char* env_c = std::getenv("MCSD_BF16_CB");
   if (M == 1) {
     *rb = 8, *cb = 1;
-  } else if (M == 2) {
-    *rb = 6, *cb = 2;
   } else {
     *rb = 4, *cb = 3;
   }
-  if (env_r != nullptr) *rb = std::clamp(std::atoi(env_r), 1, kMaxR);
-  if (env_c != nullptr) *cb = std::clamp(std::atoi(env_c), 1, kMaxC);
 }
-
-}  // namespace
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "bf16_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
-              "bf16_linear: x and weight must be bfloat16");
+              "bf16_linear: x and weight must be bfloat16, got ", x.scalar_type(), " and ",
+              weight.scalar_type());
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(),
               "bf16_linear: weight must be a contiguous [N, K] matrix");
   TORCH_CHECK(x.dim() >= 1, "bf16_linear: x must have at least one dimension");
@@ -202,7 +206,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
     b = *bias;
     TORCH_CHECK(b.device().is_cpu() && b.scalar_type() == at::kBFloat16 && b.dim() == 1 &&
                     b.size(0) == N,
-                "bf16_linear: bias must be a bfloat16 [N] tensor");
+                "bf16_linear: bias must be a bfloat16 [", N, "] tensor");
     b = b.contiguous();
     bptr = reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>());
   }
@@ -227,9 +231,11 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   const int64_t ldxb = M > 1 ? x2.stride(0) : K;
   at::Tensor scratch = at::empty({std::max<int64_t>(M * Kp, 1)}, x.options().dtype(at::kFloat));
   float* xs = scratch.data_ptr<float>();
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)),
+  // Serial unless large (prefill): a fork/join costs more than converting a few rows.
+  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(K, 1)),
                    [&](int64_t m0, int64_t m1) {
-                     for (int64_t m = m0; m < m1; ++m) convert_row(xb + m * ldxb, K, xs + m * Kp, nchunks);
+                     for (int64_t m = m0; m < m1; ++m)
+                       convert_row(xb + m * ldxb, K, xs + m * Kp, nchunks);
                    });
 
   const uint16_t* wb = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
@@ -237,7 +243,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   blocking(M, &rb, &cb);
   const int64_t nblocks = (N + rb - 1) / rb;
   const int64_t ntiles = (M + cb - 1) / cb;
-  // Grain: enough weight bytes per task to amortise the fork (~256 KiB of weights).
+  // At least ~256 KiB of weights per task, to amortise waking the thread pool.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, rb * K * 2));
 
   at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
@@ -254,23 +260,21 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
           std::memcpy(wtail + i * kChunk, w + i * K + nfull * kChunk, ktail * sizeof(uint16_t));
         tailp = wtail;
       }
-      // next block's weights: [n0 + r, n0 + r + rb) rows, contiguous
+      // The next block of this thread (contiguous rows after this one) is prefetched during the
+      // m-tiles of this block, spread evenly over them.  With a single m-tile (M <= 3) the
+      // hardware prefetchers alone do better.
       const char* next = reinterpret_cast<const char*>(w + r * K);
-      const int64_t next_lines =
-          (std::min<int64_t>(rb, std::max<int64_t>(0, N - n0 - r)) * K * 2 + 63) / 64;
+      const int64_t next_lines = (ntiles > 1 && blk + 1 < b1)
+                                     ? (std::min<int64_t>(rb, N - n0 - r) * K * 2 + 63) / 64
+                                     : 0;
       const int64_t pf_quota = (next_lines + ntiles - 1) / ntiles;
-      const char* pf = nullptr;
       for (int64_t t = 0, m0 = 0; t < ntiles; ++t) {
-        // balanced tiles: the first (M % ntiles) tiles get one row more
+        // balanced tiles: the first M % ntiles tiles get one row more
         const int c = static_cast<int>(M / ntiles + (t < M % ntiles ? 1 : 0));
-        int64_t pf_lines = 0;
-        if (ntiles > 1 && blk + 1 < b1) {
-          const int64_t start = t * pf_quota;
-          pf_lines = std::max<int64_t>(0, std::min(pf_quota, next_lines - start));
-          pf_lines = std::min(pf_lines, nfull);
-          pf = next + start * 64;
-        }
-        tile_fn(r, c)(w, K, nfull, tailp, xs + m0 * Kp, Kp, res, pf, pf_lines);
+        const int64_t pf_start = t * pf_quota;
+        const int64_t pf_lines =
+            std::min(nfull, std::max<int64_t>(0, std::min(pf_quota, next_lines - pf_start)));
+        tile_fn(r, c)(w, K, nfull, tailp, xs + m0 * Kp, Kp, res, next + pf_start * 64, pf_lines);
         for (int j = 0; j < c; ++j) {
           uint16_t* yrow = y + (m0 + j) * N + n0;
           for (int i = 0; i < r; ++i) {
@@ -286,10 +290,10 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-// Registered as torch.ops.mcsd.bf16_linear (a plain shared library, no Python binding code: this
-// keeps the one-off compilation short).
-TORCH_LIBRARY(mcsd, m) {
+}  // namespace
+
+TORCH_LIBRARY(mcsd_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(mcsd, CPU, m) { m.impl("bf16_linear", &bf16_linear); }
+TORCH_LIBRARY_IMPL(mcsd_cpu, CPU, m) { m.impl("bf16_linear", &bf16_linear); }
