@@ -74,7 +74,7 @@ def test_completion_with_usage_extension(oai):
 def test_speculation_can_be_turned_off_per_request(oai):
     r = oai.completions.create(model=MODEL, prompt="hello", max_tokens=6, extra_body={"speculative": {"enabled": False}})
     assert r.usage.model_extra["speculative"] == {"steps": 0, "drafted_tokens": 0, "accepted_tokens": 0,
-                                                  "acceptance_rate": 0.0}
+                                                  "acceptance_rate": 0.0, "note": None}
     capped = oai.completions.create(model=MODEL, prompt="hello", max_tokens=6, extra_body={"speculative": {"max_depth": 1}})
     spec = capped.usage.model_extra["speculative"]
     assert spec["drafted_tokens"] == spec["steps"]  # one drafted token per step
