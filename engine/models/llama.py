@@ -5,7 +5,9 @@ position ids and an arbitrary attention mask over the sequence's pending entries
 (a draft or verification tree), against that sequence's slot in the :class:`KVCache`.
 
 Weights use Hugging Face names so checkpoints load as they are; q/k/v and gate/up projections are
-fused into one matrix each at load time (one GEMM instead of three / two).
+fused into one matrix each at load time (one GEMM instead of three / two).  Every matrix multiply
+goes through ``cpu_kernels.linear``: on CPUs without native bf16 it takes our batch-invariant bf16
+kernel (a 16-token verification block costs ~2.7x one token instead of ~15x), elsewhere F.linear.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kv_cache import KVCache
+from engine.models.cpu_kernels import linear
 from engine.models.config import ModelConfig
 from engine.models.rope import RotaryTables, apply_rotary
 
@@ -52,7 +55,7 @@ class DecoderLayer(nn.Module):
         """x: [batch, block, hidden]"""
         b, t, _ = x.shape
         cfg = self.cfg
-        qkv = self.qkv_proj(self.input_layernorm(x))
+        qkv = linear(self.input_layernorm(x), self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(b, t, cfg.num_heads, cfg.head_dim), ctx.cos, ctx.sin)
         k = apply_rotary(k.view(b, t, cfg.num_kv_heads, cfg.head_dim), ctx.cos, ctx.sin)
@@ -61,9 +64,9 @@ class DecoderLayer(nn.Module):
         attn = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=ctx.mask, enable_gqa=True
         )  # [batch, heads, block, head_dim]
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        x = x + linear(attn.transpose(1, 2).reshape(b, t, self.q_size), self.o_proj.weight)
+        gate, up = linear(self.post_attention_layernorm(x), self.gate_up_proj.weight).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 @dataclass
@@ -156,7 +159,7 @@ class LlamaModel(nn.Module):
         hidden = self.norm(x)
         rows = hidden if logits_rows is None else torch.gather(
             hidden, 1, logits_rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        return ForwardOutput(logits=self.lm_head(rows).float(), hidden=hidden)
+        return ForwardOutput(logits=linear(rows, self.lm_head.weight).float(), hidden=hidden)
 
     def _context(self, cache: KVCache, slots: list[int], positions: torch.Tensor,
                  block_mask: Optional[torch.Tensor]) -> ForwardContext:

@@ -36,7 +36,8 @@
 // Work split.  Threads (at::parallel_for, so torch.get_num_threads() is respected) take contiguous
 // ranges of R-row weight blocks.  For one block, the m-tiles of C activation rows run one after
 // the other: the block (R * K * 2 bytes) comes from DRAM during the first tile and from L1/L2 for
-// the others, while the next block is software-prefetched one cache line per step.
+// the others, while the next block is software-prefetched a cache line per step.  Inputs with
+// more than 96 rows (prefill) are processed in panels of 96 rows, one pass over the weights each.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -56,6 +57,8 @@ namespace {
 constexpr int64_t kChunk = 16;  // k's per step: one 256-bit load of 16 bf16 weights
 constexpr int kMaxR = 8;        // weight rows per micro-kernel (8 only for C = 1, else <= 4)
 constexpr int kMaxC = 3;        // activation rows per micro-kernel
+constexpr int64_t kPanel = 96;  // activation rows per pass over the weights
+constexpr int64_t kShortRow = 4096;  // K up to which a single m-tile prefetches the next block
 
 inline float bf16_bits_to_f32(uint16_t h) {
   const uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -133,7 +136,7 @@ __attribute__((always_inline)) inline void step(const uint16_t* w, int64_t ldw, 
 
 // Full-K R x C tile.  w: first weight row (row stride ldw); nfull: whole 16-chunks of K; wtail:
 // [R][16] zero-padded K tail or nullptr; x: first scratch row (row stride ldx); out[r * kMaxC + c]
-// receives the reduced dot products; pf / pf_lines: cache lines to prefetch, one per step.
+// receives the reduced dot products; pf / pf_lines: cache lines to prefetch, spread over the steps.
 template <int R, int C>
 void tile(const uint16_t* w, int64_t ldw, int64_t nfull, const uint16_t* wtail, const float* x,
           int64_t ldx, float* out, const char* pf, int64_t pf_lines) {
@@ -143,9 +146,18 @@ void tile(const uint16_t* w, int64_t ldw, int64_t nfull, const uint16_t* wtail, 
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   int64_t ch = 0;
-  for (; ch < pf_lines; ++ch) {
-    _mm_prefetch(pf + ch * 64, _MM_HINT_T0);
-    step<R, C>(w + ch * kChunk, ldw, x + ch * kChunk, ldx, acc);
+  if (pf_lines <= nfull) {  // several m-tiles share the prefetch: one line per step, into L1
+    for (; ch < pf_lines; ++ch) {
+      _mm_prefetch(pf + ch * 64, _MM_HINT_T0);
+      step<R, C>(w + ch * kChunk, ldw, x + ch * kChunk, ldx, acc);
+    }
+  } else if (nfull > 0) {  // a single m-tile prefetches the whole next block, into L2
+    const int64_t per_step = (pf_lines + nfull - 1) / nfull;
+    for (; ch < nfull; ++ch) {
+      const char* p = pf + ch * per_step * 64;
+      for (int64_t j = 0; j < per_step; ++j) _mm_prefetch(p + j * 64, _MM_HINT_T1);
+      step<R, C>(w + ch * kChunk, ldw, x + ch * kChunk, ldx, acc);
+    }
   }
   for (; ch < nfull; ++ch) step<R, C>(w + ch * kChunk, ldw, x + ch * kChunk, ldx, acc);
   if (wtail != nullptr) step<R, C>(wtail, kChunk, x + nfull * kChunk, ldx, acc);
@@ -242,51 +254,59 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   int rb, cb;
   blocking(M, &rb, &cb);
   const int64_t nblocks = (N + rb - 1) / rb;
-  const int64_t ntiles = (M + cb - 1) / cb;
   // At least ~256 KiB of weights per task, to amortise waking the thread pool.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, rb * K * 2));
 
-  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
-    alignas(32) uint16_t wtail[kMaxR * kChunk];
-    alignas(32) float res[kMaxR * kMaxC];
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n0 = blk * rb;
-      const int r = static_cast<int>(std::min<int64_t>(rb, N - n0));
-      const uint16_t* w = wb + n0 * K;
-      const uint16_t* tailp = nullptr;
-      if (ktail > 0) {
-        std::memset(wtail, 0, sizeof(wtail));
-        for (int i = 0; i < r; ++i)
-          std::memcpy(wtail + i * kChunk, w + i * K + nfull * kChunk, ktail * sizeof(uint16_t));
-        tailp = wtail;
-      }
-      // The next block of this thread (contiguous rows after this one) is prefetched during the
-      // m-tiles of this block, spread evenly over them.  With a single m-tile (M <= 3) the
-      // hardware prefetchers alone do better.
-      const char* next = reinterpret_cast<const char*>(w + r * K);
-      const int64_t next_lines = (ntiles > 1 && blk + 1 < b1)
-                                     ? (std::min<int64_t>(rb, N - n0 - r) * K * 2 + 63) / 64
-                                     : 0;
-      const int64_t pf_quota = (next_lines + ntiles - 1) / ntiles;
-      for (int64_t t = 0, m0 = 0; t < ntiles; ++t) {
-        // balanced tiles: the first M % ntiles tiles get one row more
-        const int c = static_cast<int>(M / ntiles + (t < M % ntiles ? 1 : 0));
-        const int64_t pf_start = t * pf_quota;
-        const int64_t pf_lines =
-            std::min(nfull, std::max<int64_t>(0, std::min(pf_quota, next_lines - pf_start)));
-        tile_fn(r, c)(w, K, nfull, tailp, xs + m0 * Kp, Kp, res, next + pf_start * 64, pf_lines);
-        for (int j = 0; j < c; ++j) {
-          uint16_t* yrow = y + (m0 + j) * N + n0;
-          for (int i = 0; i < r; ++i) {
-            float v = res[i * kMaxC + j];
-            if (bptr != nullptr) v += bf16_bits_to_f32(bptr[n0 + i]);
-            yrow[i] = f32_to_bf16_rne(v);
-          }
+  // Rows are processed in panels of at most kPanel (one pass over the weights per panel), so that
+  // a long prefill keeps its activation panel in L2/L3 instead of re-reading all of x for every
+  // weight block.  Up to kPanel rows (every decoding / verification shape) is a single pass.
+  for (int64_t p0 = 0; p0 < M; p0 += kPanel) {
+    const int64_t P = std::min<int64_t>(kPanel, M - p0);
+    const int64_t ntiles = (P + cb - 1) / cb;
+    at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+      alignas(32) uint16_t wtail[kMaxR * kChunk];
+      alignas(32) float res[kMaxR * kMaxC];
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t n0 = blk * rb;
+        const int r = static_cast<int>(std::min<int64_t>(rb, N - n0));
+        const uint16_t* w = wb + n0 * K;
+        const uint16_t* tailp = nullptr;
+        if (ktail > 0) {
+          std::memset(wtail, 0, sizeof(wtail));
+          for (int i = 0; i < r; ++i)
+            std::memcpy(wtail + i * kChunk, w + i * K + nfull * kChunk, ktail * sizeof(uint16_t));
+          tailp = wtail;
         }
-        m0 += c;
+        // The next block of this thread (the rows right after this one) is prefetched during the
+        // m-tiles of this block, spread evenly over them.  Not for M = 1, nor for a single m-tile
+        // (M <= 3) over long rows: there the hardware stream prefetchers do as well on their own
+        // and the extra instructions cost.  (Tuned on Zen 3.)
+        const char* next = reinterpret_cast<const char*>(w + r * K);
+        const bool prefetch = M > 1 && (ntiles > 1 || K <= kShortRow) && blk + 1 < b1;
+        const int64_t next_lines = prefetch
+                                       ? (std::min<int64_t>(rb, N - n0 - r) * K * 2 + 63) / 64
+                                       : 0;
+        const int64_t pf_quota = (next_lines + ntiles - 1) / ntiles;
+        for (int64_t t = 0, m0 = p0; t < ntiles; ++t) {
+          // balanced tiles: the first P % ntiles tiles get one row more
+          const int c = static_cast<int>(P / ntiles + (t < P % ntiles ? 1 : 0));
+          const int64_t pf_start = t * pf_quota;
+          int64_t pf_lines = std::max<int64_t>(0, std::min(pf_quota, next_lines - pf_start));
+          if (ntiles > 1) pf_lines = std::min(pf_lines, nfull);  // at most one line per step
+          tile_fn(r, c)(w, K, nfull, tailp, xs + m0 * Kp, Kp, res, next + pf_start * 64, pf_lines);
+          for (int j = 0; j < c; ++j) {
+            uint16_t* yrow = y + (m0 + j) * N + n0;
+            for (int i = 0; i < r; ++i) {
+              float v = res[i * kMaxC + j];
+              if (bptr != nullptr) v += bf16_bits_to_f32(bptr[n0 + i]);
+              yrow[i] = f32_to_bf16_rne(v);
+            }
+          }
+          m0 += c;
+        }
       }
-    }
-  });
+    });
+  }
   return out;
 }
 

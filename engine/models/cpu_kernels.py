@@ -1,0 +1,255 @@
+"""Batch-invariant small-M bf16 GEMM for x86 CPUs with AVX2 + FMA.
+
+On CPUs without native bf16 (no avx512_bf16 / AMX), ``torch.nn.functional.linear`` in bfloat16 is
+a decent GEMV for one input row but falls back to a slow kernel for 2..64 rows (time linear in the
+row count), which is exactly the regime of speculative verification (8-32 tokens per forward).
+``bf16_linear`` streams the weight matrix once per call, keeps the few activation rows in cache and
+accumulates in fp32; see ``csrc/bf16_gemm.cpp`` for the kernel and its numerics.
+
+Batch invariance: the result for one input row is bitwise identical whatever the number of rows
+(and whatever the other rows, or the thread count), so a verification forward over 16 tokens
+produces exactly the logits that 16 single-token decoding steps would.  This holds only if *every*
+forward uses this kernel, which is why :func:`should_use` decides once per process, not per shape.
+
+API::
+
+    available()             -> bool  the CPU has AVX2+FMA and the extension is built (never raises)
+    bf16_linear(x, w, b)    -> Tensor  round_bf16(x @ w.T + b), x [..., K], w [N, K], b [N] (bf16)
+    should_use(weight)      -> bool  use bf16_linear for this weight? (decided once, by timing)
+    linear(x, w, b)         -> Tensor  bf16_linear when should_use(w), else F.linear
+
+``MCSD_CPU_KERNELS=0`` / ``=1`` forces :func:`should_use` off / on (on: if available); like the
+timing, it is read once per process.  The kernel has no autograd formula: inference only.
+
+The extension is compiled with ``torch.utils.cpp_extension.load`` at first use, once per machine:
+the build directory is ``$MCSD_CACHE/torch_extensions/<name>`` (``~/.cache/mcsd`` by default) and
+``<name>`` carries a hash of the source, the flags and the torch version, so an edit or a torch
+upgrade triggers a rebuild and a finished build is reused by later processes without invoking the
+compiler (or ninja) again.  It has no Python binding code: it registers the operator
+``torch.ops.mcsd_cpu.bf16_linear``, which keeps the compilation short (~10-20 s).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "bf16_gemm.cpp"
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
+_LDFLAGS = ["-fopenmp"]
+_ENV_SWITCH = "MCSD_CPU_KERNELS"
+_STALE_LOCK_S = 600.0  # a build takes ~10-30 s
+
+# The decision benchmark: a weight of this shape (1.5 MiB, i.e. cache-resident, so that it
+# compares the compute paths and not DRAM) at 1 and 16 rows.
+_PROBE_SHAPE = (512, 1536)
+_PROBE_ROWS = (1, 16)
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("MCSD_CACHE", Path.home() / ".cache" / "mcsd"))
+
+
+def _cpu_has_avx2_fma() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64", "x64"):
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return {"avx2", "fma"} <= flags
+    except OSError:
+        pass
+    # No /proc/cpuinfo: torch's own dispatch level (AVX2 implies FMA for torch's build as well).
+    try:
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    except Exception:  # pragma: no cover - very old torch
+        return False
+
+
+def _extension_name() -> str:
+    h = hashlib.sha256()
+    h.update(_SOURCE.read_bytes())
+    h.update(repr((_CFLAGS, _LDFLAGS, torch.__version__, platform.machine())).encode())
+    return f"mcsd_bf16_gemm_{h.hexdigest()[:12]}"
+
+
+def _load_library() -> None:
+    """Build (if needed) and load the operator library; raises on failure."""
+    name = _extension_name()
+    build_dir = _cache_root() / "torch_extensions" / name
+    built = build_dir / f"{name}.so"
+    lock = build_dir / "lock"
+    # A "lock" file means another process is building right now: go through cpp_extension.load,
+    # which waits for it, rather than loading a half-written library.  A lock older than any build
+    # takes was left by a killed build; cpp_extension would wait for it forever.
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            log.warning("removing stale build lock %s", lock)
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+    if built.is_file() and not lock.exists():
+        torch.ops.load_library(str(built))
+        return
+    from torch.utils import cpp_extension
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    print("compiling bf16 kernels (once)", file=sys.stderr, flush=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # compiler-version / ABI chatter; real errors raise
+        cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS,
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+
+
+@functools.cache
+def _status() -> tuple[bool, str]:
+    """(available, reason when not).  Cached: the CPU check and the build happen once per process."""
+    try:
+        if not _cpu_has_avx2_fma():
+            return False, "CPU lacks AVX2+FMA (or is not x86-64)"
+        _load_library()
+        torch.ops.mcsd_cpu.bf16_linear  # resolves the operator, raises if registration failed
+        return True, ""
+    except Exception as exc:  # noqa: BLE001 - anything here means "use torch instead"
+        text = " ".join(str(exc).split())
+        if len(text) > 600:
+            text = text[:200] + " ... " + text[-400:]
+        reason = f"building/loading the bf16 CPU kernels failed ({type(exc).__name__}: {text})"
+        log.warning("%s; falling back to torch.nn.functional.linear", reason)
+        return False, reason
+
+
+def available() -> bool:
+    """True when the CPU has AVX2+FMA and the extension is built and loaded.  Never raises."""
+    return _status()[0]
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why :func:`available` is False (None when it is True)."""
+    ok, reason = _status()
+    return None if ok else reason
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``round_bf16(fp32 accumulation of x @ weight.T + bias)``.
+
+    x: [..., K] bf16 (any leading dims, any strides); weight: [N, K] bf16 contiguous; bias: [N] bf16
+    or None.  Returns [..., N] bf16.  Batch invariant: each output row depends only on its own input
+    row, bitwise.  No autograd (inference only).  Raises RuntimeError if the kernels are unavailable.
+    """
+    return _op()(x, weight, bias)
+
+
+@functools.cache
+def _op():
+    """The operator overload, resolved once (saves the namespace lookups on every call)."""
+    if not available():
+        raise RuntimeError(f"bf16 CPU kernels unavailable: {unavailable_reason()}")
+    return torch.ops.mcsd_cpu.bf16_linear.default
+
+
+def _best_ms(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+@functools.cache
+def _ours_is_faster() -> bool:
+    """Time ours vs F.linear (bf16) at 1 and 16 rows on a probe weight; ours wins if faster at 16.
+
+    Timed on one thread: the question is which kernel is better, and on a shared machine a
+    multi-threaded timing mostly measures how long the OS takes to wake the second thread.
+    """
+    threads = torch.get_num_threads()
+    try:
+        n, k = _PROBE_SHAPE
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        op = _op()
+        ms = {}
+        torch.set_num_threads(1)
+        with torch.inference_mode():
+            for rows in _PROBE_ROWS:
+                x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+                op(x, w, None), F.linear(x, w)  # warm up (first touch, lazy init)
+                ms["ours", rows] = _best_ms(lambda: op(x, w, None), 3)
+                ms["torch", rows] = _best_ms(lambda: F.linear(x, w), 2)
+        faster = ms["ours", 16] < ms["torch", 16]
+        log.info(
+            "bf16 linear %dx%d: ours %.3f / %.3f ms, torch %.3f / %.3f ms at 1 / 16 rows -> using %s",
+            n, k, ms["ours", 1], ms["ours", 16], ms["torch", 1], ms["torch", 16],
+            "ours" if faster else "torch",
+        )
+        return faster
+    except Exception as exc:  # noqa: BLE001
+        log.warning("bf16 kernel timing failed (%s); using torch.nn.functional.linear", exc)
+        return False
+    finally:
+        torch.set_num_threads(threads)
+
+
+@functools.cache
+def _enabled() -> bool:
+    """The once-per-process decision: env override, then availability, then timing."""
+    env = os.environ.get(_ENV_SWITCH, "").strip().lower()
+    if env in ("0", "false", "off", "no"):
+        return False
+    forced = env in ("1", "true", "on", "yes")
+    if env and not forced:
+        log.warning("ignoring %s=%r (expected 0 or 1)", _ENV_SWITCH, env)
+    if not available():
+        if forced:
+            log.warning("%s=1 but the bf16 CPU kernels are unavailable: %s", _ENV_SWITCH, unavailable_reason())
+        return False
+    return True if forced else _ours_is_faster()
+
+
+def should_use(weight: torch.Tensor) -> bool:
+    """Whether ``bf16_linear`` should replace ``F.linear`` for this weight.
+
+    False unless the weight is a contiguous 2-D bf16 CPU tensor; otherwise the process-wide
+    decision (``MCSD_CPU_KERNELS`` if set, else a one-off timing of a few milliseconds: ours is
+    used when it beats torch at 16 rows).  Use it for every linear of a model or for none, or the
+    batch invariance between 1-row and many-row forwards is lost.
+    """
+    if (
+        weight.dtype != torch.bfloat16
+        or weight.device.type != "cpu"
+        or weight.dim() != 2
+        or not weight.is_contiguous()
+    ):
+        return False
+    return _enabled()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear`` drop-in that takes the bf16 kernel when :func:`should_use` says so."""
+    if x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16) and should_use(weight):
+        return _op()(x, weight, bias)
+    return F.linear(x, weight, bias)
