@@ -5,4 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+export PATH="$PWD/.venv/bin:$PATH"  # the venv's ninja builds the CPU kernels
 exec .venv/bin/python -m server --config default "$@"
