@@ -3,6 +3,7 @@ the machine's read bandwidth, and table/JSON output."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import platform
 import statistics
@@ -21,13 +22,23 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def prompt_ids(tokenizer, path: str, limit: Optional[int]) -> list[tuple[str, list[int]]]:
-    """(id, token ids) of each prompt, rendered with the model's chat template."""
+    """(id, token ids) of each prompt, rendered with the model's chat template.  With ``limit``,
+    prompts are taken in turn from each source (the id's prefix: HumanEval, sharegpt, ...), so a
+    short run still mixes code and chat."""
     out = []
-    for p in load_prompts_file(path)[:limit]:
+    for p in _spread(load_prompts_file(path), limit):
         text = tokenizer.apply_chat_template([dict(m) for m in p.messages], add_generation_prompt=True,
                                              tokenize=False)
         out.append((p.id, tokenizer.encode(text, add_special_tokens=False)))
     return out
+
+
+def _spread(prompts, limit: Optional[int]):
+    groups: dict[str, list] = {}
+    for p in prompts:
+        groups.setdefault(p.id.split("/")[0].split("-")[0], []).append(p)
+    order = [p for batch in itertools.zip_longest(*groups.values()) for p in batch if p is not None]
+    return order[:limit]
 
 
 def run_ours(target, draft, ids: list[int], max_new: int, tree=(), temperature=0.0, seed=0,
@@ -59,15 +70,22 @@ def hf_model(path, dtype=torch.bfloat16):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
-def run_hf(model, ids: list[int], max_new: int, **gen_kwargs) -> dict:
-    """``transformers.generate``, greedy, exactly ``max_new`` new tokens."""
+def run_hf(model, ids: list[int], max_new: int, measure_ttft: bool = False, **gen_kwargs) -> dict:
+    """``transformers.generate``, greedy unless told otherwise, exactly ``max_new`` new tokens.
+    ``measure_ttft`` times a separate one-token generate first (the prefill)."""
     x = torch.tensor([ids])
-    t0 = time.perf_counter()
+    kw = dict(attention_mask=torch.ones_like(x), do_sample=False)
+    kw.update(gen_kwargs)
+    ttft = None
     with torch.inference_mode():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
-                             min_new_tokens=max_new, do_sample=False, **gen_kwargs)
+        if measure_ttft:
+            t0 = time.perf_counter()
+            model.generate(x, max_new_tokens=1, min_new_tokens=1, **kw)
+            ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(x, max_new_tokens=max_new, min_new_tokens=max_new, **kw)
     secs = time.perf_counter() - t0
-    return dict(tokens=out[0, len(ids):].tolist(), seconds=secs)
+    return dict(tokens=out[0, len(ids):].tolist(), seconds=secs, ttft=ttft)
 
 
 def read_bandwidth_gbs(threads: int, size_mb: int = 1024, repeats: int = 5) -> float:

@@ -57,7 +57,10 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def parse_device(name: str) -> torch.device:
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unsupported device {name!r}; use cpu or cuda[:N]") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available on this machine")
     if dev.type not in ("cpu", "cuda"):
