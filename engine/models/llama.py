@@ -33,9 +33,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 like the reference implementation, then scale in the model dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -56,9 +54,10 @@ class DecoderLayer(nn.Module):
         b, t, _ = x.shape
         cfg = self.cfg
         qkv = linear(self.input_layernorm(x), self.qkv_proj.weight, self.qkv_proj.bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(b, t, cfg.num_heads, cfg.head_dim), ctx.cos, ctx.sin)
-        k = apply_rotary(k.view(b, t, cfg.num_kv_heads, cfg.head_dim), ctx.cos, ctx.sin)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads rotate together: one rotary pass instead of two
+        qk = apply_rotary(qk.reshape(b, t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), ctx.cos, ctx.sin)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=2)
         v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
         keys, values = ctx.store_and_read(layer, k, v)  # [batch, kv_heads, kv_len, head_dim]
         attn = F.scaled_dot_product_attention(
