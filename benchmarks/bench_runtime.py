@@ -36,6 +36,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
+    bw_before = read_bandwidth_gbs(args.threads)  # measured before and after; the better one counts
     ours = load_model(args.model, dtype=args.dtype)
     ref = hf_model(ours.path, ours.model.dtype)
     prompts = prompt_ids(ours.tokenizer, args.prompts, args.limit)
@@ -57,7 +58,7 @@ def main(argv=None) -> None:
         print(f"{pid}: ours {rows[-1]['ours_tps']:.2f} tok/s, transformers {rows[-1]['hf_tps']:.2f} tok/s",
               flush=True)
 
-    bw = read_bandwidth_gbs(args.threads)
+    bw = max(bw_before, read_bandwidth_gbs(args.threads))
     nbytes = weight_bytes_per_token(ours.model)
     limit = bw * 1e9 / nbytes
     summary = dict(ours_tps_median=median([r["ours_tps"] for r in rows]),
