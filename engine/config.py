@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
 from engine.spec.tree import parse_widths
 
@@ -15,6 +17,14 @@ class EngineConfig:
     prefill_chunk: int = 512  # prompt tokens prefilled per step, so running streams keep flowing
     without_replacement: bool = True  # draw sibling candidates without replacement
     spec_enabled: bool = True  # default for requests that do not say
+    # adaptive speculation (engine.spec.adaptive): stop drafting when 1 - prod(y_hat) > threshold on
+    # every branch, within [adaptive_min_depth, adaptive_max_depth]; load-aware tree budget per step
+    adaptive: bool = False
+    adaptive_threshold: float = 0.5  # h of the SpecDec++ rule, in [0, 1]
+    adaptive_min_depth: int = 1
+    adaptive_max_depth: Optional[int] = None  # None = the tree's depth
+    acceptance_heads: tuple[str, ...] = ()  # acceptance head files (one per temperature); none = online calibration
+    load_aware: bool = True  # measure the cost curve at start-up and choose the budget per step
 
     def __post_init__(self) -> None:
         self.tree = parse_widths(self.tree)
@@ -24,6 +34,29 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        self._validate_adaptive()
+
+    def _validate_adaptive(self) -> None:
+        if isinstance(self.acceptance_heads, (str, Path)):
+            self.acceptance_heads = (str(self.acceptance_heads),)
+        self.acceptance_heads = tuple(str(p) for p in self.acceptance_heads)
+        if not self.adaptive:
+            return
+        if not self.tree:
+            raise ValueError("adaptive speculation needs a draft tree (tree is empty)")
+        if not 0.0 <= self.adaptive_threshold <= 1.0:
+            raise ValueError(f"adaptive_threshold must be in [0, 1], got {self.adaptive_threshold}")
+        if self.adaptive_max_depth is None:
+            self.adaptive_max_depth = len(self.tree)
+        if not 1 <= self.adaptive_min_depth <= self.adaptive_max_depth:
+            raise ValueError(f"adaptive_min_depth must be in [1, adaptive_max_depth={self.adaptive_max_depth}], "
+                             f"got {self.adaptive_min_depth}")
+        if self.adaptive_max_depth > len(self.tree):
+            raise ValueError(f"adaptive_max_depth {self.adaptive_max_depth} is deeper than the tree "
+                             f"{list(self.tree)} ({len(self.tree)} levels)")
+        for p in self.acceptance_heads:
+            if not Path(p).is_file():
+                raise ValueError(f"acceptance head file {p} does not exist")
 
     @property
     def max_depth(self) -> int:

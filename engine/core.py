@@ -18,6 +18,7 @@ from engine.runner import ModelRunner, SeqStepResult, record_step
 from engine.sampler import SamplingTensors, token_count_matrix
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.spec.adaptive import AdaptiveSpeculation, SpecPolicy
 from engine.spec.proposer import DraftModelProposer
 from engine.spec.tree import SubTree, TreeTopology
 from engine.stats import StepStats
@@ -26,7 +27,9 @@ from engine.stop import TextStream
 
 class EngineCore:
     def __init__(self, target: LoadedModel, draft: Optional[LoadedModel] = None,
-                 config: Optional[EngineConfig] = None, model_name: Optional[str] = None) -> None:
+                 config: Optional[EngineConfig] = None, model_name: Optional[str] = None,
+                 policy: Optional[SpecPolicy] = None) -> None:
+        """``policy`` overrides the speculation policy the config describes (tests, head training)."""
         self.config = config or EngineConfig()
         self.target = target
         self.tokenizer = target.tokenizer
@@ -38,10 +41,16 @@ class EngineCore:
         slot_len = self.max_model_len + self.topology.num_nodes + 1
         self.cache = target.model.new_cache(self.config.max_batch, slot_len)
         proposer = None
+        self.policy: Optional[SpecPolicy] = None
         if draft is not None:
             _check_pair(target, draft)
             draft_cache = draft.model.new_cache(self.config.max_batch, slot_len)
-            proposer = DraftModelProposer(draft.model, draft_cache, self.vocab_size, self.config.without_replacement)
+            if policy is None and self.config.adaptive:
+                policy = AdaptiveSpeculation.from_config(self.config, self.topology, target, draft, self.cache,
+                                                         draft_cache)
+            self.policy = policy
+            proposer = DraftModelProposer(draft.model, draft_cache, self.vocab_size, self.config.without_replacement,
+                                          self.topology, policy)
         self.runner = ModelRunner(target.model, self.cache, self.vocab_size, proposer)
         self.scheduler = Scheduler(self.config, self.cache, proposer.cache if proposer else None)
         self.eos_token_ids = set(target.config.eos_token_ids)
@@ -117,9 +126,13 @@ class EngineCore:
             self.runner.prefill(plan.prefill)
         outputs = []
         if plan.decode:
-            subs = [self._subtree(seq) for seq in plan.decode]
+            budget = self.policy.budget(plan.decode) if self.policy is not None else None
+            subs = [self._subtree(seq, budget) for seq in plan.decode]
             stats.budget = max(sub.num_nodes for sub in subs)
-            for res in self.runner.step(plan.decode, subs, stats):
+            results = self.runner.step(plan.decode, subs, stats)
+            if self.policy is not None:
+                self.policy.observe(results)
+            for res in results:
                 record_step(stats, res)
                 outputs.append(self._postprocess(res, stats))
         stats.step_seconds = time.perf_counter() - t0
@@ -127,11 +140,15 @@ class EngineCore:
             self._stats.append(stats)
         return outputs
 
-    def _subtree(self, seq: Sequence) -> SubTree:
+    def _subtree(self, seq: Sequence, budget: Optional[tuple[int, ...]] = None) -> SubTree:
+        """The largest tree this sequence may draft this step: its request's tree (or the engine's),
+        within the step's budget (a width config; ``None`` = no cap), its max_depth and what remains."""
         spec = seq.request.spec
         if not spec.enabled or seq.draft_slot is None:
             return self.topology.subtree(())
         widths = spec.tree if spec.tree is not None else self.topology.widths
+        if budget is not None:
+            widths = tuple(min(a, b) for a, b in zip(widths, budget))
         depth = min(len(widths), seq.remaining - 1)
         if spec.max_depth is not None:
             depth = min(depth, spec.max_depth)

@@ -33,6 +33,7 @@ class SeqStepResult:
     tree: DraftTree
     drafted: int  # live drafted nodes
     logprobs: Optional[list[TokenLogprob]] = None
+    logits: Optional[torch.Tensor] = None  # [1+n, vocab] the target's raw logits of the block (for training heads)
 
 
 class ModelRunner:
@@ -112,7 +113,7 @@ class ModelRunner:
                                     seq.generator, self.proposer is None or self.proposer.without_replacement)
         drafted = sum(1 for t in tree.tokens if t != DEAD)
         lps = self._logprobs(logits, result, params.logprobs) if params.logprobs is not None else None
-        return SeqStepResult(seq, result, tree, drafted, lps)
+        return SeqStepResult(seq, result, tree, drafted, lps, logits)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, result: VerifyResult, k: int) -> list[TokenLogprob]:

@@ -16,6 +16,8 @@ from engine.core import EngineCore
 from engine.models.loader import LoadedModel
 from engine.request import GenerationRequest, SamplingParams
 from engine.sampler import SamplingTensors, compute_probs
+from engine.spec.adaptive import AdaptiveSpeculation, SpecPolicy
+from engine.spec.tree import TreeTopology
 from tests.tiny import tiny_tokenizer
 from tests.toy import ToyModel, random_table
 
@@ -33,6 +35,7 @@ class Case:
     top_p: float = 1.0
     runs: int = 200_000
     sabotage: str = ""  # a planted bug, see ``apply_sabotage``
+    stop: str = ""  # drafting stops early: "random" (RandomStop) or "calibrated" (the engine's adaptive policy)
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
 
@@ -60,6 +63,27 @@ def exact_joint(case: Case) -> dict[tuple[int, ...], float]:
             ctx.append(x)
         joint[seq] = pr
     return joint
+
+
+class RandomStop(SpecPolicy):
+    """Stops drafting after each depth with probability 1/2, from its own seeded generator: a stopping
+    rule driven by draft-side randomness only, so the output must stay exact."""
+
+    def __init__(self, seed: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def keep_drafting(self, seqs, trees, depth):
+        return (torch.rand(len(trees), generator=self.gen) < 0.5).tolist()
+
+
+def stop_policy(case: Case, seed: int):
+    if case.stop == "random":
+        return RandomStop(seed)
+    if case.stop == "calibrated":  # threshold stopping on the online calibrator, full budget
+        return AdaptiveSpeculation(TreeTopology(case.tree), threshold=0.5)
+    if case.stop:
+        raise ValueError(case.stop)
+    return None
 
 
 def apply_sabotage(name: str) -> None:
@@ -93,7 +117,8 @@ def _worker(args) -> Counter:
     for lo in range(start, start + count, batch):
         n = min(batch, start + count - lo)
         core = EngineCore(target, draft, EngineConfig(max_batch=n, max_model_len=8, tree=case.tree or (1,),
-                                                      without_replacement=case.without_replacement))
+                                                      without_replacement=case.without_replacement),
+                          policy=stop_policy(case, seed=lo))
         for i in range(n):
             core.add_request(GenerationRequest(f"r{lo + i}", PROMPT, params(case, seed=lo + i)))
         outs: dict[str, list[int]] = {}

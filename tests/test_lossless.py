@@ -1,5 +1,6 @@
 """The MCSD engine samples exactly the target distribution (chi-square over 2e5 seeded runs per
-case, through masks, position ids and cache gathers), and planted bugs make the test fail."""
+case, through masks, position ids and cache gathers, also when drafting stops early at random or
+by the adaptive threshold rule), and planted bugs make the test fail."""
 
 import pytest
 
@@ -12,6 +13,8 @@ CASES = [
     Case("tree-4-T0.6", (4,), temperature=0.6),
     Case("tree-2x2-with-replacement-T0.6-top_p", (2, 2), without_replacement=False, temperature=0.6, top_p=0.8),
     Case("tree-3x2-top_p", (3, 2), top_p=0.7),
+    Case("tree-2x2-random-stop", (2, 2), stop="random"),
+    Case("tree-3x2-calibrated-stop-T0.6", (3, 2), temperature=0.6, stop="calibrated"),
 ]
 ALPHA = 1e-3 / len(CASES)  # Bonferroni
 

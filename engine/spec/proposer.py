@@ -7,6 +7,10 @@ from its draft distribution ``q`` (without replacement by default; the top-``k_d
 temperature 0), and the new level is run through the draft in one batched forward over all
 sequences, attending to its ancestors through rows ``[C_{d-1}:C_d]`` of the prebuilt tree mask.
 The deepest level is never run: its nodes have no children to sample.
+
+An optional :class:`~engine.spec.adaptive.SpecPolicy` is asked after each sampled level whether a
+sequence grows another one; a tree that stops is cut to its depth-``d`` prefix (a cached slice of
+the prebuilt topology), so the target verifies exactly the drafted nodes.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from engine.sampler import (
     SamplingTensors, draw_uniforms, finish_probs, process_logits, sample_from_probs, sample_k_distinct,
 )
 from engine.sequence import Sequence
+from engine.spec.adaptive import SpecPolicy
+from engine.spec.features import NodeFeatures, ParentStats, level_features, parent_stats
 from engine.spec.history import RowHistory
-from engine.spec.tree import SubTree
+from engine.spec.tree import SubTree, TreeTopology
 from engine.spec.verify import DEAD
 
 
@@ -36,40 +42,65 @@ class DraftTree:
     tokens: list[int]  # [n] node tokens, DEAD where a child could not be drawn
     q: dict[int, torch.Tensor] = field(default_factory=dict)  # block row -> [vocab] its children's law
     drafted_levels: int = 0  # levels actually run through the draft (s - 1)
+    features: list[NodeFeatures] = field(default_factory=list)  # per sampled level, when the policy wants them
+    scores: list[torch.Tensor] = field(default_factory=list)  # per level [level nodes], the policy's own use
+
+    def cut(self, sub: SubTree) -> None:
+        """Stop at ``sub``, a prefix of this tree's subtree (its first ``sub.num_nodes`` nodes)."""
+        self.sub = sub
+        self.tokens = self.tokens[: sub.num_nodes]
 
 
 class DraftModelProposer:
-    def __init__(self, model: LlamaModel, cache: KVCache, vocab_size: int, without_replacement: bool = True) -> None:
+    def __init__(self, model: LlamaModel, cache: KVCache, vocab_size: int, without_replacement: bool = True,
+                 topology: Optional[TreeTopology] = None, policy: Optional[SpecPolicy] = None) -> None:
         self.model = model
         self.cache = cache
         self.vocab_size = vocab_size  # the target's vocabulary: q is padded to it
         self.without_replacement = without_replacement
+        self.topology = topology  # needed only with a policy: the source of cut subtrees
+        self.policy = policy
 
     def propose(self, seqs: list[Sequence], subs: list[SubTree]) -> list[DraftTree]:
         trees = [DraftTree(sub, [DEAD] * sub.num_nodes) for sub in subs]
-        frontier = {i: lg[None] for i, lg in enumerate(self._catch_up(seqs))}  # seq -> [parents, vocab]
+        # seq -> ([parents, vocab] logits, [parents, hidden] draft hidden states) of the next level's parents
+        frontier = {i: (lg[None], h[None]) for i, (lg, h) in enumerate(zip(*self._catch_up(seqs)))}
         for d in range(1, max(sub.max_depth for sub in subs) + 1):
-            active = [i for i in range(len(seqs)) if subs[i].max_depth >= d]
+            active = [i for i, t in enumerate(trees) if t.sub.max_depth >= d]
+            if not active:
+                break
             self._sample_level([seqs[i] for i in active], [trees[i] for i in active], d,
                                [frontier[i] for i in active])
-            to_run = [i for i in active if subs[i].max_depth > d]
+            self._apply_policy(seqs, trees, [i for i in active if trees[i].sub.max_depth > d], d)
+            to_run = [i for i in active if trees[i].sub.max_depth > d]
             if to_run:
                 frontier = dict(zip(to_run, self._run_level(seqs, trees, to_run, d)))
         return trees
 
+    def _apply_policy(self, seqs: list[Sequence], trees: list[DraftTree], deeper: list[int], d: int) -> None:
+        """Asks the policy whether each tree that could grow past depth ``d`` does; cuts the others."""
+        if self.policy is None or not deeper:
+            return
+        keep = self.policy.keep_drafting([seqs[i] for i in deeper], [trees[i] for i in deeper], d)
+        for i, k in zip(deeper, keep):
+            if not k:
+                trees[i].cut(self.topology.subtree(trees[i].sub.widths[:d]))
+
     # ------------------------------------------------------------------ draft forwards
-    def _catch_up(self, seqs: list[Sequence]) -> list[torch.Tensor]:
+    def _catch_up(self, seqs: list[Sequence]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Root logits [vocab] and draft hidden states [hidden] of every sequence."""
         blocks = []
         for s in seqs:
             new = s.tokens[s.draft_cached:]
             blocks.append(Block(s.draft_slot, new, list(range(s.draft_cached, len(s.tokens))), [len(new) - 1]))
-        _, logits = run_blocks(self.model, self.cache, blocks)
+        out, logits = run_blocks(self.model, self.cache, blocks)
         for s in seqs:
             self.cache.commit(s.draft_slot)
             s.draft_cached = len(s.tokens)
-        return [lg[0] for lg in logits]
+        hidden = [out.hidden[i, len(bl.tokens) - 1] for i, bl in enumerate(blocks)]
+        return [lg[0] for lg in logits], hidden
 
-    def _run_level(self, seqs, trees, to_run: list[int], d: int) -> list[torch.Tensor]:
+    def _run_level(self, seqs, trees, to_run: list[int], d: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         blocks = []
         for i in to_run:
             sub, seq = trees[i].sub, seqs[i]
@@ -79,19 +110,20 @@ class DraftModelProposer:
             root_pos = len(seq.tokens) - 1
             blocks.append(Block(seq.draft_slot, toks, [root_pos + d] * len(toks), list(range(len(toks))), mask))
             trees[i].drafted_levels = d
-        _, logits = run_blocks(self.model, self.cache, blocks)
-        return logits
+        out, logits = run_blocks(self.model, self.cache, blocks)
+        return [(lg, out.hidden[j, : len(bl.tokens)]) for j, (lg, bl) in enumerate(zip(logits, blocks))]
 
     # ------------------------------------------------------------------ sampling children
     def _sample_level(self, seqs: list[Sequence], trees: list[DraftTree], d: int,
-                      logits: list[torch.Tensor]) -> None:
+                      frontier: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Draws the depth-``d`` children of every sequence's depth-(d-1) nodes, all sequences at once.
 
-        logits[j]: [parents_j, vocab] draft logits of sequence j's depth-(d-1) nodes, in level order.
+        frontier[j]: ([parents_j, vocab] draft logits, [parents_j, hidden] draft hidden states) of
+        sequence j's depth-(d-1) nodes, in level order.
         """
         parent_rows = [self._parent_rows(t.sub, d) for t in trees]
         row_seq = [j for j, rows in enumerate(parent_rows) for _ in rows]
-        x = self._pad_vocab(torch.cat(logits)).float()  # [rows, vocab]
+        x = self._pad_vocab(torch.cat([lg for lg, _ in frontier])).float()  # [rows, vocab]
         st = SamplingTensors.from_params([s.request.sampling for s in seqs], self.vocab_size, row_seq)
         counts, prompt = self._histories(seqs, trees, parent_rows)
         x = process_logits(x, st, counts, prompt)
@@ -105,6 +137,7 @@ class DraftModelProposer:
         first = [0] * len(trees)  # first row of each sequence
         for r in range(len(row_seq) - 1, -1, -1):
             first[row_seq[r]] = r
+        probs = None
         if s_rows:
             probs = finish_probs(x, st)  # [rows, vocab]; greedy rows (one-hot) unused
             gens = [seqs[row_seq[r]].generator for r in s_rows]
@@ -113,6 +146,17 @@ class DraftModelProposer:
                 j = row_seq[r]
                 trees[j].q[parent_rows[j][r - first[j]]] = probs[r]
         self._place(trees, d, parent_rows, chosen.tolist(), first)
+        if self.policy is not None and self.policy.wants_features:
+            self._record_features(trees, d, parent_rows, first, frontier, parent_stats(
+                x, probs, st.greedy, chosen, self.policy.wants_full_features))
+
+    def _record_features(self, trees: list[DraftTree], d: int, parent_rows: list[list[int]], first: list[int],
+                         frontier: list[tuple[torch.Tensor, torch.Tensor]], stats: ParentStats) -> None:
+        full = self.policy.wants_full_features
+        for j, tree in enumerate(trees):
+            rows = slice(first[j], first[j] + len(parent_rows[j]))
+            tree.features.append(level_features(stats, rows, tree.sub.widths[d - 1], d,
+                                                tree.tokens[tree.sub.level(d)], frontier[j][1] if full else None))
 
     @staticmethod
     def _place(trees: list[DraftTree], d: int, parent_rows: list[list[int]], chosen: list[list[int]],

@@ -1,0 +1,226 @@
+"""Adaptive speculation: how much to draft, decided per step and per sequence (ALGORITHMS.md §2).
+
+Three hooks (:class:`SpecPolicy`) are all the engine sees:
+
+* ``budget(seqs)``: before drafting, the step's tree budget, a width config inside the configured
+  tree (load awareness, :class:`~engine.spec.cost_model.BudgetChooser`); ``None`` = no cap;
+* ``keep_drafting(seqs, trees, d)``: after the draft sampled depth ``d`` of each tree, whether it
+  grows another level.  A tree that stops is cut to its depth-``d`` prefix, a slice of the prebuilt
+  topology, and the target verifies exactly the nodes that were drafted;
+* ``observe(results)``: after verification, learn from what was accepted.
+
+**Stopping rule (SpecDec++, for trees).**  Every drafted node gets ``y_hat = P(accepted | parent
+reached)`` from the acceptance head (when one is loaded for the request's temperature) or from the
+:class:`OnlineCalibrator`.  A node's path survives with ``cum = prod(y_hat)`` along it.  After depth
+``d``, a sequence keeps drafting only while some live depth-``d`` node has ``cum >= 1 - h`` (i.e. it
+stops when ``1 - cum > h`` for every branch), and always while ``d < min_depth``.
+
+**Losslessness.**  Decisions use only draft-side information of this step (drafted tokens, q, draft
+hidden states) and statistics of *earlier* verifications.  Conditioned on everything before it, a
+step verifies a tree whose shape is fixed before the target is consulted, so the exact rule keeps
+the target's distribution for any threshold, head or calibrator state (chi-square tested).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from engine.spec.acceptance_head import AcceptanceHead
+from engine.spec.cost_model import BudgetChooser, CostModel
+from engine.spec.features import NodeFeatures
+from engine.spec.tree import TreeTopology
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.runner import SeqStepResult
+    from engine.sequence import Sequence
+    from engine.spec.proposer import DraftTree
+
+log = logging.getLogger(__name__)
+
+
+class SpecPolicy:
+    """The engine's speculation hooks; this base drafts the whole planned tree and learns nothing."""
+
+    wants_features = False  # the proposer records NodeFeatures (q_token, depth, rank) per level
+    wants_full_features = False  # ... plus entropy, top-k and the draft's hidden states
+
+    def budget(self, seqs: list["Sequence"]) -> Optional[tuple[int, ...]]:
+        return None
+
+    def keep_drafting(self, seqs: list["Sequence"], trees: list["DraftTree"], depth: int) -> list[bool]:
+        return [True] * len(trees)
+
+    def observe(self, results: list["SeqStepResult"]) -> None:
+        return None
+
+
+class OnlineCalibrator:
+    """``P(node accepted | parent reached)`` from live verification results, without a head.
+
+    Exponentially decayed counts per ``(depth, rank)`` give the marginal rate (shrunk to a prior by
+    ``prior_weight`` pseudo-observations); counts per ``(depth, rank, q-bin)`` refine it with the
+    draft's confidence ``q(x)``, shrunk towards the marginal rate.  ``decay`` applies once per
+    observed sequence-step (a memory of about ``1 / (1 - decay)`` steps).
+    """
+
+    Q_BINS = torch.tensor([0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9])  # inner bin edges
+
+    def __init__(self, max_depth: int, max_rank: int = 4, decay: float = 0.995, prior_weight: float = 4.0,
+                 prior_first: float = 0.6, prior_ratio: float = 0.35) -> None:
+        shape = (max(max_depth, 1), max_rank)
+        self.prior = (prior_first * prior_ratio ** torch.arange(max_rank, dtype=torch.float32)).expand(shape)
+        self.hits = torch.zeros(shape)
+        self.seen = torch.zeros(shape)
+        bins = len(self.Q_BINS) + 1
+        self.bin_hits = torch.zeros(*shape, bins)
+        self.bin_seen = torch.zeros(*shape, bins)
+        self.decay = decay
+        self.prior_weight = prior_weight
+
+    def _cells(self, depth: torch.Tensor, rank: torch.Tensor, q: torch.Tensor):
+        d = (depth - 1).clamp(0, self.hits.shape[0] - 1)
+        r = rank.clamp(0, self.hits.shape[1] - 1)
+        return d, r, torch.bucketize(q, self.Q_BINS)
+
+    def rates(self) -> torch.Tensor:
+        """[depths, ranks] marginal acceptance estimates."""
+        w = self.prior_weight
+        return (self.hits + w * self.prior) / (self.seen + w)
+
+    def predict(self, depth: torch.Tensor, rank: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """depth, rank, q: [n] -> [n] estimates."""
+        d, r, b = self._cells(depth, rank, q)
+        w = self.prior_weight
+        return (self.bin_hits[d, r, b] + w * self.rates()[d, r]) / (self.bin_seen[d, r, b] + w)
+
+    def update(self, depth: torch.Tensor, rank: torch.Tensor, q: torch.Tensor, accepted: torch.Tensor) -> None:
+        """depth, rank, q, accepted: [n] nodes whose parent was reached (accepted: float 0/1)."""
+        for t in (self.hits, self.seen, self.bin_hits, self.bin_seen):
+            t.mul_(self.decay)
+        d, r, b = self._cells(depth, rank, q)
+        ones = torch.ones_like(accepted)
+        self.hits.index_put_((d, r), accepted, accumulate=True)
+        self.seen.index_put_((d, r), ones, accumulate=True)
+        self.bin_hits.index_put_((d, r, b), accepted, accumulate=True)
+        self.bin_seen.index_put_((d, r, b), ones, accumulate=True)
+
+
+def keep_extending(cum: torch.Tensor, depth: int, threshold: float, min_depth: int) -> bool:
+    """The SpecDec++ rule on one tree level.  cum: [n] survival probability of each live node's path
+    (0 for dead slots).  Keep drafting below ``min_depth``, else while some ``1 - cum <= h``."""
+    if depth < min_depth:
+        return True
+    return bool(cum.numel()) and float(cum.max()) >= 1.0 - threshold
+
+
+def verified_labels(res: "SeqStepResult") -> tuple[NodeFeatures, torch.Tensor, torch.Tensor]:
+    """(features, reached, accepted) of one verified tree: ``reached`` [n] marks live nodes whose parent
+    was reached by the walk (those carry a label), ``accepted`` [n] float 0/1."""
+    feats = NodeFeatures.cat(res.tree.features)
+    n = feats.num_nodes
+    accepted = torch.zeros(n, dtype=torch.bool)
+    accepted[res.result.accepted] = True
+    parent = res.tree.sub.parent[:n]
+    reached = torch.where(parent >= 0, accepted[parent.clamp(min=0)], True) & feats.live
+    return feats, reached, accepted.float()
+
+
+class AdaptiveSpeculation(SpecPolicy):
+    """Threshold stopping + online calibration (+ optional heads) + load-aware budgets."""
+
+    wants_features = True
+
+    def __init__(self, topology: TreeTopology, threshold: float = 0.5, min_depth: int = 1,
+                 max_depth: Optional[int] = None, heads: tuple[AcceptanceHead, ...] = (),
+                 cost: Optional[CostModel] = None, probe_every: int = 64) -> None:
+        """``probe_every``: after this many steps in a row without speculation, one step drafts the
+        smallest tree anyway, so the calibrator keeps learning whether speculation pays again."""
+        self.topology = topology
+        self.threshold = threshold
+        self.min_depth = min_depth
+        self.max_depth = len(topology.widths) if max_depth is None else max_depth
+        self.heads = heads
+        self.wants_full_features = bool(heads)
+        self.calibrators = {g: OnlineCalibrator(self.max_depth) for g in (True, False)}  # by greedy
+        self.chooser = BudgetChooser(topology, cost, min_depth, self.max_depth) if cost is not None else None
+        self.probe_every = probe_every
+        self._idle_steps = 0
+
+    @classmethod
+    def from_config(cls, config: "EngineConfig", topology: TreeTopology, target, draft, target_cache,
+                    draft_cache) -> "AdaptiveSpeculation":
+        """Loads the configured heads and, when load-aware, measures the cost curves (a few seconds)."""
+        heads = tuple(AcceptanceHead.load(p) for p in config.acceptance_heads)
+        for path, head in zip(config.acceptance_heads, heads):
+            if head.meta.hidden_size not in (0, draft.config.hidden_size):
+                raise ValueError(f"acceptance head {path} expects draft hidden size {head.meta.hidden_size}, "
+                                 f"the draft has {draft.config.hidden_size}")
+            if (head.meta.target, head.meta.draft) != (target.source, draft.source):
+                log.warning("acceptance head %s was trained for %s / %s, the engine runs %s / %s", path,
+                            head.meta.target, head.meta.draft, target.source, draft.source)
+        cost = None
+        if config.load_aware:
+            cost = CostModel.measure(target.model, target_cache, draft.model, draft_cache, config.max_batch, topology)
+            log.info("cost model: target %s, draft %s", cost.target, cost.draft)
+        return cls(topology, config.adaptive_threshold, config.adaptive_min_depth,
+                   config.adaptive_max_depth, heads, cost)
+
+    def head_for(self, seq: "Sequence") -> Optional[AcceptanceHead]:
+        """The head trained for the request's temperature: the greedy head for greedy requests, else
+        the sampled head with the closest temperature."""
+        params = seq.request.sampling
+        fits = [h for h in self.heads if (h.meta.temperature == 0) == params.greedy]
+        return min(fits, key=lambda h: abs(h.meta.temperature - params.temperature), default=None)
+
+    # ------------------------------------------------------------------ hooks
+    def budget(self, seqs: list["Sequence"]) -> Optional[tuple[int, ...]]:
+        full = self.topology.widths[: self.max_depth]
+        if self.chooser is None:
+            return full
+        groups: dict[bool, int] = {}
+        plain = 0
+        for s in seqs:
+            if s.request.spec.enabled and s.draft_slot is not None:
+                g = s.request.sampling.greedy
+                groups[g] = groups.get(g, 0) + 1
+            else:
+                plain += 1
+        choice = self.chooser.choose([(n, self.calibrators[g].rates()) for g, n in groups.items()], plain)
+        if choice or not groups:
+            self._idle_steps = 0
+            return choice
+        self._idle_steps += 1
+        if self._idle_steps < self.probe_every:
+            return choice
+        self._idle_steps = 0
+        return (1,) * self.min_depth  # a probe
+
+    def keep_drafting(self, seqs: list["Sequence"], trees: list["DraftTree"], depth: int) -> list[bool]:
+        keep = []
+        for seq, tree in zip(seqs, trees):
+            y = self.predict(seq, tree.features[-1])
+            k = tree.sub.widths[depth - 1]
+            parent_cum = tree.scores[-1].repeat_interleave(k) if tree.scores else torch.ones(y.numel())
+            cum = torch.where(tree.features[-1].live, parent_cum * y, 0.0)  # [level nodes]
+            tree.scores.append(cum)
+            keep.append(keep_extending(cum, depth, self.threshold, self.min_depth))
+        return keep
+
+    def predict(self, seq: "Sequence", feats: NodeFeatures) -> torch.Tensor:
+        head = self.head_for(seq)
+        if head is not None:
+            return head.predict(feats)
+        cal = self.calibrators[seq.request.sampling.greedy]
+        return cal.predict(feats.depth, feats.rank, feats.q_token)
+
+    def observe(self, results: list["SeqStepResult"]) -> None:
+        for res in results:
+            if not res.tree.features:
+                continue
+            feats, reached, accepted = verified_labels(res)
+            cal = self.calibrators[res.seq.request.sampling.greedy]
+            cal.update(feats.depth[reached], feats.rank[reached], feats.q_token[reached], accepted[reached])

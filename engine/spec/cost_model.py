@@ -1,0 +1,165 @@
+"""Load awareness: what a step costs, and which tree budget pays best for the current batch.
+
+**Cost curves.**  At start-up the engine times forwards of ``B`` sequences x ``T`` block tokens for
+a few ``(B, T)`` points, for the target (verification blocks) and the draft (tree levels), and fits
+seconds as a monotone piecewise-linear function of the total tokens ``B * T``.
+
+**Budget.**  A candidate budget is a width config ``k' <= k`` of the configured tree (any depth in
+``[min_depth, max_depth]``) or the empty tree (plain decoding).  With ``r[d, rank]`` the estimated
+``P(node accepted | parent reached)``, a node is reached with the product of ``r`` along its path,
+and ``E[accepted](k') = sum of reach over k''s nodes``.  One step emits ``1 + accepted`` tokens per
+speculating sequence and costs ``draft(k') + verify(total block tokens)``; the chooser returns the
+candidate maximising ``sum(1 + E) / seconds`` over the batch.  When one more verified token costs
+nearly as much as a token of plain decoding (large batches), that is the empty tree.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.models.llama import LlamaModel
+from engine.spec.tree import TreeTopology, count_nodes
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Seconds of one forward as a function of the tokens in it (all sequences' blocks together)."""
+
+    tokens: tuple[float, ...]  # ascending
+    seconds: tuple[float, ...]  # non-decreasing
+
+    def __post_init__(self) -> None:
+        if not self.tokens or len(self.tokens) != len(self.seconds):
+            raise ValueError("a cost curve needs one or more (tokens, seconds) points")
+
+    @classmethod
+    def fit(cls, points: list[tuple[float, float]]) -> "CostCurve":
+        """Monotone piecewise-linear curve through the median time at each token count."""
+        by_n: dict[float, list[float]] = {}
+        for n, s in points:
+            by_n.setdefault(float(n), []).append(float(s))
+        ns = sorted(by_n)
+        secs, best = [], 0.0
+        for n in ns:
+            best = max(best, statistics.median(by_n[n]))
+            secs.append(best)
+        return cls(tuple(ns), tuple(secs))
+
+    def __call__(self, n: float) -> float:
+        xs, ys = self.tokens, self.seconds
+        if n <= 0:
+            return 0.0
+        if len(xs) == 1:
+            return ys[0] * max(1.0, n / xs[0])
+        if n <= xs[0]:
+            return ys[0]
+        i = min(max(j for j in range(len(xs) - 1) if xs[j] <= n), len(xs) - 2)
+        slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+        return ys[i] + slope * (n - xs[i])  # beyond the last point: the last segment's slope
+
+
+@dataclass(frozen=True)
+class CostModel:
+    target: CostCurve  # one verification forward
+    draft: CostCurve  # one draft forward (catch-up or one tree level)
+
+    @classmethod
+    def measure(cls, target: LlamaModel, target_cache: KVCache, draft: LlamaModel, draft_cache: KVCache,
+                max_batch: int, topology: TreeTopology, reps: int = 2) -> "CostModel":
+        batches = sorted({1, max(1, max_batch // 2), max_batch})
+        blocks = sorted({1, 2 + topology.num_nodes // 2, 1 + topology.num_nodes})
+        widest = max(topology.level_offsets[d + 1] - topology.level_offsets[d] for d in range(len(topology.widths)))
+        levels = sorted({1, max(1, widest // 2), widest})
+        return cls(measure_curve(target, target_cache, list(itertools.product(batches, blocks)), reps),
+                   measure_curve(draft, draft_cache, list(itertools.product(batches, levels)), reps))
+
+    def draft_seconds(self, batch: int, widths: tuple[int, ...]) -> float:
+        """Catch-up forward plus one forward per non-final tree level (the deepest level never runs)."""
+        if not widths or batch == 0:
+            return 0.0
+        sizes = [count_nodes(widths[: d + 1]) - count_nodes(widths[:d]) for d in range(len(widths) - 1)]
+        return self.draft(batch) + sum(self.draft(batch * s) for s in sizes)
+
+
+def measure_curve(model: LlamaModel, cache: KVCache, points: list[tuple[int, int]], reps: int) -> CostCurve:
+    """Times ``reps`` forwards of ``B`` slots x ``T`` tokens for each ``(B, T)`` (after one warm-up),
+    on temporarily allocated cache slots that are freed afterwards."""
+    need = max(b for b, _ in points)
+    if cache.free_slots < need:
+        raise ValueError(f"measuring the cost curve needs {need} free cache slots, {cache.free_slots} are free")
+    slots = [cache.allocate() for _ in range(need)]
+    samples = []
+    try:
+        for b, t in points:
+            ids = torch.zeros(b, t, dtype=torch.long, device=model.device)
+            pos = torch.arange(t)[None].expand(b, t)
+            rows = torch.arange(t, device=model.device)[None].expand(b, t)
+            for rep in range(reps + 1):
+                t0 = time.perf_counter()
+                model(ids, pos, cache, slots[:b], logits_rows=rows)
+                dt = time.perf_counter() - t0
+                for s in slots[:b]:
+                    cache.discard(s)
+                if rep:  # the first run warms up
+                    samples.append((b * t, dt))
+    finally:
+        for s in slots:
+            cache.free(s)
+    return CostCurve.fit(samples)
+
+
+class BudgetChooser:
+    """Picks the step's tree budget (see the module docstring).  Candidates and their node sets are
+    precomputed once; each step is one ``[candidates, nodes] @ [nodes]`` product per mode."""
+
+    def __init__(self, topology: TreeTopology, cost: CostModel, min_depth: int, max_depth: int) -> None:
+        self.topology = topology
+        self.cost = cost
+        self.candidates: list[tuple[int, ...]] = [()]
+        for depth in range(min_depth, max_depth + 1):
+            self.candidates += list(itertools.product(*(range(1, k + 1) for k in topology.widths[:depth])))
+        member = torch.zeros(len(self.candidates), topology.num_nodes)
+        for c, widths in enumerate(self.candidates):
+            member[c, topology.subtree(widths).nodes] = 1.0
+        self.member = member  # [candidates, nodes]
+        self.sizes = member.sum(dim=1)  # [candidates]
+        self._draft_seconds: dict[int, list[float]] = {}
+
+    def expected_accepted(self, rates: torch.Tensor) -> torch.Tensor:
+        """rates: [depths, ranks] P(accepted | parent reached) -> [candidates] expected accepted tokens."""
+        topo = self.topology
+        d = (topo.depth - 1).clamp(max=rates.shape[0] - 1)
+        r = topo.rank.clamp(max=rates.shape[1] - 1)
+        node_rate = rates[d, r]  # [nodes]
+        reach = torch.zeros(topo.num_nodes)
+        offs = topo.level_offsets
+        for lv in range(len(topo.widths)):  # level-major: parents are final before their children
+            sl = slice(offs[lv], offs[lv + 1])
+            par = topo.parent[sl]
+            parent_reach = torch.where(par >= 0, reach[par.clamp(min=0)], 1.0)
+            reach[sl] = parent_reach * node_rate[sl]
+        return self.member @ reach
+
+    def choose(self, spec_counts: list[tuple[int, torch.Tensor]], plain: int) -> tuple[int, ...]:
+        """spec_counts: ``(sequences, rates)`` per group of speculating sequences sharing a rates
+        table; ``plain``: sequences of the batch that decode without speculation."""
+        spec = sum(n for n, _ in spec_counts)
+        if spec == 0:
+            return ()
+        tokens = float(plain)
+        for n, rates in spec_counts:
+            tokens = tokens + n * (1.0 + self.expected_accepted(rates))  # [candidates]
+        verify = [self.cost.target(spec * (1 + s) + plain) for s in self.sizes.tolist()]
+        seconds = torch.tensor(verify) + torch.tensor(self._draft_costs(spec))
+        return self.candidates[int((tokens / seconds.clamp_min(1e-9)).argmax())]
+
+    def _draft_costs(self, batch: int) -> list[float]:
+        if batch not in self._draft_seconds:
+            self._draft_seconds[batch] = [self.cost.draft_seconds(batch, w) for w in self.candidates]
+        return self._draft_seconds[batch]

@@ -1,0 +1,296 @@
+"""Adaptive speculation: the SpecDec++ stopping rule stops exactly where it says (min/max depth
+honoured), the online calibrator converges, the budget chooser picks plain decoding when
+verification is prohibitive and the whole tree when it is free, acceptance heads round-trip, and
+greedy output with adaptive depth is token-identical to plain decoding on tiny models."""
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.request import SpecOptions
+from engine.spec.acceptance_head import AcceptanceHead, HeadMeta
+from engine.spec.adaptive import AdaptiveSpeculation, OnlineCalibrator, keep_extending
+from engine.spec.cost_model import BudgetChooser, CostCurve, CostModel, measure_curve
+from engine.spec.features import CHEAP_FEATURES, NodeFeatures
+from engine.spec.proposer import DraftTree
+from engine.spec.tree import TreeTopology
+from tests.engine_utils import run_engine
+from tests.tiny import tiny_loaded
+
+PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [42]]
+ZERO = CostCurve((1.0,), (0.0,))
+
+
+class ScriptedY(AdaptiveSpeculation):
+    """y_hat from a script: ``y[d-1]`` is a number (every depth-d node) or a list (per node of the level).
+    Records (subtree nodes, live drafted nodes, verified block rows) of every verified tree."""
+
+    def __init__(self, topology, y, **kw):
+        super().__init__(topology, **kw)
+        self.y = y
+        self.verified = []
+
+    def observe(self, results):
+        super().observe(results)
+        self.verified += [(r.tree.sub.num_nodes, r.drafted, r.logits.shape[0]) for r in results]
+
+    def predict(self, seq, feats):
+        y = torch.as_tensor(self.y[int(feats.depth[0]) - 1], dtype=torch.float32)
+        return y.expand(feats.num_nodes) if y.dim() == 0 else y
+
+
+def drafted_depth(policy, widths, dead=()):
+    """Drives ``keep_drafting`` level by level as the proposer does; returns the depth it stops at."""
+    sub = policy.topology.subtree(widths)
+    tree = DraftTree(sub, [1] * sub.num_nodes)
+    for d in range(1, sub.max_depth + 1):
+        lv = sub.level(d)
+        live = torch.tensor([i not in dead for i in range(lv.start, lv.stop)])
+        n = lv.stop - lv.start
+        tree.features.append(NodeFeatures(torch.full((n,), d), sub.rank[lv], torch.full((n,), 0.5), live))
+        if d == sub.max_depth or not policy.keep_drafting([None], [tree], d)[0]:
+            return d
+
+
+CHAIN = (1, 1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("y,h,min_depth,expected", [
+    ([0.9] * 5, 0.3, 1, 4),  # cum .9 .81 .729 .656 -> 1 - .656 > .3 at depth 4
+    ([0.9] * 5, 0.3, 5, 5),  # min_depth forces the whole chain
+    ([0.5] * 5, 0.3, 1, 1),
+    ([0.5] * 5, 0.3, 3, 3),  # below min_depth it goes on, then stops at once
+    ([0.95, 0.2, 0.99, 0.99, 0.99], 0.5, 1, 2),
+    ([0.01] * 5, 1.0, 1, 5),  # h = 1 never stops
+    ([0.999] * 5, 0.0, 2, 2),  # h = 0 stops as soon as allowed
+])
+def test_threshold_rule_on_a_chain(y, h, min_depth, expected):
+    policy = ScriptedY(TreeTopology(CHAIN), y, threshold=h, min_depth=min_depth)
+    assert drafted_depth(policy, CHAIN) == expected
+
+
+def test_threshold_rule_follows_the_best_branch_of_a_tree():
+    topo = TreeTopology((2, 2, 2, 1))
+    # depth 1: [.9, .5]; depth 2 under node 0: [.1, .1], under node 1: [.99, .99] -> best path .495
+    y = [[0.9, 0.5], [0.1, 0.1, 0.99, 0.99], [0.8] * 8, [1.0] * 8]
+    assert drafted_depth(ScriptedY(topo, y, threshold=0.6), (2, 2, 2, 1)) == 3  # .495 >= .4; then .396 < .4
+    assert drafted_depth(ScriptedY(topo, y, threshold=0.5), (2, 2, 2, 1)) == 2  # .495 < .5
+    # the only branch worth extending is dead (no token could be drawn there): stop
+    assert drafted_depth(ScriptedY(topo, y, threshold=0.6), (2, 2, 2, 1), dead={4, 5}) == 2
+
+
+def test_keep_extending_exact_cases():
+    assert keep_extending(torch.tensor([0.3, 0.71]), 2, threshold=0.3, min_depth=1)
+    assert not keep_extending(torch.tensor([0.3, 0.69]), 2, threshold=0.3, min_depth=1)
+    assert keep_extending(torch.tensor([0.0]), 1, threshold=0.3, min_depth=2)
+    assert not keep_extending(torch.tensor([]), 2, threshold=0.3, min_depth=1)
+
+
+def test_calibrator_converges_on_synthetic_data():
+    """True P(accept) = a[d, r] * q with q ~ U(0, 1): the bin estimates reach the bin means of the truth."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.tensor([[0.95, 0.5], [0.8, 0.4], [0.6, 0.3]])  # [depth, rank]
+    cal = OnlineCalibrator(max_depth=3, decay=0.9995)
+    for _ in range(4000):
+        depth = torch.randint(1, 4, (16,), generator=g)
+        rank = torch.randint(0, 2, (16,), generator=g)
+        q = torch.rand(16, generator=g)
+        accepted = (torch.rand(16, generator=g) < a[depth - 1, rank] * q).float()
+        cal.update(depth, rank, q, accepted)
+    edges = torch.cat([torch.zeros(1), OnlineCalibrator.Q_BINS, torch.ones(1)])
+    mids = (edges[1:] + edges[:-1]) / 2
+    for d in range(3):
+        for r in range(2):
+            est = cal.predict(torch.full((len(mids),), d + 1), torch.full((len(mids),), r), mids)
+            wide = (edges[1:] - edges[:-1]) >= 0.1  # well-populated bins
+            assert (est - a[d, r] * mids)[wide].abs().max() < 0.06, (d, r, est, a[d, r] * mids)
+            assert abs(float(cal.rates()[d, r]) - float(a[d, r]) / 2) < 0.04  # E[a q] = a / 2
+
+
+def test_cost_curve_fit_and_interpolation():
+    c = CostCurve.fit([(1, 1.0), (10, 2.0), (10, 2.2), (10, 1.9), (20, 1.5), (30, 3.0)])
+    assert c.tokens == (1.0, 10.0, 20.0, 30.0) and c.seconds == (1.0, 2.0, 2.0, 3.0)  # median, then monotone
+    assert c(5.5) == pytest.approx(1.5) and c(0.5) == 1.0 and c(40) == pytest.approx(4.0)
+
+
+RATES = torch.tensor([[0.7, 0.2, 0.1, 0.05]]).expand(3, 4)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_budget_is_empty_when_verification_is_prohibitive_and_full_when_free(batch):
+    topo = TreeTopology((4, 2, 2))
+    prohibitive = BudgetChooser(topo, CostModel(CostCurve((1.0, 1000.0), (1.0, 1000.0)), ZERO), 1, 3)
+    free = BudgetChooser(topo, CostModel(CostCurve((1.0, 1000.0), (1.0, 1.0)), ZERO), 1, 3)
+    assert prohibitive.choose([(batch, RATES)], plain=0) == ()
+    assert free.choose([(batch, RATES)], plain=0) == (4, 2, 2)
+
+
+def test_budget_shrinks_as_the_batch_grows():
+    topo = TreeTopology((4, 2, 2))
+    cost = CostModel(CostCurve((1.0, 1000.0), (1.0, 1.0 + 999 * 0.03)), CostCurve((1.0, 1000.0), (0.1, 3.1)))
+    chooser = BudgetChooser(topo, cost, 1, 3)
+    sizes = [topo.subtree(chooser.choose([(b, RATES)], plain=0)).num_nodes for b in (1, 2, 4, 8, 16)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1] > 0
+
+
+def test_measured_cost_curve_is_monotone_and_frees_its_slots():
+    model = tiny_loaded("llama").model
+    cache = model.new_cache(4, 64)
+    curve = measure_curve(model, cache, [(1, 1), (2, 8), (4, 8)], reps=2)
+    assert curve.tokens == (1.0, 16.0, 32.0)
+    assert all(s > 0 for s in curve.seconds) and list(curve.seconds) == sorted(curve.seconds)
+    assert cache.free_slots == 4 and int(cache.pending.sum()) == 0
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_loaded("llama", seed=0), tiny_loaded("llama", seed=0), tiny_loaded("llama", seed=1, layers=1)
+
+
+def plain(target, prompts, **kw):
+    outs, _ = run_engine(target, None, prompts, tree=(), ignore_eos=True, **kw)
+    return [o.tokens for o in outs]
+
+
+@pytest.mark.parametrize("tree", [(4, 2, 2), (1, 1, 1, 1)])
+@pytest.mark.parametrize("threshold", [0.2, 0.8])
+def test_greedy_with_adaptive_depth_equals_plain_decoding(models, tree, threshold):
+    target, self_draft, other_draft = models
+    expected = plain(target, PROMPTS)
+    config = dict(adaptive=True, adaptive_threshold=threshold, load_aware=False)
+    for draft in (self_draft, other_draft):
+        outs, core = run_engine(target, draft, PROMPTS, tree=tree, ignore_eos=True, config=config)
+        assert [o.tokens for o in outs] == expected
+        steps = [s for s in core.drain_step_stats() if s.num_seqs]
+        assert sum(s.drafted_tokens for s in steps) > 0
+    assert core.policy.calibrators[True].seen.sum() > 0  # it learned from verification
+
+
+def test_adaptive_stops_early_and_verifies_only_drafted_nodes(models):
+    """y = .9 everywhere, h = .3: every speculating step drafts exactly 4 levels of the 5-chain."""
+    target, self_draft, _ = models
+    policy = ScriptedY(TreeTopology(CHAIN), [0.9] * 5, threshold=0.3)
+    outs, core = run_engine(target, self_draft, PROMPTS[:1], tree=CHAIN, max_batch=1, ignore_eos=True,
+                            max_tokens=30, policy=policy)
+    assert outs[0].tokens == plain(target, PROMPTS[:1], max_tokens=30)[0]
+    steps = [s for s in core.drain_step_stats() if s.num_seqs]
+    assert all(s.drafted_tokens == min(4, s.budget) for s in steps)
+    assert steps[0].drafted_by_depth == [1, 1, 1, 1] and steps[0].accepted_by_depth == [1, 1, 1, 1]
+    assert outs[0].spec.steps == len(steps)
+    assert all(sub == drafted == rows - 1 for sub, drafted, rows in policy.verified)  # the cut tree is verified
+
+
+def test_max_and_min_depth_are_honoured(models):
+    target, _, other_draft = models
+    expected = plain(target, PROMPTS)
+    for h, depth in ((0.0, 2), (1.0, 3)):  # h = 0 stops at min_depth; h = 1 never stops before max_depth
+        config = dict(adaptive=True, adaptive_threshold=h, adaptive_min_depth=2, adaptive_max_depth=3,
+                      load_aware=False)
+        outs, core = run_engine(target, other_draft, PROMPTS, tree=(2, 1, 1, 1), ignore_eos=True, config=config)
+        depths = [len(s.drafted_by_depth) for s in core.drain_step_stats() if s.drafted_tokens]
+        assert max(depths) == depth and depths.count(depth) > len(depths) // 2
+        assert [o.tokens for o in outs] == expected
+    # a request's speculative.max_depth still caps, below the adaptive min_depth too
+    outs, core = run_engine(target, other_draft, PROMPTS, tree=(2, 1, 1, 1), ignore_eos=True, config=config,
+                            spec=SpecOptions(max_depth=1))
+    assert {len(s.drafted_by_depth) for s in core.drain_step_stats() if s.drafted_tokens} == {1}
+    assert [o.tokens for o in outs] == expected
+
+
+def test_cost_model_drives_the_engine_budget(models):
+    target, self_draft, _ = models
+    topo = TreeTopology((4, 2, 2))
+    prohibitive = CostModel(CostCurve((1.0, 1000.0), (1.0, 1000.0)), ZERO)
+    free = CostModel(CostCurve((1.0, 1000.0), (1.0, 1.0)), ZERO)
+    expected = plain(target, PROMPTS)
+    outs, core = run_engine(target, self_draft, PROMPTS, ignore_eos=True,
+                            policy=AdaptiveSpeculation(topo, cost=prohibitive, probe_every=1000))
+    assert [o.tokens for o in outs] == expected
+    assert all(s.budget == 0 and s.drafted_tokens == 0 for s in core.drain_step_stats() if s.num_seqs)
+    outs, core = run_engine(target, self_draft, PROMPTS, ignore_eos=True, policy=AdaptiveSpeculation(topo, cost=free))
+    assert [o.tokens for o in outs] == expected
+    assert core.drain_step_stats()[0].budget == 28
+
+
+def test_probe_when_speculation_has_not_paid_for_a_while():
+    topo = TreeTopology((4, 2, 2))
+    policy = AdaptiveSpeculation(topo, min_depth=2, cost=CostModel(CostCurve((1.0, 1000.0), (1.0, 1000.0)), ZERO),
+                                 probe_every=3)
+
+    class Seq:  # the fields budget() reads
+        draft_slot = 0
+        request = type("R", (), {"spec": type("S", (), {"enabled": True}), "sampling": type("P", (), {"greedy": True})})
+
+    assert [policy.budget([Seq()]) for _ in range(6)] == [(), (), (1, 1), (), (), (1, 1)]
+
+
+def test_load_aware_engine_measures_at_start_and_stays_exact(models):
+    target, _, other_draft = models
+    outs, core = run_engine(target, other_draft, PROMPTS, ignore_eos=True, config=dict(adaptive=True))
+    assert core.policy.chooser is not None and core.policy.chooser.cost.target(8) > 0
+    assert [o.tokens for o in outs] == plain(target, PROMPTS)
+    assert core.cache.free_slots == core.cache.num_slots
+
+
+def head_file(tmp_path, temperature=0.0, hidden_size=64):
+    torch.manual_seed(0)
+    head = AcceptanceHead(HeadMeta("tiny-llama-0", "tiny-llama-1", temperature, hidden_size=hidden_size, units=16))
+    path = tmp_path / f"head-{temperature}.safetensors"
+    head.save(path)
+    return head, path
+
+
+def test_head_round_trips_with_metadata(tmp_path):
+    head, path = head_file(tmp_path)
+    loaded = AcceptanceHead.load(path)
+    assert loaded.meta == head.meta and loaded.meta.features == list(CHEAP_FEATURES)
+    n = 5
+    feats = NodeFeatures(torch.arange(1, n + 1), torch.zeros(n, dtype=torch.long), torch.rand(n),
+                         torch.ones(n, dtype=torch.bool), torch.rand(n), torch.rand(n, 10), torch.randn(n, 64))
+    y = loaded.predict(feats)
+    assert y.shape == (n,) and torch.equal(y, head.predict(feats)) and ((y > 0) & (y < 1)).all()
+    with pytest.raises(ValueError, match="hidden states"):
+        loaded.predict(NodeFeatures(*(t for t in (feats.depth, feats.rank, feats.q_token, feats.live,
+                                                  feats.entropy, feats.top_probs)), hidden=None))
+
+
+def test_head_file_errors(tmp_path):
+    from safetensors.torch import save_file
+
+    with pytest.raises(ValueError, match="does not exist"):
+        AcceptanceHead.load(tmp_path / "none.safetensors")
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(ValueError, match="not an acceptance head"):
+        AcceptanceHead.load(tmp_path / "plain.safetensors")
+
+
+def test_greedy_with_a_head_equals_plain_decoding(models, tmp_path):
+    target, _, other_draft = models
+    _, path = head_file(tmp_path)
+    config = dict(adaptive=True, acceptance_heads=(str(path),), load_aware=False, adaptive_threshold=0.9)
+    outs, core = run_engine(target, other_draft, PROMPTS, ignore_eos=True, config=config)
+    assert core.policy.wants_full_features and core.policy.heads[0].uses_hidden
+    assert [o.tokens for o in outs] == plain(target, PROMPTS)
+
+
+def test_sampled_requests_with_adaptive_depth_account_consistently(models):
+    target, _, other_draft = models
+    outs, core = run_engine(target, other_draft, PROMPTS, ignore_eos=True, temperature=0.8, seed=3,
+                            config=dict(adaptive=True, load_aware=False))
+    steps = [s for s in core.drain_step_stats() if s.num_seqs]
+    assert all(len(o.tokens) == 24 for o in outs)
+    assert sum(s.accepted_tokens for s in steps) <= sum(s.drafted_tokens for s in steps)
+    assert core.policy.calibrators[False].seen.sum() > 0 and core.policy.calibrators[True].seen.sum() == 0
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(tree=()), "needs a draft tree"),
+    (dict(adaptive_threshold=1.5), "adaptive_threshold"),
+    (dict(adaptive_min_depth=0), "adaptive_min_depth"),
+    (dict(adaptive_min_depth=3, adaptive_max_depth=2), "adaptive_min_depth"),
+    (dict(adaptive_max_depth=4), "deeper than the tree"),
+    (dict(acceptance_heads=("/nonexistent/head.safetensors",)), "does not exist"),
+])
+def test_config_errors(kw, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**{"adaptive": True, "tree": (4, 2, 2), **kw})
