@@ -38,8 +38,11 @@ def build_core(settings: Settings):
         log.info("loading draft %s", settings.draft_model)
         draft = load_model(settings.draft_model, settings.dtype, settings.device)
     extra = {"max_model_len": settings.max_model_len} if settings.max_model_len else {}
+    if settings.acceptance_heads:
+        extra["acceptance_heads"] = tuple(h.strip() for h in settings.acceptance_heads.split(",") if h.strip())
     config = EngineConfig(max_batch=settings.max_batch, tree=settings.tree, prefill_chunk=settings.prefill_chunk,
-                          spec_enabled=settings.spec_enabled, **extra)
+                          spec_enabled=settings.spec_enabled, adaptive=settings.adaptive,
+                          adaptive_threshold=settings.adaptive_threshold, **extra)
     # The single place where the server builds the engine core.
     core = EngineCore(target, draft, config, model_name=settings.model_id)
     log.info("engine ready: context %d tokens, tree %s, max batch %d",
