@@ -16,7 +16,6 @@ class EngineConfig:
     tree: tuple[int, ...] = (4, 2, 2)  # largest draft tree (width per depth); () = no speculation
     prefill_chunk: int = 512  # prompt tokens prefilled per step, so running streams keep flowing
     without_replacement: bool = True  # draw sibling candidates without replacement
-    spec_enabled: bool = True  # default for requests that do not say
     # adaptive speculation (engine.spec.adaptive): stop drafting when 1 - prod(y_hat) > threshold on
     # every branch, within [adaptive_min_depth, adaptive_max_depth]; load-aware tree budget per step
     adaptive: bool = False

@@ -41,7 +41,7 @@ def build_core(settings: Settings):
     if settings.acceptance_heads:
         extra["acceptance_heads"] = tuple(h.strip() for h in settings.acceptance_heads.split(",") if h.strip())
     config = EngineConfig(max_batch=settings.max_batch, tree=settings.tree, prefill_chunk=settings.prefill_chunk,
-                          spec_enabled=settings.spec_enabled, adaptive=settings.adaptive,
+                          adaptive=settings.adaptive,
                           adaptive_threshold=settings.adaptive_threshold, **extra)
     # The single place where the server builds the engine core.
     core = EngineCore(target, draft, config, model_name=settings.model_id)

@@ -13,7 +13,7 @@ from benchmarks.bench_serving import (
 )
 from engine.data import Prompt
 from tests.fakes import make_tokenizer
-from tests.tiny import tiny_hf
+from tests.tiny import save_tiny_pair
 
 PROMPTS = "benchmarks/prompts/smoke.json"  # short: bench.json's prompts exceed the tiny context
 
@@ -22,12 +22,7 @@ PROMPTS = "benchmarks/prompts/smoke.json"  # short: bench.json's prompts exceed 
 def tiny_dirs(tmp_path_factory):
     """Target and draft HF directories (byte-level tokenizer with a chat template), seeds 0 and 1."""
     root = tmp_path_factory.mktemp("tiny-models")
-    tok = make_tokenizer()
-    for name, seed in (("target", 0), ("draft", 1)):
-        hf = tiny_hf("qwen2", seed=seed, vocab=len(tok))
-        hf.config.eos_token_id = tok.eos_token_id
-        hf.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
+    save_tiny_pair(root, make_tokenizer())
     return root
 
 

@@ -13,6 +13,10 @@ from engine.request import GenerationRequest, SamplingParams
 from tests.fakes import FakeCore, make_tokenizer
 
 
+async def _drain(stream) -> list:
+    return [o async for o in stream]
+
+
 class Recorder:
     def __init__(self) -> None:
         self.records, self.stats = [], []
@@ -75,7 +79,7 @@ def test_queue_bound_is_all_or_nothing_and_spares_admitted_requests():
         third = engine.submit([req("w2", max_tokens=2)])
         with pytest.raises(EngineOverloaded):
             engine.submit([req("x3")])
-        results = [[o async for o in g] for g in (running, waiting, third)]
+        results = [await _drain(g) for g in (running, waiting, third)]
         await engine.shutdown()
         return results
 

@@ -77,14 +77,9 @@ def _free_port() -> int:
 def test_cli_serves_a_local_model_directory(tmp_path):
     """``python -m server`` on tiny HF directories: /health 503 or 200, a completion, clean SIGINT exit."""
     from tests.fakes import make_tokenizer
-    from tests.tiny import tiny_hf
+    from tests.tiny import save_tiny_pair
 
-    tok = make_tokenizer()
-    for name, seed in (("target", 0), ("draft", 1)):
-        hf = tiny_hf("qwen2", seed=seed, vocab=len(tok))
-        hf.config.eos_token_id = tok.eos_token_id
-        hf.save_pretrained(tmp_path / name)
-        tok.save_pretrained(tmp_path / name)
+    save_tiny_pair(tmp_path, make_tokenizer())
     port = _free_port()
     env = {**os.environ, "MCSD_MAX_MODEL_LEN": "128", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "server", "--config", "tiny-test", "--model", str(tmp_path / "target"),

@@ -64,3 +64,13 @@ def tiny_loaded(kind: str = "llama", seed: int = 0, layers: int = 2):
     cfg = ModelConfig.from_hf(hf.config)
     model = build_model(cfg, hf.state_dict(), torch.float32)
     return LoadedModel(model, cfg, tiny_tokenizer(cfg.vocab_size), f"tiny-{kind}-{seed}", path=None)
+
+
+def save_tiny_pair(root, tokenizer) -> None:
+    """Writes ``root/target`` and ``root/draft``: tiny Qwen2 HF directories (seeds 0 and 1) sharing
+    ``tokenizer`` (its vocabulary size and EOS)."""
+    for name, seed in (("target", 0), ("draft", 1)):
+        hf = tiny_hf("qwen2", seed=seed, vocab=len(tokenizer))
+        hf.config.eos_token_id = tokenizer.eos_token_id
+        hf.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
