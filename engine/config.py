@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from engine.spec.methods import check_method
 from engine.spec.tree import parse_widths
 
 
@@ -24,6 +25,15 @@ class EngineConfig:
     adaptive_max_depth: Optional[int] = None  # None = the tree's depth
     acceptance_heads: tuple[str, ...] = ()  # acceptance head files (one per temperature); none = online calibration
     load_aware: bool = True  # measure the cost curve at start-up and choose the budget per step
+    # drafters (engine.spec.methods): the method requests get when they do not name one, and its knobs
+    spec_method: str = "mcsd"
+    maxgram_len: int = 8  # most tokens a Max-Gram proposal from the root holds
+    maxgram_branches: int = 1  # Max-Gram proposals (distinct first tokens) from the root
+    maxgram_max_ngram: int = 4  # longest suffix tried
+    maxgram_min_ngram: int = 1  # shortest suffix accepted as a match
+    maxgram_corpus: Optional[str] = None  # text / prompts JSON for the bigram fallback; None = no bigrams
+    maxgram_tail: int = 4  # horizontal cascade: Max-Gram tokens after the deepest drafted path
+    cascade_depth: int = 4  # vertical cascade: tokens the draft model writes reviewing Max-Gram's guesses
 
     def __post_init__(self) -> None:
         self.tree = parse_widths(self.tree)
@@ -34,6 +44,19 @@ class EngineConfig:
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         self._validate_adaptive()
+        self._validate_drafters()
+
+    def _validate_drafters(self) -> None:
+        check_method(self.spec_method)
+        for name in ("maxgram_len", "maxgram_branches", "maxgram_max_ngram", "maxgram_min_ngram"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.maxgram_min_ngram > self.maxgram_max_ngram:
+            raise ValueError(f"maxgram_min_ngram {self.maxgram_min_ngram} > maxgram_max_ngram {self.maxgram_max_ngram}")
+        if self.maxgram_tail < 0 or self.cascade_depth < 0:
+            raise ValueError("maxgram_tail and cascade_depth must be >= 0")
+        if self.maxgram_corpus is not None and not Path(self.maxgram_corpus).is_file():
+            raise ValueError(f"maxgram_corpus {self.maxgram_corpus} does not exist")
 
     def _validate_adaptive(self) -> None:
         if isinstance(self.acceptance_heads, (str, Path)):

@@ -19,6 +19,8 @@ from engine.sampler import SamplingTensors, token_count_matrix
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.spec.adaptive import AdaptiveSpeculation, SpecPolicy
+from engine.spec.maxgram import BigramTable, MaxGramDrafter
+from engine.spec.methods import CASCADE, MAXGRAM, MCSD, MCSD_MAXGRAM, NEEDS_DRAFT, DraftPlan
 from engine.spec.proposer import DraftModelProposer
 from engine.spec.tree import SubTree, TreeTopology
 from engine.stats import StepStats
@@ -38,20 +40,26 @@ class EngineCore:
                                  target.config.sliding_window or 1 << 30)
         self.vocab_size = target.config.vocab_size
         self.topology = TreeTopology(self.config.tree if draft is not None else ())
-        slot_len = self.max_model_len + self.topology.num_nodes + 1
-        self.cache = target.model.new_cache(self.config.max_batch, slot_len)
+        cfg = self.config
+        # the largest verification block any method builds, and the most draft-cache entries a step appends
+        max_nodes = max(self.topology.num_nodes + cfg.maxgram_branches * cfg.maxgram_len + cfg.maxgram_tail,
+                        cfg.cascade_depth + cfg.maxgram_tail)
+        self.cache = target.model.new_cache(cfg.max_batch, self.max_model_len + max_nodes + 1)
+        draft_len = self.max_model_len + max(self.topology.num_nodes, cfg.cascade_depth * (cfg.maxgram_len + 1)) + 1
+        bigram = BigramTable.from_corpus(self.tokenizer, cfg.maxgram_corpus) if cfg.maxgram_corpus else None
+        self.maxgram = MaxGramDrafter(cfg.maxgram_len, cfg.maxgram_max_ngram, cfg.maxgram_min_ngram, bigram)
         proposer = None
         self.policy: Optional[SpecPolicy] = None
         if draft is not None:
             _check_pair(target, draft)
-            draft_cache = draft.model.new_cache(self.config.max_batch, slot_len)
+            draft_cache = draft.model.new_cache(self.config.max_batch, draft_len)
             if policy is None and self.config.adaptive:
                 policy = AdaptiveSpeculation.from_config(self.config, self.topology, target, draft, self.cache,
                                                          draft_cache)
             self.policy = policy
             proposer = DraftModelProposer(draft.model, draft_cache, self.vocab_size, self.config.without_replacement,
-                                          self.topology, policy)
-        self.runner = ModelRunner(target.model, self.cache, self.vocab_size, proposer)
+                                          self.topology, policy, chunk=self.config.prefill_chunk)
+        self.runner = ModelRunner(target.model, self.cache, self.vocab_size, proposer, self.maxgram)
         self.scheduler = Scheduler(self.config, self.cache, proposer.cache if proposer else None)
         self.eos_token_ids = set(target.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -65,9 +73,12 @@ class EngineCore:
         stream = TextStream.create(self.tokenizer, req.prompt_token_ids, req.sampling, self.eos_token_ids)
         seq = Sequence.create(req, stream)
         seq.sampling_tensors = SamplingTensors.from_params([req.sampling], self.vocab_size)
-        if not self.runner.proposer and req.spec.enabled:
+        if req.spec.method is None:
+            req.spec.method = self.config.spec_method
+        if not self.runner.proposer and req.spec.enabled and req.spec.method in NEEDS_DRAFT:
             seq.request.spec.enabled = False
-            seq.spec.note = "speculation is off: the server runs without a draft model"
+            seq.spec.note = (f"speculation is off: the server runs without a draft model, which method "
+                             f"{req.spec.method!r} needs (method 'maxgram' needs none)")
         if req.sampling.needs_history:
             seq.output_counts = torch.zeros(self.vocab_size, dtype=torch.int32)
             if req.sampling.repetition_penalty != 1.0:
@@ -127,9 +138,9 @@ class EngineCore:
         outputs = []
         if plan.decode:
             budget = self.policy.budget(plan.decode) if self.policy is not None else None
-            subs = [self._subtree(seq, budget) for seq in plan.decode]
-            stats.budget = max(sub.num_nodes for sub in subs)
-            results = self.runner.step(plan.decode, subs, stats)
+            plans = [self._plan(seq, budget) for seq in plan.decode]
+            stats.budget = max(p.sub.num_nodes for p in plans)
+            results = self.runner.step(plan.decode, plans, stats)
             if self.policy is not None:
                 self.policy.observe(results)
             for res in results:
@@ -139,6 +150,30 @@ class EngineCore:
         if not plan.empty:
             self._stats.append(stats)
         return outputs
+
+    def _plan(self, seq: Sequence, budget: Optional[tuple[int, ...]] = None) -> DraftPlan:
+        """What each drafter of the request's method may draft this step.  The budget caps the draft
+        model's tree (a budget of plain decoding also stops the vertical cascade, which runs the draft
+        model); Max-Gram has no drafting cost and always proposes."""
+        spec, cfg = seq.request.spec, self.config
+        empty = self.topology.subtree(())
+        room = seq.remaining - 1
+        if spec.max_depth is not None:
+            room = min(room, spec.max_depth)
+        if not spec.enabled or room <= 0:
+            return DraftPlan(spec.method or MCSD, empty)
+        if spec.method == MAXGRAM:
+            return DraftPlan(MAXGRAM, empty, maxgram=min(cfg.maxgram_len, room), branches=cfg.maxgram_branches)
+        if seq.draft_slot is None:
+            return DraftPlan(spec.method, empty)
+        if spec.method == CASCADE:
+            depth = min(cfg.cascade_depth, room) if budget != () else 0
+            return DraftPlan(CASCADE, empty, cascade=depth, tail=min(cfg.maxgram_tail, room - depth))
+        sub = self._subtree(seq, budget)
+        if spec.method == MCSD_MAXGRAM:
+            return DraftPlan(MCSD_MAXGRAM, sub, maxgram=min(cfg.maxgram_len, room), branches=cfg.maxgram_branches,
+                             tail=min(cfg.maxgram_tail, room - sub.max_depth) if sub.num_nodes else 0)
+        return DraftPlan(MCSD, sub)
 
     def _subtree(self, seq: Sequence, budget: Optional[tuple[int, ...]] = None) -> SubTree:
         """The largest tree this sequence may draft this step: its request's tree (or the engine's),

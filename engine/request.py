@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from engine.spec.methods import check_method
+
 #: a temperature at or below this is treated as greedy (argmax) decoding
 GREEDY_EPS = 1e-5
 
@@ -98,9 +100,11 @@ class SpecOptions:
     enabled: bool = True
     max_depth: Optional[int] = None  # cap on drafted depth; None = engine default
     tree: Optional[tuple[int, ...]] = None  # width per depth; None = engine default
-    method: str = "mcsd"
+    method: Optional[str] = None  # engine.spec.methods; None = the engine's default
 
     def __post_init__(self) -> None:
+        if self.method is not None:
+            check_method(self.method)
         if self.max_depth is not None and self.max_depth < 0:
             raise ValueError(f"speculative.max_depth must be >= 0, got {self.max_depth}")
         if self.tree is not None:

@@ -20,9 +20,12 @@ from engine.request import TokenLogprob
 from engine.sampler import compute_probs, raw_logprobs
 from engine.sequence import Sequence
 from engine.spec.history import RowHistory
-from engine.spec.proposer import DraftModelProposer, DraftTree
-from engine.spec.tree import SubTree
-from engine.spec.verify import DEAD, VerifyResult, children_of, verify_greedy, verify_sampled
+from engine.spec.cascade import CascadeProposer
+from engine.spec.draft_tree import BIGRAM, DEAD, MAXGRAM, DraftTree
+from engine.spec.maxgram import MaxGramDrafter
+from engine.spec.methods import DraftPlan
+from engine.spec.proposer import DraftModelProposer
+from engine.spec.verify import VerifyResult, verify_greedy, verify_sampled
 from engine.stats import StepStats, add_at
 
 
@@ -38,42 +41,40 @@ class SeqStepResult:
 
 class ModelRunner:
     def __init__(self, target: LlamaModel, target_cache: KVCache, vocab_size: int,
-                 proposer: Optional[DraftModelProposer] = None) -> None:
+                 proposer: Optional[DraftModelProposer] = None, maxgram: Optional[MaxGramDrafter] = None) -> None:
         self.target = target
         self.cache = target_cache
         self.vocab_size = vocab_size
         self.proposer = proposer
+        self.maxgram = maxgram
+        self.cascade = CascadeProposer(proposer, maxgram) if proposer is not None and maxgram is not None else None
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
-        """Caches ``seq.tokens[seq.target_cached:end]`` for each ``(seq, end)`` (target and draft)."""
+        """Caches ``seq.tokens[seq.target_cached:end]`` for each ``(seq, end)`` in the target.
+
+        The draft model's cache is filled lazily: the proposer's catch-up runs whatever the draft has
+        not seen the first time a sequence actually drafts with it, so requests that never use the
+        draft model (Max-Gram, no speculation, a load-aware budget of plain decoding) never pay for it.
+        """
         blocks = [Block(s.slot, s.tokens[s.target_cached:end], list(range(s.target_cached, end)), [])
                   for s, end in chunks]
         run_blocks(self.target, self.cache, blocks)
         for s, end in chunks:
             self.cache.commit(s.slot)
             s.target_cached = end
-        drafted = [(s, end) for s, end in chunks if s.draft_slot is not None]
-        if drafted and self.proposer is not None:
-            dblocks = [Block(s.draft_slot, s.tokens[s.draft_cached:end], list(range(s.draft_cached, end)), [])
-                       for s, end in drafted]
-            run_blocks(self.proposer.model, self.proposer.cache, dblocks)
-            for s, end in drafted:
-                self.proposer.cache.commit(s.draft_slot)
-                s.draft_cached = end
 
     # ------------------------------------------------------------------ decode
-    def step(self, seqs: list[Sequence], subs: list[SubTree], stats: StepStats) -> list[SeqStepResult]:
+    def step(self, seqs: list[Sequence], plans: list[DraftPlan], stats: StepStats) -> list[SeqStepResult]:
         t0 = time.perf_counter()
-        trees = self._draft(seqs, subs)
+        trees = self._draft(seqs, plans)
         t1 = time.perf_counter()
         blocks = []
         for seq, tree in zip(seqs, trees):
             root_pos = len(seq.tokens) - 1
             toks = [seq.root] + [t if t != DEAD else 0 for t in tree.tokens]
-            pos = block_positions(root_pos, tree.sub)
-            blocks.append(Block(seq.slot, toks, pos, list(range(len(toks))),
-                                tree.sub.mask if tree.sub.num_nodes else None))
+            pos = block_positions(root_pos, tree.depths())
+            blocks.append(Block(seq.slot, toks, pos, list(range(len(toks))), tree.mask()))
         _, logits = run_blocks(self.target, self.cache, blocks)  # each [1+n, vocab]
         results = [self._verify(seq, tree, lg) for seq, tree, lg in zip(seqs, trees, logits)]
         for r, tree in zip(results, trees):
@@ -82,34 +83,55 @@ class ModelRunner:
         stats.verify_seconds += time.perf_counter() - t1
         return results
 
-    def _draft(self, seqs: list[Sequence], subs: list[SubTree]) -> list[DraftTree]:
-        trees = [DraftTree(sub, []) for sub in subs]
-        idx = [i for i, sub in enumerate(subs) if sub.num_nodes > 0]
+    def _draft(self, seqs: list[Sequence], plans: list[DraftPlan]) -> list[DraftTree]:
+        """Every drafter that the plans ask for, in cascade order: the draft model's trees and the
+        cascade's chains, then Max-Gram's tails below them and its branches from the root."""
+        trees = [DraftTree(p.sub, []) for p in plans]
+        idx = [i for i, p in enumerate(plans) if p.sub.num_nodes > 0]
         if idx and self.proposer is not None:
-            drafted = self.proposer.propose([seqs[i] for i in idx], [subs[i] for i in idx])
+            drafted = self.proposer.propose([seqs[i] for i in idx], [plans[i].sub for i in idx])
             for i, tree in zip(idx, drafted):
                 trees[i] = tree
+        idx = [i for i, p in enumerate(plans) if p.cascade > 0]
+        if idx and self.cascade is not None:
+            chains = self.cascade.propose([seqs[i] for i in idx], [plans[i].cascade for i in idx],
+                                          [plans[i].sub for i in idx])
+            for i, tree in zip(idx, chains):
+                trees[i] = tree
+        if self.maxgram is not None:
+            for seq, plan, tree in zip(seqs, plans, trees):
+                self._add_maxgram(seq, plan, tree)
         return trees
+
+    def _add_maxgram(self, seq: Sequence, plan: DraftPlan, tree: DraftTree) -> None:
+        if plan.tail and tree.tokens:
+            leaf = tree.leaves()[0]  # deepest, the most likely path among equals (lowest index)
+            for prop in self.maxgram.propose(seq, tree.path_to(leaf), plan.tail):
+                tree.add_path(leaf, prop.tokens, MAXGRAM if prop.match else BIGRAM)
+        if plan.maxgram and plan.branches:
+            for prop in self.maxgram.propose(seq, (), plan.maxgram, plan.branches):
+                tree.add_path(-1, prop.tokens, MAXGRAM if prop.match else BIGRAM)
 
     def _verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> SeqStepResult:
         """logits: [1+n, vocab] target logits of the root and the tree nodes."""
         params = seq.request.sampling
-        children = children_of(tree.sub) if tree.tokens else [[]]
+        events = tree.events()
         logits = logits[:, : self.vocab_size]
         st = seq.sampling_tensors
+        parents = tree.parents() if params.needs_history else []
 
         def processed(row: int) -> torch.Tensor:
-            hist = RowHistory.for_rows(seq, tree.tokens, tree.sub, [row]) if params.needs_history else None
+            hist = RowHistory.for_rows(seq, tree.tokens, parents, [row]) if params.needs_history else None
             return compute_probs(logits[row][None], st, *(hist.tensors() if hist else (None, None)))[0]
 
         if params.greedy:
             if st.any_bias or params.needs_history:
-                result = verify_greedy(lambda r: int(processed(r).argmax()), tree.tokens, children)
+                result = verify_greedy(lambda r: int(processed(r).argmax()), tree.tokens, events)
             else:
                 best = logits.argmax(dim=-1).tolist()
-                result = verify_greedy(lambda r: best[r], tree.tokens, children)
+                result = verify_greedy(lambda r: best[r], tree.tokens, events)
         else:
-            result = verify_sampled(processed, lambda r: tree.q[r], tree.tokens, children,
+            result = verify_sampled(processed, lambda r: tree.q[r], tree.tokens, events,
                                     seq.generator, self.proposer is None or self.proposer.without_replacement)
         drafted = sum(1 for t in tree.tokens if t != DEAD)
         lps = self._logprobs(logits, result, params.logprobs) if params.logprobs is not None else None
@@ -132,17 +154,16 @@ class ModelRunner:
         """Target keeps root + accepted path; the draft keeps the accepted nodes it ran."""
         self.cache.keep(seq.slot, kept_block_rows(result))
         seq.target_cached = len(seq.tokens) + len(result.accepted)
-        if tree.tokens and self.proposer is not None:
-            ran = tree.sub.level_offsets[tree.drafted_levels]
-            kept = [i for i in result.accepted if i < ran]
+        if self.proposer is not None and seq.draft_slot is not None:
+            kept = tree.draft_entries(result.accepted)
             self.proposer.cache.keep(seq.draft_slot, kept)
             seq.draft_cached += len(kept)
 
 
-def block_positions(root_pos: int, sub: SubTree) -> list[int]:
+def block_positions(root_pos: int, depths: list[int]) -> list[int]:
     """Position ids of a verification block: the root's, then root + depth for every node
     (siblings share a position)."""
-    return [root_pos] + (root_pos + sub.depth).tolist()
+    return [root_pos] + [root_pos + d for d in depths]
 
 
 def kept_block_rows(result: VerifyResult) -> list[int]:
@@ -153,7 +174,7 @@ def kept_block_rows(result: VerifyResult) -> list[int]:
 
 def record_step(stats: StepStats, res: SeqStepResult) -> None:
     """Adds one sequence's drafted/accepted accounting to the step's stats."""
-    r, sub, tokens = res.result, res.tree.sub, res.tree.tokens
+    r, tree, tokens = res.result, res.tree, res.tree.tokens
     stats.num_seqs += 1
     if res.drafted:
         stats.num_spec_seqs += 1
@@ -162,11 +183,17 @@ def record_step(stats: StepStats, res: SeqStepResult) -> None:
     stats.bonus_tokens += int(r.bonus and bool(tokens))
     for d in range(1, len(r.accepted) + 1):
         add_at(stats.accepted_per_position, d - 1)
-    depth, rank = sub.depth.tolist(), sub.rank.tolist()
+    if not tokens:
+        return
+    depth, rank = tree.depths(), tree.ranks()
     for i, t in enumerate(tokens):
         if t != DEAD:
             add_at(stats.drafted_by_depth, depth[i] - 1)
             add_at(stats.drafted_by_rank, rank[i])
+            for m in tree.node_sources(i):
+                stats.drafted_by_method[m] = stats.drafted_by_method.get(m, 0) + 1
     for i in r.accepted:
         add_at(stats.accepted_by_depth, depth[i] - 1)
         add_at(stats.accepted_by_rank, rank[i])
+        for m in tree.node_sources(i):
+            stats.accepted_by_method[m] = stats.accepted_by_method.get(m, 0) + 1

@@ -14,6 +14,7 @@ from typing import Optional
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.sequence import Sequence, SeqStatus
+from engine.spec.methods import NEEDS_DRAFT
 
 
 @dataclass
@@ -62,7 +63,7 @@ class Scheduler:
                 break
             seq = self.waiting.popleft()
             seq.slot = self.cache.allocate()
-            if self.draft_cache is not None and seq.request.spec.enabled:
+            if self.draft_cache is not None and seq.request.spec.enabled and seq.request.spec.method in NEEDS_DRAFT:
                 seq.draft_slot = self.draft_cache.allocate()
             seq.status = SeqStatus.PREFILLING
             self.running.append(seq)

@@ -24,6 +24,8 @@ class StepStats:
     accepted_by_depth: list[int] = field(default_factory=list)  # [depth-1] accepted nodes at that depth
     drafted_by_rank: list[int] = field(default_factory=list)  # [rank] drafted nodes with that sibling rank
     accepted_by_rank: list[int] = field(default_factory=list)  # [rank] accepted nodes with that rank
+    drafted_by_method: dict[str, int] = field(default_factory=dict)  # drafter -> nodes it proposed
+    accepted_by_method: dict[str, int] = field(default_factory=dict)  # drafter -> accepted nodes it proposed
     budget: int = 0  # tree budget (nodes per sequence) chosen for this step
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0

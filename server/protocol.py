@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.request import SamplingParams, SpecOptions
+from engine.spec.methods import METHODS
 
 MAX_STOP = 16  # OpenAI allows 4; be lenient
 MAX_LOGPROBS = 20
@@ -47,12 +48,14 @@ class _Response(BaseModel):
 # ---------------------------------------------------------------------------- request parts
 class SpeculativeOptions(_Request):
     """Extension: ``{"speculative": {"enabled": false}}`` turns speculation off for one request;
-    ``max_depth`` caps the drafted depth, ``tree`` gives widths per depth (e.g. ``[4, 2, 2]``)."""
+    ``max_depth`` caps the drafted depth, ``tree`` gives widths per depth (e.g. ``[4, 2, 2]``);
+    ``method`` picks the drafter (``mcsd``, ``maxgram``, ``mcsd+maxgram``, ``cascade``; see
+    ``engine.spec.methods``), default: the server's ``--spec-method``."""
 
     enabled: bool = True
     max_depth: Optional[Annotated[int, Field(ge=0, le=64)]] = None
     tree: Optional[Annotated[list[Annotated[int, Field(ge=1, le=64)]], Field(max_length=32)]] = None
-    method: Annotated[str, Field(min_length=1, max_length=32)] = "mcsd"
+    method: Optional[Literal[METHODS]] = None
 
     def to_spec_options(self) -> SpecOptions:
         tree = tuple(self.tree) if self.tree is not None else None

@@ -88,8 +88,8 @@ class FakeCore:
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens "
                              f"({req.sampling.max_tokens}) exceeds the context length {self.max_model_len}")
-        if req.spec.method not in ("mcsd", "chain"):
-            raise ValueError(f"unknown speculative.method {req.spec.method!r}")
+        if req.spec.method not in (None, "mcsd", "maxgram"):
+            raise ValueError(f"the fake engine does not run speculative.method {req.spec.method!r}")
         s = req.sampling
         offset = 0 if s.greedy or s.seed is None else s.seed % len(req.prompt_token_ids)
         stream = TextStream.create(self.tokenizer, req.prompt_token_ids, s, [self.tokenizer.eos_token_id])

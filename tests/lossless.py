@@ -98,7 +98,7 @@ def apply_sabotage(name: str) -> None:
             return q
         verify.remove_candidate = broken_remove
     elif name == "positions_off_by_one":
-        runner.block_positions = lambda root_pos, sub: [root_pos] + (root_pos + sub.depth + 1).tolist()
+        runner.block_positions = lambda root_pos, depths: [root_pos] + [root_pos + d + 1 for d in depths]
     elif name == "bonus_cached":
         def broken_kept(result):
             rows = [0] + [1 + i for i in result.accepted]

@@ -12,7 +12,7 @@ from engine.spec.acceptance_head import AcceptanceHead, HeadMeta
 from engine.spec.adaptive import AdaptiveSpeculation, OnlineCalibrator, keep_extending
 from engine.spec.cost_model import BudgetChooser, CostCurve, CostModel, measure_curve
 from engine.spec.features import CHEAP_FEATURES, NodeFeatures
-from engine.spec.proposer import DraftTree
+from engine.spec.draft_tree import DraftTree
 from engine.spec.tree import TreeTopology
 from tests.engine_utils import run_engine
 from tests.tiny import tiny_loaded

@@ -213,8 +213,14 @@ def test_too_long_prompt(oai):
 
 
 def test_engine_rejection_is_a_400(oai):
-    with pytest.raises(openai.BadRequestError, match="unknown speculative.method"):
+    with pytest.raises(openai.BadRequestError, match="does not run speculative.method"):
+        oai.completions.create(model=MODEL, prompt="hi", extra_body={"speculative": {"method": "cascade"}})
+
+
+def test_unknown_speculation_method_is_a_400(oai):
+    with pytest.raises(openai.BadRequestError) as info:
         oai.completions.create(model=MODEL, prompt="hi", extra_body={"speculative": {"method": "magic"}})
+    assert "maxgram" in info.value.body["message"] and "speculative" in info.value.body["param"]
 
 
 def test_unknown_model_route_and_method(srv, oai):

@@ -11,7 +11,7 @@ from engine.models.loader import load_model
 from engine.request import SamplingParams
 from engine.sampler import SamplingTensors
 from engine.spec.acceptance_head import AcceptanceHead
-from engine.spec.proposer import DraftTree
+from engine.spec.draft_tree import DraftTree
 from engine.spec.train_head import auc, main, node_labels
 from engine.spec.tree import TreeTopology
 from tests.engine_utils import run_engine

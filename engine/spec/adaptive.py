@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.runner import SeqStepResult
     from engine.sequence import Sequence
-    from engine.spec.proposer import DraftTree
+    from engine.spec.draft_tree import DraftTree
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def verified_labels(res: "SeqStepResult") -> tuple[NodeFeatures, torch.Tensor, t
     feats = NodeFeatures.cat(res.tree.features)
     n = feats.num_nodes
     accepted = torch.zeros(n, dtype=torch.bool)
-    accepted[res.result.accepted] = True
+    accepted[[i for i in res.result.accepted if i < n]] = True  # nodes other drafters appended carry no features
     parent = res.tree.sub.parent[:n]
     reached = torch.where(parent >= 0, accepted[parent.clamp(min=0)], True) & feats.live
     return feats, reached, accepted.float()

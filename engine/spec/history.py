@@ -13,7 +13,6 @@ from typing import Optional
 import torch
 
 from engine.sequence import Sequence
-from engine.spec.tree import SubTree
 
 
 def path_tokens(row: int, tokens: list[int], parent: list[int]) -> list[int]:
@@ -32,10 +31,10 @@ class RowHistory:
     prompt_mask: Optional[torch.Tensor]  # [rows, vocab] bool, or None
 
     @classmethod
-    def for_rows(cls, seq: Sequence, tokens: list[int], sub: Optional[SubTree], rows: list[int]) -> "RowHistory":
+    def for_rows(cls, seq: Sequence, tokens: list[int], parent: list[int], rows: list[int]) -> "RowHistory":
+        """``parent[i]``: node ``i``'s parent node (-1 = the root)."""
         base = seq.output_counts  # [vocab]
         counts = base.expand(len(rows), -1).clone()
-        parent = sub.parent.tolist() if sub is not None else []
         for j, row in enumerate(rows):
             toks = path_tokens(row, tokens, parent)
             if toks:

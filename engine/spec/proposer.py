@@ -15,7 +15,6 @@ the prebuilt topology), so the target verifies exactly the drafted nodes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -30,31 +29,16 @@ from engine.sequence import Sequence
 from engine.spec.adaptive import SpecPolicy
 from engine.spec.features import NodeFeatures, ParentStats, level_features, parent_stats
 from engine.spec.history import RowHistory
+from engine.spec.draft_tree import DEAD, DraftTree
 from engine.spec.tree import SubTree, TreeTopology
-from engine.spec.verify import DEAD
-
-
-@dataclass
-class DraftTree:
-    """What one sequence drafted in one step."""
-
-    sub: SubTree
-    tokens: list[int]  # [n] node tokens, DEAD where a child could not be drawn
-    q: dict[int, torch.Tensor] = field(default_factory=dict)  # block row -> [vocab] its children's law
-    drafted_levels: int = 0  # levels actually run through the draft (s - 1)
-    features: list[NodeFeatures] = field(default_factory=list)  # per sampled level, when the policy wants them
-    scores: list[torch.Tensor] = field(default_factory=list)  # per level [level nodes], the policy's own use
-
-    def cut(self, sub: SubTree) -> None:
-        """Stop at ``sub``, a prefix of this tree's subtree (its first ``sub.num_nodes`` nodes)."""
-        self.sub = sub
-        self.tokens = self.tokens[: sub.num_nodes]
 
 
 class DraftModelProposer:
     def __init__(self, model: LlamaModel, cache: KVCache, vocab_size: int, without_replacement: bool = True,
-                 topology: Optional[TreeTopology] = None, policy: Optional[SpecPolicy] = None) -> None:
+                 topology: Optional[TreeTopology] = None, policy: Optional[SpecPolicy] = None,
+                 chunk: int = 512) -> None:
         self.model = model
+        self.chunk = chunk  # catch-up tokens per forward
         self.cache = cache
         self.vocab_size = vocab_size  # the target's vocabulary: q is padded to it
         self.without_replacement = without_replacement
@@ -88,7 +72,20 @@ class DraftModelProposer:
 
     # ------------------------------------------------------------------ draft forwards
     def _catch_up(self, seqs: list[Sequence]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Root logits [vocab] and draft hidden states [hidden] of every sequence."""
+        """Root logits [vocab] and draft hidden states [hidden] of every sequence.
+
+        A sequence drafting for the first time catches up on its whole prompt (draft prefill is lazy,
+        see ``ModelRunner.prefill``), at most ``chunk`` tokens per forward."""
+        while True:
+            behind = [s for s in seqs if len(s.tokens) - s.draft_cached > self.chunk]
+            if not behind:
+                break
+            run_blocks(self.model, self.cache, [
+                Block(s.draft_slot, s.tokens[s.draft_cached: s.draft_cached + self.chunk],
+                      list(range(s.draft_cached, s.draft_cached + self.chunk)), []) for s in behind])
+            for s in behind:
+                self.cache.commit(s.draft_slot)
+                s.draft_cached += self.chunk
         blocks = []
         for s in seqs:
             new = s.tokens[s.draft_cached:]
@@ -177,7 +174,7 @@ class DraftModelProposer:
         counts, prompts = [], []
         for s, t, rows in zip(seqs, trees, parent_rows):
             if s.request.sampling.needs_history:
-                h = RowHistory.for_rows(s, t.tokens, t.sub, rows)
+                h = RowHistory.for_rows(s, t.tokens, t.parents(), rows)
                 counts.append(h.counts)
                 prompts.append(h.prompt_mask if h.prompt_mask is not None
                                else torch.zeros(len(rows), self.vocab_size, dtype=torch.bool))

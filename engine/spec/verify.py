@@ -28,10 +28,8 @@ from typing import Callable
 import torch
 
 from engine.sampler import sample_from_probs
+from engine.spec.draft_tree import DEAD, ONEHOT, SAMPLED
 from engine.spec.tree import SubTree
-
-#: a draft child slot that could not be filled (its parent's ``q`` had fewer tokens than the width)
-DEAD = -1
 
 
 @dataclass
@@ -51,13 +49,19 @@ def children_of(sub: SubTree) -> list[list[int]]:
     return out
 
 
-def verify_greedy(argmax_of: Callable[[int], int], tokens: list[int], children: list[list[int]]) -> VerifyResult:
+def sampled_events(children: list[list[int]]) -> list[list[tuple[int, int]]]:
+    """Proposal events of a tree drafted by the draft model alone: every child is a sampled candidate."""
+    return [[(c, SAMPLED) for c in kids] for kids in children]
+
+
+def verify_greedy(argmax_of: Callable[[int], int], tokens: list[int],
+                  events: list[list[tuple[int, int]]]) -> VerifyResult:
     """Greedy tree walk. ``argmax_of(row)`` is the target's (processed) argmax at block row ``row``;
-    ``tokens[i]`` is node ``i``'s drafted token."""
+    ``tokens[i]`` is node ``i``'s drafted token; ``events[row]`` its proposals (see ``draft_tree``)."""
     row, accepted, rows = 0, [], []
     while True:
         best = argmax_of(row)
-        kids = [c for c in children[row] if tokens[c] != DEAD]
+        kids = [c for c, _ in events[row] if tokens[c] != DEAD]
         nxt = next((c for c in kids if tokens[c] == best), None)
         rows.append(row)
         if nxt is None:
@@ -71,24 +75,33 @@ def verify_sampled(
     p_of: Callable[[int], torch.Tensor],  # row -> target probs [vocab] (exact sampling distribution)
     q_of: Callable[[int], torch.Tensor],  # row -> draft probs [vocab] its children were drawn from
     tokens: list[int],
-    children: list[list[int]],
+    events: list[list[tuple[int, int]]],
     generator: torch.Generator,
     without_replacement: bool = True,
 ) -> VerifyResult:
-    """Multi-candidate speculative sampling along the tree (see the module docstring)."""
+    """Multi-candidate speculative sampling along the tree (see the module docstring).
+    ``events[row]``: the proposals at ``row`` as ``(node, kind)``; a ``ONEHOT`` proposal has law
+    ``e_x`` (accept with ``p(x)``, residual ``p`` without ``x``), a ``SAMPLED`` one law ``q_of(row)``."""
     row, accepted, rows = 0, [], []
     while True:
         rows.append(row)
-        kids = [c for c in children[row] if tokens[c] != DEAD]
+        kids = [(c, k) for c, k in events[row] if tokens[c] != DEAD]
         p = p_of(row)
         if not kids:
             y = _draw(p, generator)
             return VerifyResult(accepted, [tokens[i] for i in accepted] + [y], True, row, rows)
-        q = q_of(row)
+        q = None
         taken = None
-        for c in kids:
+        for c, kind in kids:
             x = tokens[c]
             u = float(torch.rand((), generator=generator))
+            if kind == ONEHOT:
+                if u <= float(p[x]):
+                    taken = c
+                    break
+                p = remove_candidate(p, x)  # norm((p - e_x)+): x drops out, the rest renormalised
+                continue
+            q = q_of(row) if q is None else q
             if u * float(q[x]) <= float(p[x]):  # u <= p/q without dividing by a tiny q
                 taken = c
                 break

@@ -1,0 +1,161 @@
+"""Vertical cascade (CS Drafting, ALGORITHMS.md §3): the draft model *reviews* Max-Gram's proposals
+instead of writing every token itself.
+
+Per sequence and step the cascade grows one chain of up to ``depth`` tokens in rounds.  Each round
+
+1. asks Max-Gram for a guess ``g_1..g_L`` continuing the chain (possibly none);
+2. runs the round's block (the chain's last token if the draft has not run it yet, then the guess)
+   through the draft model in **one** forward, batched over sequences; pending draft-cache entries of
+   rejected guesses from earlier rounds are masked out;
+3. reviews the guess with the draft as the "target" and Max-Gram's one-hot law as the proposal,
+   by the exact speculative-sampling rule: ``g_i`` is kept with probability ``q_i(g_i)``; at the first
+   rejection a correction ``y ~ norm((q_i - e_{g_i})+)`` ends the round.  With no guess at all the
+   round simply samples ``y ~ q``.  At temperature 0 the review keeps ``g_i`` iff it is the draft's
+   argmax and the correction is the argmax.
+
+Because the inner review is exact, every chain token has law exactly ``q_i`` (the draft's processed
+distribution given the chain above it), so the target's final review treats the chain as ordinary
+sampled draft tokens with those ``q``: the output is lossless whatever Max-Gram guessed.  A round
+costs one draft forward and yields at least one token, and as many as Max-Gram guessed right.
+
+The horizontal half of the cascade (Max-Gram writing the later depths) is appended by the runner
+below the chain's last node (``DraftPlan.tail``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from engine.batching import Block, run_blocks
+from engine.sampler import SamplingTensors, compute_probs, draw_uniforms, sample_from_probs
+from engine.sequence import Sequence
+from engine.spec.draft_tree import CASCADE, SAMPLED, DraftTree
+from engine.spec.maxgram import MaxGramDrafter
+from engine.spec.proposer import DraftModelProposer
+from engine.spec.tree import SubTree
+
+
+@dataclass
+class _Chain:
+    seq: Sequence
+    depth: int  # tokens to draft
+    tokens: list[int] = field(default_factory=list)
+    q: list[torch.Tensor] = field(default_factory=list)  # law of each token given the chain above it
+    entry: list[int] = field(default_factory=list)  # pending draft-cache entry of each token, -1 = not run
+    frontier: Optional[torch.Tensor] = None  # [vocab] raw draft logits for the next token, when known
+    pending: int = 0  # draft-cache entries appended this step (garbage included)
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.depth
+
+
+class CascadeProposer:
+    def __init__(self, draft: DraftModelProposer, maxgram: MaxGramDrafter) -> None:
+        self.draft = draft
+        self.maxgram = maxgram
+
+    def propose(self, seqs: list[Sequence], depths: list[int], empties: list[SubTree]) -> list[DraftTree]:
+        """``empties``: each sequence's (empty) draft-model subtree, which the chain is appended to."""
+        logits, _ = self.draft._catch_up(seqs)
+        chains = [_Chain(s, d, frontier=lg) for s, d, lg in zip(seqs, depths, logits)]
+        while True:
+            active = [c for c in chains if not c.done]
+            if not active:
+                break
+            guesses = [self._guess(c) for c in active]
+            to_run = [(c, g) for c, g in zip(active, guesses) if g or c.frontier is None]
+            outs = self._run(to_run) if to_run else []
+            run_out = {id(c): lg for (c, _), lg in zip(to_run, outs)}
+            for c, g in zip(active, guesses):
+                self._review(c, g, run_out.get(id(c)))
+        trees = []
+        for c, empty in zip(chains, empties):
+            assert empty.num_nodes == 0
+            tree = DraftTree(empty, [])
+            tree.add_path(-1, c.tokens, CASCADE, SAMPLED, c.q)
+            tree.draft_index = list(c.entry)
+            trees.append(tree)
+        return trees
+
+    def _guess(self, c: _Chain) -> list[int]:
+        props = self.maxgram.propose(c.seq, c.tokens, max_len=c.depth - len(c.tokens))
+        return props[0].tokens if props else []
+
+    def _run(self, to_run: list[tuple[_Chain, list[int]]]) -> list[torch.Tensor]:
+        """One draft forward over every chain's block; returns each block's logits [rows, vocab]."""
+        cache = self.draft.cache
+        blocks = []
+        for c, g in to_run:
+            unrun = [c.tokens[-1]] if c.frontier is None else []
+            toks = unrun + g
+            start = len(c.seq.tokens) + len(c.tokens) - len(unrun)  # position of the block's first token
+            n, pend = len(toks), int(cache.pending[c.seq.draft_slot])
+            mask = torch.zeros(n, pend + n, dtype=torch.bool)
+            live = [e for e in c.entry if e >= 0]  # the chain's run tokens; rejected guesses stay hidden
+            mask[:, live] = True
+            mask[:, pend:] = torch.ones(n, n, dtype=torch.bool).tril()
+            if unrun:
+                c.entry[-1] = pend
+            c.pending = pend
+            blocks.append(Block(c.seq.draft_slot, toks, list(range(start, start + n)), list(range(n)), mask))
+        _, logits = run_blocks(self.draft.model, cache, blocks)
+        return logits
+
+    def _review(self, c: _Chain, guess: list[int], logits: Optional[torch.Tensor]) -> None:
+        """Keeps the guess's prefix the draft accepts, then one corrected (or freshly sampled) token."""
+        if logits is None:  # nothing ran: sample from the known frontier
+            rows = c.frontier[None]
+        elif c.frontier is None:  # the block began with the chain's unrun last token
+            rows = logits
+        else:
+            rows = torch.cat([c.frontier[None], logits])
+        base = c.pending + (1 if logits is not None and c.frontier is None else 0)  # entry of guess[0]
+        # rows[i]: raw logits for the token after chain + guess[:i]; rows[len(guess)] only if the guess ran
+        probs = self._probs(c, guess, rows)
+        params = c.seq.request.sampling
+        u = draw_uniforms([c.seq.generator], [len(guess) + 1])[0] if not params.greedy else None
+        c.frontier = None
+        for i, g in enumerate(guess):
+            p = probs[i]
+            ok = int(p.argmax()) == g if params.greedy else float(u[i]) < float(p[g])
+            if not ok:
+                if params.greedy:
+                    y = int(p.argmax())
+                else:
+                    rest = p.clone()
+                    rest[g] = 0.0
+                    y = int(sample_from_probs((rest / rest.sum())[None], u[len(guess)][None])[0])
+                self._append(c, y, p, -1)
+                return
+            self._append(c, g, p, base + i)
+            if c.done:
+                return
+        p = probs[len(guess)]  # every guess kept (or none made): draw the next token from q
+        y = int(p.argmax()) if params.greedy else int(sample_from_probs(p[None], u[len(guess)][None])[0])
+        self._append(c, y, p, -1)
+
+    def _append(self, c: _Chain, tok: int, q: torch.Tensor, entry: int) -> None:
+        c.tokens.append(tok)
+        c.q.append(q)
+        c.entry.append(entry)
+
+    def _probs(self, c: _Chain, guess: list[int], rows: torch.Tensor) -> torch.Tensor:
+        """[len(guess)+1, vocab] the draft's processed law after chain + guess[:i] (penalties see the
+        chain's own tokens, as the target's rows will)."""
+        rows = self.draft._pad_vocab(rows[: len(guess) + 1]).float()
+        seq, params = c.seq, c.seq.request.sampling
+        st = SamplingTensors.from_params([params], self.draft.vocab_size, [0] * rows.shape[0])
+        counts = prompt = None
+        if params.needs_history:
+            counts = seq.output_counts.expand(rows.shape[0], -1).clone()
+            path = c.tokens + guess
+            for i in range(rows.shape[0]):
+                for t in path[: len(c.tokens) + i]:
+                    counts[i, t] += 1
+            if seq.prompt_mask is not None:
+                prompt = seq.prompt_mask.expand(rows.shape[0], -1)
+        return compute_probs(rows, st, counts, prompt)

@@ -1,0 +1,201 @@
+"""The tree one sequence verifies in one step, whoever drafted it.
+
+A :class:`DraftTree` starts as the draft model's tree: a closed subtree of the engine's prebuilt
+topology (``sub``), whose mask is a slice of the mask built once at start-up.  Other drafters
+(Max-Gram, the cascade) *append* nodes after it with :meth:`DraftTree.add_path`; the mask of an
+extended tree is the prebuilt slice plus one row per appended node (its parent's row and itself).
+
+Node ``i`` sits at block row ``i + 1``; row 0 is the step's root.
+
+**Proposals and q.**  Verification (``engine.spec.verify``) tries, at every row, a list of
+*proposal events* ``(node, kind)`` in order:
+
+* ``ONEHOT``: a deterministic proposal (a statistical drafter).  Its law is the point mass on the
+  node's token, so it is accepted with probability ``p(x)`` and a rejection turns the target
+  distribution into ``norm((p - e_x)+)`` (``x`` removed).
+* ``SAMPLED``: a token drawn from the draft model's ``q`` at that row (``DraftTree.q[row]``);
+  accepted with ``min(1, p(x)/q(x))``, residual ``norm((p - q)+)``, and, when siblings were drawn
+  without replacement, ``x`` removed from ``q`` for the next sampled sibling.
+
+A row's one-hot events come first, then its sampled events.  **A node proposed by several drafters
+is one node with one event per proposal**: when Max-Gram proposes a token the draft model also drew,
+the node gets a ``ONEHOT`` event (tried first) and keeps its ``SAMPLED`` event.  Each event is an
+ordinary speculative-sampling step whose candidate has exactly the stated law given everything tried
+before it (Max-Gram's token is a function of the context; the draft's samples do not depend on it),
+so by induction over the events the emitted token has law ``p``; a second event for a token already
+rejected simply has acceptance probability 0 (``p(x)`` was zeroed by the residual) but still updates
+the residual, as the proof requires.  ``tests/test_drafters.py`` checks this distributionally.
+Duplicate one-hot proposals of the same token at the same row (two Max-Gram branches with a shared
+prefix) are one event: a deterministic proposal repeated carries no new information.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from engine.spec.features import NodeFeatures
+from engine.spec.tree import SubTree
+
+#: a draft child slot that could not be filled (its parent's ``q`` had fewer tokens than the width)
+DEAD = -1
+ONEHOT, SAMPLED = 0, 1
+
+#: drafter names used in per-method statistics (a node may carry several)
+DRAFT_MODEL, MAXGRAM, CASCADE, BIGRAM = "draft", "maxgram", "cascade", "bigram"
+
+
+@dataclass
+class DraftTree:
+    """What one sequence drafted in one step."""
+
+    sub: SubTree
+    tokens: list[int]  # [n] node tokens, DEAD where a child could not be drawn
+    q: dict[int, torch.Tensor] = field(default_factory=dict)  # block row -> [vocab] its sampled children's law
+    drafted_levels: int = 0  # levels of ``sub`` actually run through the draft (s - 1)
+    features: list[NodeFeatures] = field(default_factory=list)  # per sampled level, when the policy wants them
+    scores: list[torch.Tensor] = field(default_factory=list)  # per level [level nodes], the policy's own use
+    # nodes appended by other drafters (indices >= sub.num_nodes)
+    extra_parent: list[int] = field(default_factory=list)  # parent node, -1 = the root
+    extra_events: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # row -> [(node, kind)]
+    sources: dict[int, set[str]] = field(default_factory=dict)  # node -> drafters (absent: the draft model)
+    # node -> index of its entry among the draft cache's pending entries (-1: not run); None means
+    # the draft model's usual layout: the first ``level_offsets[drafted_levels]`` nodes, in order
+    draft_index: Optional[list[int]] = None
+
+    def cut(self, sub: SubTree) -> None:
+        """Stop at ``sub``, a prefix of this tree's subtree (its first ``sub.num_nodes`` nodes).
+        Only before other drafters appended nodes."""
+        assert not self.extra_parent, "cut a tree before appending nodes to it"
+        self.sub = sub
+        self.tokens = self.tokens[: sub.num_nodes]
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_sub(self) -> int:
+        return self.sub.num_nodes
+
+    def parents(self) -> list[int]:
+        return self.sub.parent.tolist()[: self.num_sub] + self.extra_parent
+
+    def depths(self) -> list[int]:
+        depth = self.sub.depth.tolist()[: self.num_sub]
+        for p in self.extra_parent:
+            depth.append(1 + (depth[p] if p >= 0 else 0))
+        return depth
+
+    def ranks(self) -> list[int]:
+        """Sibling rank: order among the parent's children (drafted children first)."""
+        rank = self.sub.rank.tolist()[: self.num_sub]
+        kids: dict[int, int] = {}
+        for p in self.sub.parent.tolist()[: self.num_sub]:
+            kids[p] = kids.get(p, 0) + 1
+        for p in self.extra_parent:
+            rank.append(kids.get(p, 0))
+            kids[p] = kids.get(p, 0) + 1
+        return rank
+
+    def mask(self) -> Optional[torch.Tensor]:
+        """[1+n, 1+n] bool block mask (root first); ``None`` for the empty tree."""
+        if not self.tokens:
+            return None
+        if not self.extra_parent:
+            return self.sub.mask
+        m, n = self.num_sub, self.num_nodes
+        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask[: m + 1, : m + 1] = self.sub.mask
+        for j, p in enumerate(self.extra_parent):  # parents precede children
+            row = m + 1 + j
+            mask[row] = mask[p + 1]
+            mask[row, row] = True
+        return mask
+
+    def node_sources(self, node: int) -> set[str]:
+        return self.sources.get(node, {DRAFT_MODEL})
+
+    # ------------------------------------------------------------------ proposals
+    def events(self) -> list[list[tuple[int, int]]]:
+        """``out[row]``: proposal events ``(node, kind)`` at block row ``row``, in verification order
+        (one-hot events first, then sampled ones; sampled siblings in sampling order)."""
+        out: list[list[tuple[int, int]]] = [[] for _ in range(self.num_nodes + 1)]
+        sampled: list[list[tuple[int, int]]] = [[] for _ in range(self.num_nodes + 1)]
+        for i, p in enumerate(self.sub.parent.tolist()[: self.num_sub]):
+            if self.tokens[i] != DEAD:
+                sampled[p + 1].append((i, SAMPLED))
+        for row, evs in self.extra_events.items():
+            for ev in evs:
+                (out if ev[1] == ONEHOT else sampled)[row].append(ev)
+        return [o + s for o, s in zip(out, sampled)]
+
+    def add_path(self, parent: int, tokens: list[int], source: str, kind: int = ONEHOT,
+                 q: Optional[list[torch.Tensor]] = None) -> list[int]:
+        """Appends a chain of proposals below node ``parent`` (-1 = the root), sharing existing nodes
+        with the same token; returns the chain's node indices.  ``kind=SAMPLED`` chains carry the law
+        each token was drawn from (``q[j]`` for ``tokens[j]``), stored at its parent's row."""
+        nodes, children = [], self._children_by_token()
+        for j, tok in enumerate(tokens):
+            row = parent + 1
+            node = children.get((parent, tok))
+            if node is None:
+                node = self.num_nodes
+                self.tokens.append(tok)
+                self.extra_parent.append(parent)
+                children[(parent, tok)] = node
+                self.sources[node] = {source}
+            else:
+                self.sources[node] = self.node_sources(node) | {source}
+            evs = self.extra_events.setdefault(row, [])
+            if kind == SAMPLED:
+                assert row not in self.q or not any(c for c, k in evs if k == SAMPLED), \
+                    "one sampled chain per row"
+                self.q[row] = q[j]
+                evs.append((node, SAMPLED))
+            elif (node, ONEHOT) not in evs:
+                evs.append((node, ONEHOT))
+            nodes.append(node)
+            parent = node
+        return nodes
+
+    def _children_by_token(self) -> dict[tuple[int, int], int]:
+        out = {}
+        for i, p in enumerate(self.parents()):
+            if self.tokens[i] != DEAD:
+                out.setdefault((p, self.tokens[i]), i)
+        return out
+
+    def path_to(self, node: int) -> list[int]:
+        """Tokens from the root's child down to ``node`` (inclusive); [] for the root (-1)."""
+        parents, out = self.parents(), []
+        while node >= 0:
+            out.append(self.tokens[node])
+            node = parents[node]
+        return out[::-1]
+
+    def leaves(self) -> list[int]:
+        """Live nodes without live children, deepest first."""
+        parents = self.parents()
+        has_child = {p for i, p in enumerate(parents) if self.tokens[i] != DEAD}
+        depth = self.depths()
+        live = [i for i in range(self.num_nodes) if self.tokens[i] != DEAD and i not in has_child]
+        return sorted(live, key=lambda i: -depth[i])
+
+    # ------------------------------------------------------------------ draft cache
+    def draft_entries(self, accepted: list[int]) -> list[int]:
+        """Pending draft-cache entries of the accepted path that the draft model ran (a prefix of the
+        path: drafted nodes precede appended ones)."""
+        if self.draft_index is None:
+            ran = self.sub.level_offsets[self.drafted_levels]
+            return [i for i in accepted if i < ran]
+        out = []
+        for i in accepted:
+            e = self.draft_index[i] if i < len(self.draft_index) else -1
+            if e < 0:
+                break
+            out.append(e)
+        return out

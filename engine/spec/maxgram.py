@@ -1,0 +1,159 @@
+"""Max-Gram: a drafter with no neural cost (ALGORITHMS.md §3, the bottom of the CS Drafting cascade).
+
+To propose what follows a context it copies the continuation of the **longest suffix match**:
+
+1. the longest ``n`` (``max_ngram`` down to ``min_ngram``) such that the context's last ``n`` tokens
+   occur earlier in the sequence; among the occurrences of that n-gram, those **in the prompt** come
+   first, then those in the generated text, most recent first;
+2. when nothing matches, a **bigram table** chains the most frequent successor of the last token.
+   The table is built at start-up from a corpus we ship, tokenized with the target's tokenizer
+   (the default preset uses ``benchmarks/prompts/train.json``, the prompts acceptance heads are
+   trained on: code and chat, disjoint from the benchmark prompts); none is used without a corpus.
+
+Proposals are deterministic functions of the context, so for verification their law is one-hot
+(``engine.spec.draft_tree``).  How many tokens to propose follows the match length: a one-token
+match predicts little, a long one often predicts many (``proposal_length``).
+
+Every sequence has an n-gram index (n-gram -> positions where its continuation starts), extended
+incrementally as tokens are accepted, so a lookup is a few dictionary probes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence as Seq
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    match: int  # length of the matched suffix; 0 = the bigram table
+
+
+class NgramIndex:
+    """Where each n-gram (``n <= max_n``) of a growing token list ends: ``table[gram]`` lists, in
+    ascending order, the positions right after its occurrences (where a continuation starts)."""
+
+    def __init__(self, max_n: int) -> None:
+        self.max_n = max_n
+        self.table: dict[tuple[int, ...], list[int]] = {}
+        self.size = 0
+
+    def extend(self, tokens: Seq[int]) -> None:
+        """Indexes ``tokens[self.size:]`` (``tokens`` only ever grows)."""
+        for end in range(self.size + 1, len(tokens) + 1):
+            for n in range(1, min(self.max_n, end) + 1):
+                self.table.setdefault(tuple(tokens[end - n:end]), []).append(end)
+        self.size = len(tokens)
+
+    def continuations(self, gram: tuple[int, ...], limit: int, split: int) -> list[int]:
+        """Continuation starts ``< limit`` of ``gram``: those ``< split`` (the prompt) first, then the
+        rest, most recent first within each part."""
+        pos = self.table.get(gram)
+        if not pos:
+            return []
+        hi = bisect.bisect_left(pos, limit)
+        mid = min(bisect.bisect_left(pos, split), hi)
+        return pos[:mid][::-1] + pos[mid:hi][::-1]
+
+
+class BigramTable:
+    """The most frequent successor of each token in a corpus."""
+
+    def __init__(self, successor: dict[int, int]) -> None:
+        self.successor = successor
+
+    @classmethod
+    def from_token_lists(cls, lists: Seq[Seq[int]], min_count: int = 2) -> "BigramTable":
+        pairs: Counter = Counter()
+        for toks in lists:
+            pairs.update(zip(toks, toks[1:]))
+        best: dict[int, tuple[int, int]] = {}
+        for (a, b), c in pairs.items():
+            if c >= min_count and (a not in best or c > best[a][1]):
+                best[a] = (b, c)
+        return cls({a: b for a, (b, _) in best.items()})
+
+    @classmethod
+    def from_corpus(cls, tokenizer, path: str | Path) -> "BigramTable":
+        """``path``: a ``.txt`` file, or a prompts JSON file (a list of ``{"messages": [...]}`` or
+        ``{"prompt": ...}`` objects, as in ``benchmarks/prompts``)."""
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"Max-Gram corpus {path} does not exist")
+        if path.suffix == ".json":
+            texts = []
+            for item in json.loads(path.read_text()):
+                if "messages" in item:
+                    texts.extend(m["content"] for m in item["messages"] if isinstance(m.get("content"), str))
+                elif "prompt" in item:
+                    texts.append(item["prompt"])
+        else:
+            texts = path.read_text().split("\n\n")
+        return cls.from_token_lists([tokenizer.encode(t, add_special_tokens=False) for t in texts if t])
+
+    def chain(self, last: int, length: int) -> list[int]:
+        out = []
+        while len(out) < length and last in self.successor:
+            last = self.successor[last]
+            out.append(last)
+        return out
+
+
+class MaxGramDrafter:
+    def __init__(self, max_len: int = 8, max_ngram: int = 4, min_ngram: int = 1,
+                 bigram: Optional[BigramTable] = None, bigram_len: int = 2) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"Max-Gram needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if max_len < 1:
+            raise ValueError(f"Max-Gram proposal length must be >= 1, got {max_len}")
+        self.max_len = max_len
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.bigram = bigram
+        self.bigram_len = bigram_len
+        self._index: "weakref.WeakKeyDictionary[Sequence, NgramIndex]" = weakref.WeakKeyDictionary()
+
+    def proposal_length(self, match: int, cap: int) -> int:
+        """Tokens worth proposing after a ``match``-token suffix match (1 -> 2, 2 -> 4, 3+ -> all)."""
+        return min(cap, self.max_len, 2 * match if match < 3 else self.max_len)
+
+    def index(self, seq: Sequence) -> NgramIndex:
+        idx = self._index.get(seq)
+        if idx is None:
+            idx = self._index[seq] = NgramIndex(self.max_ngram)
+        idx.extend(seq.tokens)
+        return idx
+
+    def propose(self, seq: Sequence, path: Seq[int] = (), max_len: Optional[int] = None,
+                branches: int = 1) -> list[Proposal]:
+        """Up to ``branches`` proposals with distinct first tokens for what follows
+        ``seq.tokens + path``; each at most ``max_len`` tokens (default: the drafter's)."""
+        cap = self.max_len if max_len is None else max_len
+        if cap < 1 or branches < 1:
+            return []
+        idx, toks = self.index(seq), seq.tokens
+        context = list(toks[-self.max_ngram:]) + list(path)
+        out: list[Proposal] = []
+        firsts: set[int] = set()
+        for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
+            gram = tuple(context[-n:])
+            for start in idx.continuations(gram, len(toks), seq.num_prompt):
+                cont = toks[start:start + self.proposal_length(n, cap)]
+                if cont and cont[0] not in firsts:
+                    firsts.add(cont[0])
+                    out.append(Proposal(list(cont), n))
+                    if len(out) == branches:
+                        return out
+        if not out and self.bigram is not None and context:
+            cont = self.bigram.chain(context[-1], min(cap, self.bigram_len))
+            if cont:
+                out.append(Proposal(cont, 0))
+        return out

@@ -1,0 +1,48 @@
+"""Speculation methods a request can ask for (``speculative.method``) and the per-step draft plan.
+
+======================  =====================================================================  =========
+method                  what drafts the tree                                                   draft model
+======================  =====================================================================  =========
+``mcsd``                the draft model: a multi-candidate tree (width per depth)              yes
+``maxgram``             Max-Gram alone (prompt lookup + bigram table): no neural cost          no
+``mcsd+maxgram``        one tree from both: the draft model's tree and Max-Gram's branches     yes
+                        at the root, merged (shared prefixes deduplicated), plus Max-Gram's
+                        continuation below the draft's most likely leaf (horizontal cascade)
+``cascade``             CS Drafting: the draft model reviews Max-Gram's guesses (vertical),    yes
+                        Max-Gram writes the later depths (horizontal)
+======================  =====================================================================  =========
+
+All of them are lossless: the target's final review is the exact multi-candidate rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.spec.tree import SubTree
+
+MCSD, MAXGRAM, MCSD_MAXGRAM, CASCADE = "mcsd", "maxgram", "mcsd+maxgram", "cascade"
+METHODS = (MCSD, MAXGRAM, MCSD_MAXGRAM, CASCADE)
+NEEDS_DRAFT = {MCSD, MCSD_MAXGRAM, CASCADE}
+
+
+def check_method(method: str) -> str:
+    if method not in METHODS:
+        raise ValueError(f"unknown speculation method {method!r}; choose one of {', '.join(METHODS)}")
+    return method
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """How much one sequence drafts in one step, by drafter."""
+
+    method: str
+    sub: SubTree  # the draft model's multi-candidate tree (possibly empty)
+    maxgram: int = 0  # Max-Gram tokens per branch from the root
+    branches: int = 0  # Max-Gram branches from the root
+    cascade: int = 0  # chain tokens the vertical cascade writes (draft model reviewing Max-Gram)
+    tail: int = 0  # Max-Gram tokens appended below the deepest drafted path (horizontal cascade)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.sub.num_nodes or self.maxgram or self.cascade)

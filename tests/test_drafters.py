@@ -1,0 +1,215 @@
+"""Max-Gram, the cascade and multi-drafter trees: lookup rules, merged trees and their masks, the
+proposal-event rule for a node proposed by several drafters, and greedy equality for every method."""
+
+from collections import Counter
+
+import pytest
+import torch
+from scipy import stats
+
+from engine.request import SpecOptions
+from engine.sequence import Sequence
+from engine.spec.draft_tree import MAXGRAM, ONEHOT, SAMPLED, DraftTree
+from engine.spec.maxgram import BigramTable, MaxGramDrafter, NgramIndex
+from engine.spec.methods import CASCADE, MAXGRAM as M_MAXGRAM, MCSD_MAXGRAM
+from engine.spec.tree import TreeTopology
+from engine.spec.verify import residual, verify_sampled
+from engine.request import GenerationRequest, SamplingParams
+from tests.engine_utils import run_engine
+from tests.test_tree import fresh_mask
+from tests.tiny import tiny_loaded
+
+
+def seq_of(prompt, output=()):
+    s = Sequence.create(GenerationRequest("r", list(prompt), SamplingParams(max_tokens=64)), stream=None)
+    s.tokens.extend(output)
+    return s
+
+
+# ---------------------------------------------------------------------------- Max-Gram lookup
+def test_longest_suffix_match_wins_and_prompt_comes_first():
+    # "1 2 3" continues with 9 in the prompt; "3" alone continues with 7 later in the output
+    s = seq_of([1, 2, 3, 9, 9, 4, 3, 7], [5, 1, 2, 3])
+    props = MaxGramDrafter(max_len=3, max_ngram=4).propose(s)
+    assert props[0].match == 3 and props[0].tokens == [9, 9, 4]
+    # a 1-gram match: occurrences in the prompt first (most recent there), then in the output
+    s = seq_of([8, 6, 1, 8, 5], [2, 8, 4, 3, 8])
+    props = MaxGramDrafter(max_len=8, max_ngram=2).propose(s, branches=3)
+    assert [p.tokens[0] for p in props] == [5, 6, 4]
+    assert all(p.match == 1 for p in props) and len(props[0].tokens) == 2  # 1-token match -> 2 tokens
+
+
+def test_branches_have_distinct_first_tokens_and_path_extends_the_context():
+    s = seq_of([4, 5, 6, 4, 5, 6, 4, 5, 7], [])
+    d = MaxGramDrafter(max_len=4, max_ngram=3)
+    props = d.propose(s, path=[4, 5], branches=4)
+    firsts = [p.tokens[0] for p in props]
+    assert len(set(firsts)) == len(firsts) and firsts[0] == 7  # "... 7 4 5" is not there; "5 7 4 5" -> ...
+    assert d.propose(s, path=[4, 5], max_len=1)[0].tokens == [7]
+
+
+def test_index_is_incremental_and_excludes_the_suffix_itself():
+    idx = NgramIndex(2)
+    toks = [1, 2, 1]
+    idx.extend(toks)
+    assert idx.continuations((1,), limit=3, split=3) == [1]  # the final "1" has no continuation yet
+    toks += [3, 1]
+    idx.extend(toks)
+    assert idx.continuations((1,), limit=5, split=2) == [1, 3]  # prompt (< 2) first, then the rest, newest first
+    assert idx.size == 5 and idx.continuations((2, 1), limit=5, split=5) == [3]
+
+
+def test_bigram_fallback_only_without_a_match():
+    table = BigramTable.from_token_lists([[1, 2, 3, 1, 2, 3, 1, 2, 4]])
+    assert table.successor == {1: 2, 2: 3, 3: 1}  # 2->4 seen once: below min_count
+    d = MaxGramDrafter(max_len=5, bigram=table, bigram_len=3)
+    fresh = d.propose(seq_of([9, 8, 1]))  # "1" never appeared before
+    assert fresh[0].match == 0 and fresh[0].tokens == [2, 3, 1]
+    assert d.propose(seq_of([1, 7, 1]))[0].tokens == [7, 1]  # a real match wins
+    assert MaxGramDrafter().propose(seq_of([9, 8, 1])) == []
+
+
+def test_bigram_table_from_a_prompts_corpus(tmp_path):
+    from tests.tiny import tiny_tokenizer
+    tok = tiny_tokenizer(20)
+    path = tmp_path / "corpus.json"
+    path.write_text('[{"id": "a", "messages": [{"role": "user", "content": "w3 w4 w3 w4 w5"}]}]')
+    table = BigramTable.from_corpus(tok, path)
+    ids = tok.encode("w3 w4", add_special_tokens=False)
+    assert table.successor[ids[0]] == ids[1]
+    with pytest.raises(ValueError, match="does not exist"):
+        BigramTable.from_corpus(tok, tmp_path / "missing.json")
+
+
+# ---------------------------------------------------------------------------- merged trees
+def test_merged_tree_shares_prefixes_and_its_mask_is_the_fresh_one():
+    topo = TreeTopology((2, 2))
+    sub = topo.subtree((2, 2))
+    tree = DraftTree(sub, [10, 11, 20, 21, 22, 23])  # 10 -> 20, 21; 11 -> 22, 23
+    chain = tree.add_path(-1, [10, 21, 30, 31], MAXGRAM)  # shares 10 -> 21, then two new nodes
+    assert chain[:2] == [0, 3] and chain[2:] == [6, 7]
+    again = tree.add_path(-1, [12, 13], MAXGRAM)  # a second root branch
+    assert again == [8, 9]
+    tail = tree.add_path(5, [40], MAXGRAM)  # below a draft leaf
+    assert tree.parents() == [-1, -1, 0, 0, 1, 1, 3, 6, -1, 8, 5]
+    assert tree.depths() == [1, 1, 2, 2, 2, 2, 3, 4, 1, 2, 3]
+    assert tree.ranks()[6] == 0 and tree.ranks()[8] == 2
+    assert torch.equal(tree.mask(), fresh_mask(tree.parents()))
+    assert tree.node_sources(3) == {"draft", MAXGRAM} and tree.node_sources(2) == {"draft"}
+    ev = tree.events()
+    assert ev[0] == [(0, ONEHOT), (8, ONEHOT), (0, SAMPLED), (1, SAMPLED)]  # one-hot first
+    assert ev[1] == [(3, ONEHOT), (2, SAMPLED), (3, SAMPLED)] and ev[6] == [(tail[0], ONEHOT)]
+    tree.add_path(-1, [10, 21], MAXGRAM)  # a repeated deterministic proposal adds no event
+    assert tree.events()[1].count((3, ONEHOT)) == 1
+    tree.drafted_levels = 1  # the draft ran level 1 only: entries 0, 1
+    assert tree.draft_entries([0, 3, 6]) == [0]
+
+
+# ---------------------------------------------------------------------------- the merged-node rule
+P = torch.tensor([0.35, 0.25, 0.2, 0.15, 0.05], dtype=torch.float64).float()
+Q = torch.tensor([0.1, 0.4, 0.3, 0.1, 0.1], dtype=torch.float64).float()
+
+
+def merged_row_samples(runs: int, onehot_token: int, skip_sampled_duplicate: bool = False) -> Counter:
+    """Emitted first token of a one-row tree: two draft candidates drawn without replacement from
+    Q, plus Max-Gram's fixed proposal (merged with a draft candidate when equal)."""
+    from engine.sampler import sample_k_distinct
+    gen = torch.Generator().manual_seed(0)
+    sub = TreeTopology((2,)).subtree((2,))
+    out = Counter()
+    for _ in range(runs):
+        u = torch.rand(1, 2, generator=gen)
+        toks = sample_k_distinct(Q[None], u)[0].tolist()
+        tree = DraftTree(sub, toks, q={0: Q})
+        tree.add_path(-1, [onehot_token], MAXGRAM)
+        events = tree.events()
+        if skip_sampled_duplicate:  # a wrong rule: a merged node keeps only its one-hot proposal
+            merged = {n for n, k in events[0] if k == ONEHOT}
+            events[0] = [(n, k) for n, k in events[0] if k == ONEHOT or n not in merged]
+        events += [[] for _ in range(4)]
+        r = verify_sampled(lambda row: P, lambda row: tree.q[row], tree.tokens + [0] * 3, events, gen)
+        out[r.tokens[0]] += 1
+    return out
+
+
+def pvalue(counts: Counter, p: torch.Tensor) -> float:
+    n = sum(counts.values())
+    return float(stats.chisquare([counts.get(i, 0) for i in range(len(p))], (p.double() * n).numpy()).pvalue)
+
+
+def test_a_node_proposed_by_two_drafters_keeps_the_target_distribution():
+    """The documented rule (engine.spec.draft_tree): one event per proposal, one-hot first.  The first
+    token must have law P exactly; dropping the merged node's sampled event biases it."""
+    counts = merged_row_samples(20_000, onehot_token=1)  # token 1 is Q's likeliest: merged most runs
+    assert pvalue(counts, P) > 1e-3
+    bad = merged_row_samples(20_000, onehot_token=1, skip_sampled_duplicate=True)
+    assert pvalue(bad, P) < 1e-6
+
+
+def test_onehot_residual_removes_the_token():
+    p = torch.tensor([0.5, 0.3, 0.2])
+    from engine.spec.verify import remove_candidate
+    assert torch.allclose(remove_candidate(p, 0), residual(p, torch.tensor([1.0, 0.0, 0.0])))
+
+
+# ---------------------------------------------------------------------------- greedy equality
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 4, 3, 4, 3], [10, 11, 12, 13, 14, 10, 11, 12], [42, 42, 42]]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def models(request):
+    return (tiny_loaded(request.param, seed=0), tiny_loaded(request.param, seed=0),
+            tiny_loaded(request.param, seed=1, layers=1))
+
+
+@pytest.mark.parametrize("method", [M_MAXGRAM, MCSD_MAXGRAM, CASCADE])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_every_method_is_token_identical_to_plain_greedy(models, method, batch):
+    target, self_draft, other_draft = models
+    prompts = PROMPTS[:batch]
+    expected = [o.tokens for o in run_engine(target, None, prompts, tree=(), ignore_eos=True, max_tokens=32)[0]]
+    cfg = dict(maxgram_len=4, maxgram_branches=2, maxgram_tail=3, cascade_depth=3)
+    for draft in (self_draft, other_draft):
+        outs, core = run_engine(target, draft, prompts, tree=(2, 1), ignore_eos=True, max_tokens=32, config=cfg,
+                                spec=SpecOptions(method=method))
+        assert [o.tokens for o in outs] == expected, (method, draft.source)
+        assert core.cache.free_slots == core.cache.num_slots
+    by_method = Counter()
+    for s in core.drain_step_stats():
+        by_method.update(s.drafted_by_method)
+    assert by_method[MAXGRAM] > 0 or by_method["bigram"] > 0 or method == CASCADE
+    if method != M_MAXGRAM:
+        assert by_method["draft" if method == MCSD_MAXGRAM else "cascade"] > 0
+
+
+def test_maxgram_needs_no_draft_model_and_penalties_logprobs_still_match(models):
+    target, _, other_draft = models
+    kw = dict(ignore_eos=True, max_tokens=24, frequency_penalty=0.5, logprobs=2)
+    base = run_engine(target, None, PROMPTS, tree=(), **kw)[0]
+    alone = run_engine(target, None, PROMPTS, tree=(), spec=SpecOptions(method=M_MAXGRAM), **kw)[0]
+    both = run_engine(target, other_draft, PROMPTS, tree=(2, 1), spec=SpecOptions(method=MCSD_MAXGRAM), **kw)[0]
+    for outs in (alone, both):
+        assert [o.tokens for o in outs] == [o.tokens for o in base]
+        for o, b in zip(outs, base):
+            assert [lp.token_id for lp in o.logprobs] == [lp.token_id for lp in b.logprobs]
+            assert [lp.logprob for lp in o.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-4)
+    assert all(o.spec.note is None for o in alone)
+
+
+def test_a_draft_method_without_a_draft_model_says_so(models):
+    target = models[0]
+    outs, _ = run_engine(target, None, PROMPTS[:1], tree=(), max_tokens=4, spec=SpecOptions(method=CASCADE))
+    assert "'cascade'" in outs[0].spec.note and "maxgram" in outs[0].spec.note
+
+
+def test_maxgram_accepts_on_a_looping_target():
+    """A toy target whose greedy output depends on the last two tokens must loop; once it does,
+    Max-Gram's copies are the target's own continuation and get accepted."""
+    from tests.lossless import loaded
+    target = loaded(0)
+    outs, core = run_engine(target, None, [[2, 3]], tree=(), ignore_eos=True, max_tokens=40,
+                            spec=SpecOptions(method=M_MAXGRAM))
+    plain = run_engine(target, None, [[2, 3]], tree=(), ignore_eos=True, max_tokens=40,
+                       )[0]
+    assert outs[0].tokens == plain[0].tokens
+    assert outs[0].spec.accepted_tokens >= 20 and outs[0].spec.steps < 20
