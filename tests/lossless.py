@@ -14,9 +14,10 @@ from scipy import stats
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.models.loader import LoadedModel
-from engine.request import GenerationRequest, SamplingParams
+from engine.request import GenerationRequest, SamplingParams, SpecOptions
 from engine.sampler import SamplingTensors, compute_probs
 from engine.spec.adaptive import AdaptiveSpeculation, SpecPolicy
+from engine.spec.maxgram import BigramTable
 from engine.spec.tree import TreeTopology
 from tests.tiny import tiny_tokenizer
 from tests.toy import ToyModel, random_table
@@ -36,6 +37,8 @@ class Case:
     runs: int = 200_000
     sabotage: str = ""  # a planted bug, see ``apply_sabotage``
     stop: str = ""  # drafting stops early: "random" (RandomStop) or "calibrated" (the engine's adaptive policy)
+    method: str = "mcsd"  # engine.spec.methods
+    bigram: tuple[tuple[int, int], ...] = ()  # Max-Gram's bigram table (token -> successor)
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
 
@@ -97,6 +100,8 @@ def apply_sabotage(name: str) -> None:
             q[x] = 0.0
             return q
         verify.remove_candidate = broken_remove
+    elif name == "onehot_no_residual":  # a rejected Max-Gram token stays in the target distribution
+        verify.onehot_residual = lambda p, x: p
     elif name == "positions_off_by_one":
         runner.block_positions = lambda root_pos, depths: [root_pos] + [root_pos + d + 1 for d in depths]
     elif name == "bonus_cached":
@@ -117,10 +122,14 @@ def _worker(args) -> Counter:
     for lo in range(start, start + count, batch):
         n = min(batch, start + count - lo)
         core = EngineCore(target, draft, EngineConfig(max_batch=n, max_model_len=8, tree=case.tree or (1,),
-                                                      without_replacement=case.without_replacement),
+                                                      without_replacement=case.without_replacement,
+                                                      maxgram_len=2, maxgram_branches=2, maxgram_tail=1,
+                                                      cascade_depth=2),
                           policy=stop_policy(case, seed=lo))
+        core.maxgram.bigram = BigramTable(dict(case.bigram)) if case.bigram else None
         for i in range(n):
-            core.add_request(GenerationRequest(f"r{lo + i}", PROMPT, params(case, seed=lo + i)))
+            core.add_request(GenerationRequest(f"r{lo + i}", PROMPT, params(case, seed=lo + i),
+                                               SpecOptions(method=case.method)))
         outs: dict[str, list[int]] = {}
         while core.has_unfinished():
             for o in core.step():

@@ -6,6 +6,7 @@ import pytest
 
 from tests.lossless import Case, chi_square, exact_joint, sample_counts
 
+BIGRAMS = ((0, 1), (1, 2), (4, 5), (5, 0))
 CASES = [
     Case("chain", (1, 1)),
     Case("tree-2x2", (2, 2)),
@@ -15,6 +16,11 @@ CASES = [
     Case("tree-3x2-top_p", (3, 2), top_p=0.7),
     Case("tree-2x2-random-stop", (2, 2), stop="random"),
     Case("tree-3x2-calibrated-stop-T0.6", (3, 2), temperature=0.6, stop="calibrated"),
+    # drafters beyond the draft model (engine.spec.methods); Max-Gram proposes from the prompt [2, 3],
+    # the output so far, else the bigram table
+    Case("maxgram-with-bigrams", (1,), method="maxgram", bigram=BIGRAMS),
+    Case("tree-2x1+maxgram-merged-T0.6", (2, 1), method="mcsd+maxgram", temperature=0.6, bigram=BIGRAMS),
+    Case("cascade-maxgram-draft-target", (1,), method="cascade", bigram=BIGRAMS),
 ]
 ALPHA = 1e-3 / len(CASES)  # Bonferroni
 
@@ -22,6 +28,8 @@ SABOTAGED = [
     Case("no q renormalisation", (3,), runs=30_000, sabotage="no_q_renorm"),
     Case("position ids off by one", (2, 2), runs=30_000, sabotage="positions_off_by_one"),
     Case("bonus token cached", (1,), runs=30_000, sabotage="bonus_cached"),
+    Case("no residual after a one-hot rejection", (1,), runs=30_000, sabotage="onehot_no_residual", method="maxgram",
+         bigram=BIGRAMS),
 ]
 
 

@@ -99,7 +99,7 @@ def verify_sampled(
                 if u <= float(p[x]):
                     taken = c
                     break
-                p = remove_candidate(p, x)  # norm((p - e_x)+): x drops out, the rest renormalised
+                p = onehot_residual(p, x)
                 continue
             q = q_of(row) if q is None else q
             if u * float(q[x]) <= float(p[x]):  # u <= p/q without dividing by a tiny q
@@ -121,6 +121,11 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     r = (p - q).clamp_(min=0.0)
     total = r.sum()
     return r / total if total > 0 else p
+
+
+def onehot_residual(p: torch.Tensor, x: int) -> torch.Tensor:
+    """``norm((p - e_x)+)`` after a rejected one-hot proposal: ``x`` drops out, the rest renormalised."""
+    return remove_candidate(p, x)
 
 
 def remove_candidate(q: torch.Tensor, x: int) -> torch.Tensor:
