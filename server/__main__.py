@@ -42,11 +42,14 @@ def build_core(settings: Settings):
         extra["acceptance_heads"] = tuple(h.strip() for h in settings.acceptance_heads.split(",") if h.strip())
     config = EngineConfig(max_batch=settings.max_batch, tree=settings.tree, prefill_chunk=settings.prefill_chunk,
                           adaptive=settings.adaptive,
-                          adaptive_threshold=settings.adaptive_threshold, **extra)
+                          adaptive_threshold=settings.adaptive_threshold, spec_method=settings.spec_method,
+                          maxgram_len=settings.maxgram_len, maxgram_branches=settings.maxgram_branches,
+                          maxgram_corpus=settings.maxgram_corpus, maxgram_tail=settings.maxgram_tail,
+                          cascade_depth=settings.cascade_depth, **extra)
     # The single place where the server builds the engine core.
     core = EngineCore(target, draft, config, model_name=settings.model_id)
-    log.info("engine ready: context %d tokens, tree %s, max batch %d",
-             core.max_model_len, list(settings.tree) if draft else "none (no draft model)", settings.max_batch)
+    log.info("engine ready: context %d tokens, tree %s, default method %s, max batch %d", core.max_model_len,
+             list(settings.tree) if draft else "none (no draft model)", settings.spec_method, settings.max_batch)
     return core
 
 

@@ -29,7 +29,9 @@ Series no incumbent has: ``mcsd:spec_decode_budget`` (tree budget chosen in the 
 ``mcsd:spec_decode_accepted_length`` (per sequence-step: 1 + accepted drafted tokens, so its mean
 is the "mean acceptance length"), ``mcsd:spec_decode_tree_nodes`` (nodes verified per step over the
 batch), ``mcsd:spec_decode_{draft,accepted}_tokens_by_depth{depth}`` (1-based) and ``..._by_rank
-{rank}`` (0-based sibling order), ``mcsd:spec_decode_draft_seconds`` / ``_verify_seconds``.
+{rank}`` (0-based sibling order), ``mcsd:spec_decode_draft_seconds`` / ``_verify_seconds``,
+``mcsd:spec_decode_{draft,accepted}_tokens_by_method{method}`` (drafter: ``draft`` model, ``maxgram``,
+``bigram`` (Max-Gram's fallback), ``cascade``; a node several drafters proposed counts for each).
 Derived: acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts.
 
 Token and request counters are counted when a request finishes, from the same numbers its
@@ -72,6 +74,11 @@ class ServerMetrics:
         self.accepted_by_depth = c("spec_decode_accepted_tokens_by_depth", "Accepted nodes by depth.", ["depth"])
         self.draft_by_rank = c("spec_decode_draft_tokens_by_rank", "Drafted nodes by sibling rank.", ["rank"])
         self.accepted_by_rank = c("spec_decode_accepted_tokens_by_rank", "Accepted nodes by rank.", ["rank"])
+        self.draft_by_method = c("spec_decode_draft_tokens_by_method",
+                                 "Drafted nodes by drafter (a node several drafters proposed counts for each).",
+                                 ["method"])
+        self.accepted_by_method = c("spec_decode_accepted_tokens_by_method", "Accepted nodes by drafter.",
+                                    ["method"])
         self.draft_seconds = c("spec_decode_draft_seconds", "Seconds spent drafting.")
         self.verify_seconds = c("spec_decode_verify_seconds", "Seconds spent verifying.")
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens of finished requests.")
@@ -112,6 +119,9 @@ class ServerMetrics:
         ):
             for i, n in enumerate(counts):
                 series.labels(**{label: str(i + base)}).inc(n)
+        for series, by in ((self.draft_by_method, s.drafted_by_method), (self.accepted_by_method, s.accepted_by_method)):
+            for method, n in by.items():
+                series.labels(method=method).inc(n)
         if s.num_spec_seqs:
             self.tree_nodes.observe(s.drafted_tokens)
             for length, seqs in enumerate(accepted_length_counts(s)):

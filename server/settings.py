@@ -18,6 +18,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from engine.spec.methods import METHODS
 from engine.spec.tree import parse_widths
 
 if sys.version_info >= (3, 11):
@@ -49,6 +50,14 @@ class Settings(BaseModel):
     adaptive: bool = Field(False, description="adapt tree depth per step (SpecDec++ threshold) and budget to load")
     adaptive_threshold: float = Field(0.5, ge=0.0, le=1.0, description="stop drafting when 1 - prod(p_accept) > h")
     acceptance_heads: Optional[str] = Field(None, description="trained acceptance head files, comma separated")
+    spec_method: Literal[METHODS] = Field("mcsd", description="drafter for requests that do not say: "
+                                          + ", ".join(METHODS))
+    maxgram_len: int = Field(8, ge=1, le=64, description="most tokens per Max-Gram proposal from the root")
+    maxgram_branches: int = Field(1, ge=1, le=8, description="Max-Gram proposals (distinct first tokens) per step")
+    maxgram_corpus: Optional[str] = Field(None, description="text or prompts JSON for Max-Gram's bigram fallback")
+    maxgram_tail: int = Field(4, ge=0, le=64, description="Max-Gram tokens after the deepest drafted path "
+                                                         "(horizontal cascade)")
+    cascade_depth: int = Field(4, ge=0, le=64, description="tokens the draft writes reviewing Max-Gram (cascade)")
     max_batch: int = Field(8, ge=1, description="sequences decoding together")
     max_queue: int = Field(64, ge=1, description="requests waiting for a slot before 429")
     max_model_len: Optional[int] = Field(None, ge=2, description="context length (default: the model's)")

@@ -108,3 +108,24 @@ def test_metrics_match_usage_and_too_long_prompt(srv, oai):
     with pytest.raises(openai.BadRequestError) as info:
         oai.completions.create(model=MODEL, prompt="fox " * 200)
     assert info.value.body["code"] == "context_length_exceeded"
+
+
+def labelled(srv, name: str) -> dict[str, float]:
+    text = httpx.get(srv.url + "/metrics").text
+    return {s.labels["method"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == name and "method" in s.labels}
+
+
+@pytest.mark.parametrize("method", ["maxgram", "mcsd+maxgram", "cascade"])
+def test_per_request_method_equals_plain_greedy_and_is_counted_by_method(srv, oai, method):
+    prompt = "abcabcabcabc abcabc"  # repetitive: Max-Gram has matches to copy
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    plain = oai.completions.create(**kw, extra_body={"ignore_eos": True, "speculative": {"enabled": False}})
+    before = labelled(srv, "mcsd:spec_decode_draft_tokens_by_method_total")
+    spec = oai.completions.create(**kw, extra_body={"ignore_eos": True, "speculative": {"method": method}})
+    after = labelled(srv, "mcsd:spec_decode_draft_tokens_by_method_total")
+    assert spec.choices[0].text == plain.choices[0].text
+    used = spec.usage.model_extra["speculative"]
+    grown = {m: after[m] - before.get(m, 0.0) for m in after if after[m] > before.get(m, 0.0)}
+    expected = {"maxgram": {"maxgram", "bigram"}, "mcsd+maxgram": {"draft"}, "cascade": {"cascade"}}[method]
+    assert used["drafted_tokens"] > 0 and set(grown) & expected, grown
