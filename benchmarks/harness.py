@@ -42,10 +42,12 @@ def _spread(prompts, limit: Optional[int]):
 
 
 def run_ours(target, draft, ids: list[int], max_new: int, tree=(), temperature=0.0, seed=0,
-             spec: Optional[SpecOptions] = None, core: Optional[EngineCore] = None) -> dict:
-    """One request through our engine (batch 1); returns tokens, seconds and speculation counts."""
+             spec: Optional[SpecOptions] = None, core: Optional[EngineCore] = None,
+             config: Optional[dict] = None) -> dict:
+    """One request through our engine (batch 1); returns tokens, seconds and speculation counts.
+    ``config``: extra EngineConfig fields (drafter knobs)."""
     core = core or EngineCore(target, draft, EngineConfig(max_batch=1, max_model_len=len(ids) + max_new + 8,
-                                                          tree=tree))
+                                                          tree=tree, **(config or {})))
     params = SamplingParams(temperature=temperature, max_tokens=max_new, ignore_eos=True, seed=seed)
     t0 = time.perf_counter()
     core.add_request(GenerationRequest("bench", ids, params, spec or SpecOptions(enabled=bool(tree))))
@@ -58,8 +60,14 @@ def run_ours(target, draft, ids: list[int], max_new: int, tree=(), temperature=0
             usage = o.spec
     secs = time.perf_counter() - t0
     stats = core.drain_step_stats()
+    by_method: dict[str, list[int]] = {}
+    for s in stats:
+        for m, n in s.drafted_by_method.items():
+            by_method.setdefault(m, [0, 0])[0] += n
+        for m, n in s.accepted_by_method.items():
+            by_method.setdefault(m, [0, 0])[1] += n
     return dict(tokens=tokens, seconds=secs, ttft=first, steps=sum(1 for s in stats if s.num_seqs),
-                drafted=usage.drafted_tokens, accepted=usage.accepted_tokens,
+                drafted=usage.drafted_tokens, accepted=usage.accepted_tokens, by_method=by_method,
                 draft_seconds=sum(s.draft_seconds for s in stats),
                 verify_seconds=sum(s.verify_seconds for s in stats))
 

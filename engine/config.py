@@ -34,6 +34,7 @@ class EngineConfig:
     maxgram_corpus: Optional[str] = None  # text / prompts JSON for the bigram fallback; None = no bigrams
     maxgram_tail: int = 4  # horizontal cascade: Max-Gram tokens after the deepest drafted path
     cascade_depth: int = 4  # vertical cascade: tokens the draft model writes reviewing Max-Gram's guesses
+    maxgram_trust: int = 3  # a suffix match this long skips the draft model for the step (0 = never)
 
     def __post_init__(self) -> None:
         self.tree = parse_widths(self.tree)
@@ -53,8 +54,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.maxgram_min_ngram > self.maxgram_max_ngram:
             raise ValueError(f"maxgram_min_ngram {self.maxgram_min_ngram} > maxgram_max_ngram {self.maxgram_max_ngram}")
-        if self.maxgram_tail < 0 or self.cascade_depth < 0:
-            raise ValueError("maxgram_tail and cascade_depth must be >= 0")
+        if self.maxgram_tail < 0 or self.cascade_depth < 0 or self.maxgram_trust < 0:
+            raise ValueError("maxgram_tail, cascade_depth and maxgram_trust must be >= 0")
         if self.maxgram_corpus is not None and not Path(self.maxgram_corpus).is_file():
             raise ValueError(f"maxgram_corpus {self.maxgram_corpus} does not exist")
 

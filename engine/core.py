@@ -168,11 +168,13 @@ class EngineCore:
             return DraftPlan(spec.method, empty)
         if spec.method == CASCADE:
             depth = min(cfg.cascade_depth, room) if budget != () else 0
-            return DraftPlan(CASCADE, empty, cascade=depth, tail=min(cfg.maxgram_tail, room - depth))
+            return DraftPlan(CASCADE, empty, maxgram=min(cfg.maxgram_len, room), cascade=depth,
+                             tail=min(cfg.maxgram_tail, room - depth), trust=cfg.maxgram_trust)
         sub = self._subtree(seq, budget)
         if spec.method == MCSD_MAXGRAM:
             return DraftPlan(MCSD_MAXGRAM, sub, maxgram=min(cfg.maxgram_len, room), branches=cfg.maxgram_branches,
-                             tail=min(cfg.maxgram_tail, room - sub.max_depth) if sub.num_nodes else 0)
+                             tail=min(cfg.maxgram_tail, room - sub.max_depth) if sub.num_nodes else 0,
+                             trust=cfg.maxgram_trust)
         return DraftPlan(MCSD, sub)
 
     def _subtree(self, seq: Sequence, budget: Optional[tuple[int, ...]] = None) -> SubTree:

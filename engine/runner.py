@@ -86,6 +86,7 @@ class ModelRunner:
     def _draft(self, seqs: list[Sequence], plans: list[DraftPlan]) -> list[DraftTree]:
         """Every drafter that the plans ask for, in cascade order: the draft model's trees and the
         cascade's chains, then Max-Gram's tails below them and its branches from the root."""
+        plans = [self._trust_maxgram(seq, p) for seq, p in zip(seqs, plans)]
         trees = [DraftTree(p.sub, []) for p in plans]
         idx = [i for i, p in enumerate(plans) if p.sub.num_nodes > 0]
         if idx and self.proposer is not None:
@@ -102,6 +103,17 @@ class ModelRunner:
             for seq, plan, tree in zip(seqs, plans, trees):
                 self._add_maxgram(seq, plan, tree)
         return trees
+
+    def _trust_maxgram(self, seq: Sequence, plan: DraftPlan) -> DraftPlan:
+        """Max-Gram alone for this step when the context ends in a long suffix match (see
+        ``engine.spec.methods``); the plan unchanged otherwise."""
+        if not plan.trust or self.maxgram is None or not plan.maxgram:
+            return plan
+        props = self.maxgram.propose(seq, (), plan.maxgram)
+        if not props or props[0].match < plan.trust:
+            return plan
+        empty = self.proposer.topology.subtree(()) if self.proposer is not None else plan.sub
+        return DraftPlan(plan.method, empty, maxgram=plan.maxgram, branches=max(plan.branches, 1))
 
     def _add_maxgram(self, seq: Sequence, plan: DraftPlan, tree: DraftTree) -> None:
         if plan.tail and tree.tokens:

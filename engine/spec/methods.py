@@ -13,6 +13,12 @@ method                  what drafts the tree                                    
 ======================  =====================================================================  =========
 
 All of them are lossless: the target's final review is the exact multi-candidate rule.
+
+**Trusting Max-Gram.**  For ``mcsd+maxgram`` and ``cascade``, a step whose context ends in a long
+suffix match (``maxgram_trust`` tokens or more; copying from the prompt or from a repetition) skips
+the draft model and verifies Max-Gram's proposals alone: a long match is usually right, and then
+the draft model's forwards are pure cost.  The choice depends only on the context, so it cannot bias
+the output.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class DraftPlan:
     branches: int = 0  # Max-Gram branches from the root
     cascade: int = 0  # chain tokens the vertical cascade writes (draft model reviewing Max-Gram)
     tail: int = 0  # Max-Gram tokens appended below the deepest drafted path (horizontal cascade)
+    trust: int = 0  # a Max-Gram match this long replaces the draft model for the step (0 = never)
 
     @property
     def empty(self) -> bool:
