@@ -35,6 +35,9 @@ class EngineConfig:
     maxgram_tail: int = 4  # horizontal cascade: Max-Gram tokens after the deepest drafted path
     cascade_depth: int = 4  # vertical cascade: tokens the draft model writes reviewing Max-Gram's guesses
     maxgram_trust: int = 3  # a suffix match this long skips the draft model for the step (0 = never)
+    mjsd_beam: int = 4  # MJSD (lossy): draft beam width
+    mjsd_depth: int = 4  # MJSD: tokens per step
+    mjsd_tau: float = 0.5  # MJSD: accept while the cumulative log p/q stays above log tau
 
     def __post_init__(self) -> None:
         self.tree = parse_widths(self.tree)
@@ -56,6 +59,9 @@ class EngineConfig:
             raise ValueError(f"maxgram_min_ngram {self.maxgram_min_ngram} > maxgram_max_ngram {self.maxgram_max_ngram}")
         if self.maxgram_tail < 0 or self.cascade_depth < 0 or self.maxgram_trust < 0:
             raise ValueError("maxgram_tail, cascade_depth and maxgram_trust must be >= 0")
+        if self.mjsd_beam < 1 or self.mjsd_depth < 1 or not 0.0 < self.mjsd_tau <= 1.0:
+            raise ValueError(f"MJSD needs mjsd_beam >= 1, mjsd_depth >= 1 and 0 < mjsd_tau <= 1, got "
+                             f"{self.mjsd_beam}, {self.mjsd_depth}, {self.mjsd_tau}")
         if self.maxgram_corpus is not None and not Path(self.maxgram_corpus).is_file():
             raise ValueError(f"maxgram_corpus {self.maxgram_corpus} does not exist")
 

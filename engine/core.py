@@ -20,7 +20,8 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.spec.adaptive import AdaptiveSpeculation, SpecPolicy
 from engine.spec.maxgram import BigramTable, MaxGramDrafter
-from engine.spec.methods import CASCADE, MAXGRAM, MCSD, MCSD_MAXGRAM, NEEDS_DRAFT, DraftPlan
+from engine.spec.methods import CASCADE, LOSSY, MAXGRAM, MCSD, MCSD_MAXGRAM, MJSD_LOSSY, NEEDS_DRAFT, DraftPlan
+from engine.spec.mjsd import LOSSY_NOTE
 from engine.spec.proposer import DraftModelProposer
 from engine.spec.tree import SubTree, TreeTopology
 from engine.stats import StepStats
@@ -43,9 +44,10 @@ class EngineCore:
         cfg = self.config
         # the largest verification block any method builds, and the most draft-cache entries a step appends
         max_nodes = max(self.topology.num_nodes + cfg.maxgram_branches * cfg.maxgram_len + cfg.maxgram_tail,
-                        cfg.cascade_depth + cfg.maxgram_tail)
+                        cfg.cascade_depth + cfg.maxgram_tail, cfg.mjsd_depth)
         self.cache = target.model.new_cache(cfg.max_batch, self.max_model_len + max_nodes + 1)
-        draft_len = self.max_model_len + max(self.topology.num_nodes, cfg.cascade_depth * (cfg.maxgram_len + 1)) + 1
+        draft_len = self.max_model_len + max(self.topology.num_nodes, cfg.cascade_depth * (cfg.maxgram_len + 1),
+                                             cfg.mjsd_beam * cfg.mjsd_depth) + 1
         bigram = BigramTable.from_corpus(self.tokenizer, cfg.maxgram_corpus) if cfg.maxgram_corpus else None
         self.maxgram = MaxGramDrafter(cfg.maxgram_len, cfg.maxgram_max_ngram, cfg.maxgram_min_ngram, bigram)
         proposer = None
@@ -59,7 +61,8 @@ class EngineCore:
             self.policy = policy
             proposer = DraftModelProposer(draft.model, draft_cache, self.vocab_size, self.config.without_replacement,
                                           self.topology, policy, chunk=self.config.prefill_chunk)
-        self.runner = ModelRunner(target.model, self.cache, self.vocab_size, proposer, self.maxgram)
+        self.runner = ModelRunner(target.model, self.cache, self.vocab_size, proposer, self.maxgram,
+                                  mjsd_beam=cfg.mjsd_beam, mjsd_tau=cfg.mjsd_tau)
         self.scheduler = Scheduler(self.config, self.cache, proposer.cache if proposer else None)
         self.eos_token_ids = set(target.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -75,6 +78,8 @@ class EngineCore:
         seq.sampling_tensors = SamplingTensors.from_params([req.sampling], self.vocab_size)
         if req.spec.method is None:
             req.spec.method = self.config.spec_method
+        if req.spec.enabled and req.spec.method in LOSSY and self.runner.proposer:
+            seq.spec.note = LOSSY_NOTE
         if not self.runner.proposer and req.spec.enabled and req.spec.method in NEEDS_DRAFT:
             seq.request.spec.enabled = False
             seq.spec.note = (f"speculation is off: the server runs without a draft model, which method "
@@ -100,6 +105,9 @@ class EngineCore:
             raise ValueError(f"logit_bias token ids must be < {self.vocab_size}")
         if self.scheduler.find(req.request_id) is not None:
             raise ValueError(f"request id {req.request_id!r} is already running")
+        if req.spec.method == MJSD_LOSSY and req.sampling.needs_history:
+            raise ValueError("speculative.method 'mjsd-lossy' does not support presence/frequency/repetition "
+                             "penalties")
         if req.spec.tree is not None and req.spec.enabled:
             self.topology.subtree(req.spec.tree)  # raises if it does not fit the engine's tree
 
@@ -166,6 +174,8 @@ class EngineCore:
             return DraftPlan(MAXGRAM, empty, maxgram=min(cfg.maxgram_len, room), branches=cfg.maxgram_branches)
         if seq.draft_slot is None:
             return DraftPlan(spec.method, empty)
+        if spec.method == MJSD_LOSSY:
+            return DraftPlan(MJSD_LOSSY, empty, mjsd=min(cfg.mjsd_depth, room) if budget != () else 0)
         if spec.method == CASCADE:
             depth = min(cfg.cascade_depth, room) if budget != () else 0
             return DraftPlan(CASCADE, empty, maxgram=min(cfg.maxgram_len, room), cascade=depth,

@@ -24,6 +24,7 @@ from engine.spec.cascade import CascadeProposer
 from engine.spec.draft_tree import BIGRAM, DEAD, MAXGRAM, DraftTree
 from engine.spec.maxgram import MaxGramDrafter
 from engine.spec.methods import DraftPlan
+from engine.spec.mjsd import MjsdProposer, verify_joint
 from engine.spec.proposer import DraftModelProposer
 from engine.spec.verify import VerifyResult, verify_greedy, verify_sampled
 from engine.stats import StepStats, add_at
@@ -41,13 +42,16 @@ class SeqStepResult:
 
 class ModelRunner:
     def __init__(self, target: LlamaModel, target_cache: KVCache, vocab_size: int,
-                 proposer: Optional[DraftModelProposer] = None, maxgram: Optional[MaxGramDrafter] = None) -> None:
+                 proposer: Optional[DraftModelProposer] = None, maxgram: Optional[MaxGramDrafter] = None,
+                 mjsd_beam: int = 4, mjsd_tau: float = 0.5) -> None:
         self.target = target
         self.cache = target_cache
         self.vocab_size = vocab_size
         self.proposer = proposer
         self.maxgram = maxgram
         self.cascade = CascadeProposer(proposer, maxgram) if proposer is not None and maxgram is not None else None
+        self.mjsd = MjsdProposer(proposer, mjsd_beam) if proposer is not None else None
+        self.mjsd_tau = mjsd_tau
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
@@ -99,6 +103,11 @@ class ModelRunner:
                                           [plans[i].sub for i in idx])
             for i, tree in zip(idx, chains):
                 trees[i] = tree
+        idx = [i for i, p in enumerate(plans) if p.mjsd > 0]
+        if idx and self.mjsd is not None:
+            chains = self.mjsd.propose([seqs[i] for i in idx], [plans[i].mjsd for i in idx], [plans[i].sub for i in idx])
+            for i, tree in zip(idx, chains):
+                trees[i] = tree
         if self.maxgram is not None:
             for seq, plan, tree in zip(seqs, plans, trees):
                 self._add_maxgram(seq, plan, tree)
@@ -136,7 +145,9 @@ class ModelRunner:
             hist = RowHistory.for_rows(seq, tree.tokens, parents, [row]) if params.needs_history else None
             return compute_probs(logits[row][None], st, *(hist.tensors() if hist else (None, None)))[0]
 
-        if params.greedy:
+        if tree.joint_logq is not None:  # MJSD, lossy by design
+            result = verify_joint(logits, tree.tokens, tree.joint_logq, seq, self.mjsd_tau)
+        elif params.greedy:
             if st.any_bias or params.needs_history:
                 result = verify_greedy(lambda r: int(processed(r).argmax()), tree.tokens, events)
             else:

@@ -45,7 +45,9 @@ def build_core(settings: Settings):
                           adaptive_threshold=settings.adaptive_threshold, spec_method=settings.spec_method,
                           maxgram_len=settings.maxgram_len, maxgram_branches=settings.maxgram_branches,
                           maxgram_corpus=settings.maxgram_corpus, maxgram_tail=settings.maxgram_tail,
-                          cascade_depth=settings.cascade_depth, **extra)
+                          cascade_depth=settings.cascade_depth, maxgram_trust=settings.maxgram_trust,
+                          mjsd_beam=settings.mjsd_beam, mjsd_depth=settings.mjsd_depth, mjsd_tau=settings.mjsd_tau,
+                          **extra)
     # The single place where the server builds the engine core.
     core = EngineCore(target, draft, config, model_name=settings.model_id)
     log.info("engine ready: context %d tokens, tree %s, default method %s, max batch %d", core.max_model_len,

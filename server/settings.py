@@ -58,6 +58,11 @@ class Settings(BaseModel):
     maxgram_tail: int = Field(4, ge=0, le=64, description="Max-Gram tokens after the deepest drafted path "
                                                          "(horizontal cascade)")
     cascade_depth: int = Field(4, ge=0, le=64, description="tokens the draft writes reviewing Max-Gram (cascade)")
+    maxgram_trust: int = Field(3, ge=0, le=64, description="a suffix match this long skips the draft model "
+                                                          "for the step (0 = never)")
+    mjsd_beam: int = Field(4, ge=1, le=16, description="MJSD (lossy, opt-in): draft beam width")
+    mjsd_depth: int = Field(4, ge=1, le=32, description="MJSD: tokens drafted per step")
+    mjsd_tau: float = Field(0.5, gt=0.0, le=1.0, description="MJSD: joint likelihood-ratio threshold")
     max_batch: int = Field(8, ge=1, description="sequences decoding together")
     max_queue: int = Field(64, ge=1, description="requests waiting for a slot before 429")
     max_model_len: Optional[int] = Field(None, ge=2, description="context length (default: the model's)")

@@ -64,6 +64,7 @@ class DraftTree:
     # node -> index of its entry among the draft cache's pending entries (-1: not run); None means
     # the draft model's usual layout: the first ``level_offsets[drafted_levels]`` nodes, in order
     draft_index: Optional[list[int]] = None
+    joint_logq: Optional[list[float]] = None  # MJSD (lossy): log q of each chain token; verified by joint likelihood
 
     def cut(self, sub: SubTree) -> None:
         """Stop at ``sub``, a prefix of this tree's subtree (its first ``sub.num_nodes`` nodes).

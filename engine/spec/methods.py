@@ -10,9 +10,12 @@ method                  what drafts the tree                                    
                         continuation below the draft's most likely leaf (horizontal cascade)
 ``cascade``             CS Drafting: the draft model reviews Max-Gram's guesses (vertical),    yes
                         Max-Gram writes the later depths (horizontal)
+``mjsd-lossy``          **lossy**: joint decoding (MJSD): the draft's best beam, accepted by   yes
+                        joint likelihood ratio against a threshold (``engine.spec.mjsd``)
 ======================  =====================================================================  =========
 
-All of them are lossless: the target's final review is the exact multi-candidate rule.
+All but ``mjsd-lossy`` are lossless: the target's final review is the exact multi-candidate rule.
+A lossy method is never a default; a response that used one carries a note saying so.
 
 **Trusting Max-Gram.**  For ``mcsd+maxgram`` and ``cascade``, a step whose context ends in a long
 suffix match (``maxgram_trust`` tokens or more; copying from the prompt or from a repetition) skips
@@ -28,8 +31,10 @@ from dataclasses import dataclass
 from engine.spec.tree import SubTree
 
 MCSD, MAXGRAM, MCSD_MAXGRAM, CASCADE = "mcsd", "maxgram", "mcsd+maxgram", "cascade"
-METHODS = (MCSD, MAXGRAM, MCSD_MAXGRAM, CASCADE)
-NEEDS_DRAFT = {MCSD, MCSD_MAXGRAM, CASCADE}
+MJSD_LOSSY = "mjsd-lossy"
+METHODS = (MCSD, MAXGRAM, MCSD_MAXGRAM, CASCADE, MJSD_LOSSY)
+NEEDS_DRAFT = {MCSD, MCSD_MAXGRAM, CASCADE, MJSD_LOSSY}
+LOSSY = {MJSD_LOSSY}
 
 
 def check_method(method: str) -> str:
@@ -49,7 +54,8 @@ class DraftPlan:
     cascade: int = 0  # chain tokens the vertical cascade writes (draft model reviewing Max-Gram)
     tail: int = 0  # Max-Gram tokens appended below the deepest drafted path (horizontal cascade)
     trust: int = 0  # a Max-Gram match this long replaces the draft model for the step (0 = never)
+    mjsd: int = 0  # chain tokens MJSD (lossy) drafts by beam search
 
     @property
     def empty(self) -> bool:
-        return not (self.sub.num_nodes or self.maxgram or self.cascade)
+        return not (self.sub.num_nodes or self.maxgram or self.cascade or self.mjsd)
