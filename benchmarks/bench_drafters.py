@@ -15,8 +15,12 @@ Configurations (``--configs``, ';'-separated):
                           a Max-Gram tail of T tokens below the draft's likeliest leaf
     cascade:D:T:L         vertical cascade writing D tokens (draft reviewing Max-Gram guesses of up to L),
                           then a Max-Gram tail of T tokens (horizontal)
+    mjsd:B:D:TAU          LOSSY joint decoding: draft beam width B, D tokens per step, threshold TAU
     hf-plain / hf-assisted / hf-prompt-lookup   transformers.generate: plain, assisted by the draft,
                           prompt lookup with prompt_lookup_num_tokens=10
+
+``ppl`` (greedy runs of ``plain`` and lossy configs): perplexity of the generated tokens under the
+target at temperature 1, over all prompts; lossless configs produce plain's tokens by construction.
 
 Columns as in bench_spec; ``vs HF lookup`` is the speedup over ``hf-prompt-lookup`` (ratio of summed
 times).  Per-drafter acceptance (accepted / drafted nodes by drafter) is in the JSON.
@@ -58,6 +62,9 @@ def parse_config(item: str) -> dict:
     elif kind == "mcsd+maxgram":
         c.update(tree=parse_widths(parts[0]), method="mcsd+maxgram",
                  config=dict(common, maxgram_len=int(parts[1]), maxgram_tail=int(parts[2])))
+    elif kind == "mjsd":
+        c.update(tree=(1,), method="mjsd-lossy",
+                 config=dict(mjsd_beam=int(parts[0]), mjsd_depth=int(parts[1]), mjsd_tau=float(parts[2])))
     elif kind == "cascade":
         c.update(tree=(1,), method="cascade",
                  config=dict(common, cascade_depth=int(parts[0]), maxgram_tail=int(parts[1]),
@@ -80,6 +87,23 @@ def run_config(c, target, draft, hf_t, hf_d, ids, max_new, temperature, seed):
     uses_draft = c["method"] != "maxgram"
     return run_ours(target, draft if uses_draft else None, ids, max_new, tree=c["tree"], temperature=temperature,
                     seed=seed, spec=SpecOptions(method=c["method"]), config=c["config"])
+
+
+def perplexity(target, prompts, runs) -> float:
+    """exp(mean NLL) of every run's tokens after its prompt, under the target at temperature 1."""
+    from engine.batching import Block, run_blocks
+    cache = target.model.new_cache(1, max(len(ids) + len(r["tokens"]) for (_, ids), r in zip(prompts, runs)) + 1)
+    nll, count = 0.0, 0
+    for (_, ids), r in zip(prompts, runs):
+        slot = cache.allocate()
+        seq = ids + r["tokens"]
+        rows = list(range(len(ids) - 1, len(seq) - 1))
+        _, lg = run_blocks(target.model, cache, [Block(slot, seq, list(range(len(seq))), rows)])
+        lp = lg[0].float().log_softmax(-1)
+        nll -= float(lp[torch.arange(len(rows)), torch.tensor(r["tokens"])].sum())
+        count += len(rows)
+        cache.free(slot)
+    return float(torch.tensor(nll / count).exp())
 
 
 def by_method(runs) -> dict:
@@ -132,6 +156,8 @@ def main(argv=None) -> None:
             if lookup:
                 row["vs_hf_lookup"] = sum(r["seconds"] for r in lookup) / sum(r["seconds"] for r in runs[c["name"]])
             row["by_method"] = by_method(runs[c["name"]])
+            if temperature == 0 and (c["kind"] in ("plain", "mjsd")):
+                row["ppl"] = perplexity(target, prompts, runs[c["name"]])
             rows.append(row)
 
     print()
@@ -139,7 +165,7 @@ def main(argv=None) -> None:
                        ("speedup", "vs plain", ">8.2f"), ("vs_hf_lookup", "vs HF lookup", ">12.2f"),
                        ("decode_speedup", "decode vs plain", ">15.2f"), ("block_eff", "block eff", ">9.2f"),
                        ("acceptance", "accept", ">6.2f"), ("draft_frac", "draft time", ">10.2f"),
-                       ("agreement", "greedy agree", ">12.2f")])
+                       ("agreement", "greedy agree", ">12.2f"), ("ppl", "ppl", ">6.3f")])
     write_json("drafters.json", dict(args=vars(args), machine=machine(), rows=rows), args.out)
 
 
