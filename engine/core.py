@@ -7,6 +7,7 @@ runner.  It is driven by one thread (see ``engine.async_engine``); nothing here 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -19,7 +20,8 @@ from engine.sampler import SamplingTensors, token_count_matrix
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.spec.adaptive import AdaptiveSpeculation, SpecPolicy
-from engine.spec.maxgram import BigramTable, MaxGramDrafter
+from engine.spec.cost_model import measure_curve
+from engine.spec.maxgram import BigramTable, LengthChooser, MaxGramDrafter
 from engine.spec.methods import CASCADE, LOSSY, MAXGRAM, MCSD, MCSD_MAXGRAM, MJSD_LOSSY, NEEDS_DRAFT, DraftPlan
 from engine.spec.mjsd import LOSSY_NOTE
 from engine.spec.proposer import DraftModelProposer
@@ -61,6 +63,7 @@ class EngineCore:
             self.policy = policy
             proposer = DraftModelProposer(draft.model, draft_cache, self.vocab_size, self.config.without_replacement,
                                           self.topology, policy, chunk=self.config.prefill_chunk)
+        self.maxgram_lengths = self._maxgram_lengths(target) if cfg.load_aware else None
         self.runner = ModelRunner(target.model, self.cache, self.vocab_size, proposer, self.maxgram,
                                   mjsd_beam=cfg.mjsd_beam, mjsd_tau=cfg.mjsd_tau)
         self.scheduler = Scheduler(self.config, self.cache, proposer.cache if proposer else None)
@@ -68,6 +71,18 @@ class EngineCore:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
         self._stats: list[StepStats] = []
+
+    def _maxgram_lengths(self, target: LoadedModel) -> LengthChooser:
+        """Max-Gram's load-aware length cap, on the target cost curve (the adaptive policy's when it
+        measured one, else measured here: a few forwards)."""
+        budget = getattr(self.policy, "chooser", None)
+        if budget is not None:
+            curve = budget.cost.target
+        else:
+            b, n = self.config.max_batch, self.config.maxgram_len
+            points = [(x, y) for x in sorted({1, max(1, b // 2), b}) for y in sorted({1, 1 + n // 2, 1 + n})]
+            curve = measure_curve(target.model, self.cache, points, reps=2)
+        return LengthChooser(curve, self.config.maxgram_len)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: GenerationRequest) -> None:
@@ -146,9 +161,10 @@ class EngineCore:
         outputs = []
         if plan.decode:
             budget = self.policy.budget(plan.decode) if self.policy is not None else None
-            plans = [self._plan(seq, budget) for seq in plan.decode]
+            plans = self._cap_maxgram([self._plan(seq, budget) for seq in plan.decode])
             stats.budget = max(p.sub.num_nodes for p in plans)
             results = self.runner.step(plan.decode, plans, stats)
+            self._observe_maxgram(results)
             if self.policy is not None:
                 self.policy.observe(results)
             for res in results:
@@ -158,6 +174,26 @@ class EngineCore:
         if not plan.empty:
             self._stats.append(stats)
         return outputs
+
+    def _cap_maxgram(self, plans: list[DraftPlan]) -> list[DraftPlan]:
+        """Caps Max-Gram's root proposals by the load-aware length chooser."""
+        if self.maxgram_lengths is None:
+            return plans
+        users = [p for p in plans if p.maxgram and p.branches]
+        if not users:
+            return plans
+        others = sum(1 + p.sub.num_nodes + p.cascade + p.tail + p.mjsd for p in plans if not (p.maxgram and p.branches))
+        others += sum(p.sub.num_nodes + p.tail for p in users)
+        cap = self.maxgram_lengths.choose(len(users), others)
+        return [replace(p, maxgram=min(p.maxgram, cap)) if p.maxgram and p.branches else p for p in plans]
+
+    def _observe_maxgram(self, results: list[SeqStepResult]) -> None:
+        if self.maxgram_lengths is None:
+            return
+        for res in results:
+            tree = res.tree
+            if tree.tokens and not tree.num_sub and tree.draft_index is None:  # Max-Gram alone drafted it
+                self.maxgram_lengths.observe(max(tree.depths()), len(res.result.accepted))
 
     def _plan(self, seq: Sequence, budget: Optional[tuple[int, ...]] = None) -> DraftPlan:
         """What each drafter of the request's method may draft this step.  The budget caps the draft

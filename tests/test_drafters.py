@@ -251,3 +251,24 @@ def test_mjsd_rejects_penalties_and_is_never_the_default(models):
         EngineConfig(mjsd_tau=0.0)
     outs, _ = run_engine(target, other, PROMPTS[:1], tree=(1,), max_tokens=4)
     assert outs[0].spec.note is None
+
+
+def test_maxgram_length_follows_load_and_acceptance():
+    from engine.spec.cost_model import CostCurve
+    from engine.spec.maxgram import LengthChooser
+    flat = CostCurve((1.0, 100.0), (1.0, 1.01))  # verification rows are nearly free
+    steep = CostCurve((1.0, 100.0), (1.0, 100.0))  # every row costs as much as a token of plain decoding
+    assert LengthChooser(flat, 8).choose(1, 0) == 8
+    busy = LengthChooser(steep, 8, probe_every=3)
+    assert busy.choose(8, 0) == 0  # acceptance < 1 per row: plain decoding pays best
+    assert busy.choose(8, 0) == 0 and busy.choose(8, 0) == 8  # ... and every third idle step probes
+    mid = CostCurve((1.0, 16.0, 100.0), (1.0, 1.2, 20.0))  # rows nearly free up to 16, then costly
+    good = LengthChooser(mid, 8)
+    for _ in range(400):
+        good.observe(8, 8)  # everything accepted
+    assert good.choose(1, 0) == 8  # one sequence: 9 rows still fit the cheap part
+    assert good.choose(8, 0) == 1  # eight: 16 rows is the sweet spot
+    poor = LengthChooser(mid, 8)
+    for _ in range(400):
+        poor.observe(8, 0)  # nothing accepted: even cheap rows are not worth it
+    assert poor.choose(1, 0) == 0

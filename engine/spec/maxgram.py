@@ -23,6 +23,8 @@ from __future__ import annotations
 import bisect
 import json
 import weakref
+
+import torch
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,3 +159,61 @@ class MaxGramDrafter:
             if cont:
                 out.append(Proposal(cont, 0))
         return out
+
+
+class LengthChooser:
+    """Load-aware cap on Max-Gram's proposal length, like the draft tree's budget
+    (``engine.spec.cost_model``): a proposal costs nothing to draft but every token of it is a row of
+    the verification forward, which on a busy batch is no longer free.
+
+    Online statistics per proposal position ``i`` (over steps whose tree Max-Gram alone drafted):
+    ``reach[i]`` = steps whose proposal had a token at ``i``, ``accept[i]`` = steps that accepted
+    through ``i``.  For a cap ``L`` a step is expected to emit ``1 + sum_{i<L} accept[i]/n`` tokens
+    for ``1 + sum_{i<L} reach[i]/n`` verified rows; the chooser maximises tokens per second of the
+    measured target cost curve over the whole batch.  Every ``probe_every`` steps at cap 0 it tries
+    the full length once, so the statistics keep up when speculation starts paying again.
+    """
+
+    def __init__(self, curve, max_len: int, prior_steps: float = 4.0, prior_rate: float = 0.6,
+                 probe_every: int = 64, decay: float = 0.995) -> None:
+        self.curve = curve
+        self.decay = decay  # CostCurve: seconds of a target forward by total rows
+        self.max_len = max_len
+        self.caps = sorted({c for c in (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if c < max_len} | {max_len})
+        self.steps = prior_steps
+        self.reach = torch.full((max_len,), prior_steps)
+        self.accept = prior_steps * prior_rate ** torch.arange(1, max_len + 1, dtype=torch.float32)
+        self.probe_every = probe_every
+        self._idle = 0
+
+    def choose(self, maxgram_seqs: int, other_rows: int) -> int:
+        """The cap for this step's ``maxgram_seqs`` Max-Gram sequences; ``other_rows``: verification
+        rows of the rest of the batch."""
+        if maxgram_seqs == 0:
+            return self.max_len
+        acc = torch.cat([torch.zeros(1), (self.accept / self.steps).cumsum(0)])  # [max_len + 1]
+        rows = torch.cat([torch.zeros(1), (self.reach / self.steps).cumsum(0)])
+        best, best_rate = 0, -1.0
+        for cap in self.caps:
+            tokens = maxgram_seqs * (1 + float(acc[cap])) + other_rows
+            secs = self.curve(maxgram_seqs * (1 + float(rows[cap])) + other_rows)
+            rate = tokens / max(secs, 1e-9)
+            if rate > best_rate * 1.0001:
+                best, best_rate = cap, rate
+        if best == 0:
+            self._idle += 1
+            if self._idle >= self.probe_every:
+                self._idle = 0
+                return self.max_len
+        else:
+            self._idle = 0
+        return best
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """One step of a Max-Gram-only tree: its longest proposal and the accepted length."""
+        proposed, accepted = min(proposed, self.max_len), min(accepted, self.max_len)
+        for t in (self.reach, self.accept):  # forget slowly: the text being written changes
+            t.mul_(self.decay)
+        self.steps = self.steps * self.decay + 1
+        self.reach[:proposed] += 1
+        self.accept[:accepted] += 1
