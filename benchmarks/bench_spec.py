@@ -37,14 +37,23 @@ def parse_configs(spec: str) -> list[tuple[str, tuple[int, ...]]]:
         kind, _, widths = item.partition(":")
         if kind in ("plain", "hf-assisted", "hf-plain"):
             out.append((kind, ()))
-        elif kind in ("chain", "tree"):
+        elif kind in ("chain", "tree", "adaptive"):
             out.append((f"{kind} {widths}", parse_widths(widths)))
         else:
             raise SystemExit(f"unknown config {item!r}")
     return out
 
 
-def run_config(name, tree, target, draft, hf_t, hf_d, ids, max_new, temperature, seed):
+def adaptive_core(target, draft, tree, heads=()):
+    """One engine per adaptive config, reused over prompts: the online calibrator keeps what it learnt, as
+    in a running server (the cost model is measured once, at creation)."""
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    return EngineCore(target, draft, EngineConfig(max_batch=1, max_model_len=4096, tree=tree, adaptive=True,
+                                                  acceptance_heads=tuple(heads)))
+
+
+def run_config(name, tree, target, draft, hf_t, hf_d, ids, max_new, temperature, seed, cores=None):
     if name == "plain":
         return run_ours(target, None, ids, max_new, temperature=temperature, seed=seed)
     if name.startswith("hf-"):
@@ -53,7 +62,8 @@ def run_config(name, tree, target, draft, hf_t, hf_d, ids, max_new, temperature,
             kw.update(do_sample=True, temperature=temperature, top_k=0)
             torch.manual_seed(seed)
         return run_hf(hf_t, ids, max_new, measure_ttft=True, **kw)
-    return run_ours(target, draft, ids, max_new, tree=tree, temperature=temperature, seed=seed)
+    core = (cores or {}).get(name)
+    return run_ours(target, draft, ids, max_new, tree=tree, temperature=temperature, seed=seed, core=core)
 
 
 def summarise(name, runs, plain_runs, temperature) -> dict:
@@ -84,7 +94,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--temperatures", default="0,0.7")
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="';'-separated: plain, chain:W, tree:W, hf-assisted, hf-plain")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS,
+                    help="';'-separated: plain, chain:W, tree:W, adaptive:W (largest tree W), hf-assisted, hf-plain")
+    ap.add_argument("--heads", default="", help="acceptance head files for adaptive configs, comma separated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -96,9 +108,11 @@ def main(argv=None) -> None:
     if any(n.startswith("hf-") for n, _ in configs):
         hf_t, hf_d = hf_model(target.path, target.model.dtype), hf_model(draft.path, draft.model.dtype)
     prompts = prompt_ids(target.tokenizer, args.prompts, args.limit)
+    heads = [h for h in args.heads.split(",") if h]
+    cores = {name: adaptive_core(target, draft, tree, heads) for name, tree in configs if name.startswith("adaptive")}
     warm = prompts[0][1][:32]
     for name, tree in configs:
-        run_config(name, tree, target, draft, hf_t, hf_d, warm, 4, 0.0, 0)
+        run_config(name, tree, target, draft, hf_t, hf_d, warm, 4, 0.0, 0, cores)
 
     rows = []
     for temperature in [float(t) for t in args.temperatures.split(",")]:
@@ -106,7 +120,7 @@ def main(argv=None) -> None:
         for i, (pid, ids) in enumerate(prompts):
             for name, tree in configs:
                 r = run_config(name, tree, target, draft, hf_t, hf_d, ids, args.max_new_tokens, temperature,
-                               args.seed + i)
+                               args.seed + i, cores)
                 runs[name].append(r)
                 print(f"T={temperature} {pid} {name}: {len(r['tokens']) / r['seconds']:.2f} tok/s", flush=True)
         rows += [summarise(name, runs[name], runs["plain"], temperature) for name, _ in configs]
