@@ -124,7 +124,7 @@ def _worker(args) -> Counter:
         core = EngineCore(target, draft, EngineConfig(max_batch=n, max_model_len=8, tree=case.tree or (1,),
                                                       without_replacement=case.without_replacement,
                                                       maxgram_len=2, maxgram_branches=2, maxgram_tail=1,
-                                                      cascade_depth=2),
+                                                      cascade_depth=2, load_aware=False),
                           policy=stop_policy(case, seed=lo))
         core.maxgram.bigram = BigramTable(dict(case.bigram)) if case.bigram else None
         for i in range(n):
