@@ -81,6 +81,16 @@ class Settings(BaseModel):
     def _parse_tree(cls, v: Any) -> tuple[int, ...]:
         return parse_widths(v)
 
+    @field_validator("maxgram_corpus")
+    @classmethod
+    def _find_corpus(cls, v: Optional[str]) -> Optional[str]:
+        """A relative path is looked up in the working directory, then in the project (presets name
+        files shipped with it, e.g. ``benchmarks/prompts/train.json``)."""
+        if v is None or Path(v).is_absolute() or Path(v).exists():
+            return v
+        shipped = CONFIG_DIR.parent / v
+        return str(shipped) if shipped.exists() else v
+
     @field_validator("cors_origins", mode="before")
     @classmethod
     def _parse_origins(cls, v: Any) -> list[str]:
