@@ -16,6 +16,7 @@ Configurations (``--configs``, ';'-separated):
     cascade:D:T:L         vertical cascade writing D tokens (draft reviewing Max-Gram guesses of up to L),
                           then a Max-Gram tail of T tokens (horizontal)
     mjsd:B:D:TAU          LOSSY joint decoding: draft beam width B, D tokens per step, threshold TAU
+    target-init:K:D       LOSSY target-initialised candidates: K candidate roots, D tokens per candidate chain
     hf-plain / hf-assisted / hf-prompt-lookup   transformers.generate: plain, assisted by the draft,
                           prompt lookup with prompt_lookup_num_tokens=10
 
@@ -65,6 +66,9 @@ def parse_config(item: str) -> dict:
     elif kind == "mjsd":
         c.update(tree=(1,), method="mjsd-lossy",
                  config=dict(mjsd_beam=int(parts[0]), mjsd_depth=int(parts[1]), mjsd_tau=float(parts[2])))
+    elif kind == "target-init":
+        c.update(tree=(1,), method="target-init-lossy",
+                 config=dict(target_init_k=int(parts[0]), target_init_depth=int(parts[1])))
     elif kind == "cascade":
         c.update(tree=(1,), method="cascade",
                  config=dict(common, cascade_depth=int(parts[0]), maxgram_tail=int(parts[1]),
@@ -156,7 +160,7 @@ def main(argv=None) -> None:
             if lookup:
                 row["vs_hf_lookup"] = sum(r["seconds"] for r in lookup) / sum(r["seconds"] for r in runs[c["name"]])
             row["by_method"] = by_method(runs[c["name"]])
-            if temperature == 0 and (c["kind"] in ("plain", "mjsd")):
+            if temperature == 0 and (c["kind"] in ("plain", "mjsd", "target-init")):
                 row["ppl"] = perplexity(target, prompts, runs[c["name"]])
             rows.append(row)
 

@@ -38,6 +38,8 @@ class EngineConfig:
     mjsd_beam: int = 4  # MJSD (lossy): draft beam width
     mjsd_depth: int = 4  # MJSD: tokens per step
     mjsd_tau: float = 0.5  # MJSD: accept while the cumulative log p/q stays above log tau
+    target_init_k: int = 3  # target-initialised (lossy): candidate roots per step
+    target_init_depth: int = 3  # target-initialised: tokens per candidate, itself included
 
     def __post_init__(self) -> None:
         self.tree = parse_widths(self.tree)
@@ -62,6 +64,9 @@ class EngineConfig:
         if self.mjsd_beam < 1 or self.mjsd_depth < 1 or not 0.0 < self.mjsd_tau <= 1.0:
             raise ValueError(f"MJSD needs mjsd_beam >= 1, mjsd_depth >= 1 and 0 < mjsd_tau <= 1, got "
                              f"{self.mjsd_beam}, {self.mjsd_depth}, {self.mjsd_tau}")
+        if self.target_init_k < 1 or self.target_init_depth < 1:
+            raise ValueError(f"target_init_k and target_init_depth must be >= 1, got {self.target_init_k}, "
+                             f"{self.target_init_depth}")
         if self.maxgram_corpus is not None and not Path(self.maxgram_corpus).is_file():
             raise ValueError(f"maxgram_corpus {self.maxgram_corpus} does not exist")
 

@@ -22,8 +22,11 @@ from engine.sequence import Sequence
 from engine.spec.adaptive import AdaptiveSpeculation, SpecPolicy
 from engine.spec.cost_model import measure_curve
 from engine.spec.maxgram import BigramTable, LengthChooser, MaxGramDrafter
-from engine.spec.methods import CASCADE, LOSSY, MAXGRAM, MCSD, MCSD_MAXGRAM, MJSD_LOSSY, NEEDS_DRAFT, DraftPlan
-from engine.spec.mjsd import LOSSY_NOTE
+from engine.spec.methods import (
+    CASCADE, LOSSY, MAXGRAM, MCSD, MCSD_MAXGRAM, MJSD_LOSSY, NEEDS_DRAFT, TARGET_INIT_LOSSY, DraftPlan,
+)
+from engine.spec.mjsd import LOSSY_NOTE as MJSD_NOTE
+from engine.spec.target_init import LOSSY_NOTE as TARGET_INIT_NOTE
 from engine.spec.proposer import DraftModelProposer
 from engine.spec.tree import SubTree, TreeTopology
 from engine.stats import StepStats
@@ -45,11 +48,12 @@ class EngineCore:
         self.topology = TreeTopology(self.config.tree if draft is not None else ())
         cfg = self.config
         # the largest verification block any method builds, and the most draft-cache entries a step appends
+        self.init_topology = TreeTopology((cfg.target_init_k,) + (1,) * (cfg.target_init_depth - 1))
         max_nodes = max(self.topology.num_nodes + cfg.maxgram_branches * cfg.maxgram_len + cfg.maxgram_tail,
-                        cfg.cascade_depth + cfg.maxgram_tail, cfg.mjsd_depth)
+                        cfg.cascade_depth + cfg.maxgram_tail, cfg.mjsd_depth, self.init_topology.num_nodes)
         self.cache = target.model.new_cache(cfg.max_batch, self.max_model_len + max_nodes + 1)
         draft_len = self.max_model_len + max(self.topology.num_nodes, cfg.cascade_depth * (cfg.maxgram_len + 1),
-                                             cfg.mjsd_beam * cfg.mjsd_depth) + 1
+                                             cfg.mjsd_beam * cfg.mjsd_depth, self.init_topology.num_nodes) + 1
         bigram = BigramTable.from_corpus(self.tokenizer, cfg.maxgram_corpus) if cfg.maxgram_corpus else None
         self.maxgram = MaxGramDrafter(cfg.maxgram_len, cfg.maxgram_max_ngram, cfg.maxgram_min_ngram, bigram)
         proposer = None
@@ -65,7 +69,7 @@ class EngineCore:
                                           self.topology, policy, chunk=self.config.prefill_chunk)
         self.maxgram_lengths = self._maxgram_lengths(target) if cfg.load_aware else None
         self.runner = ModelRunner(target.model, self.cache, self.vocab_size, proposer, self.maxgram,
-                                  mjsd_beam=cfg.mjsd_beam, mjsd_tau=cfg.mjsd_tau)
+                                  mjsd_beam=cfg.mjsd_beam, mjsd_tau=cfg.mjsd_tau, target_init_k=cfg.target_init_k)
         self.scheduler = Scheduler(self.config, self.cache, proposer.cache if proposer else None)
         self.eos_token_ids = set(target.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -94,7 +98,7 @@ class EngineCore:
         if req.spec.method is None:
             req.spec.method = self.config.spec_method
         if req.spec.enabled and req.spec.method in LOSSY and self.runner.proposer:
-            seq.spec.note = LOSSY_NOTE
+            seq.spec.note = MJSD_NOTE if req.spec.method == MJSD_LOSSY else TARGET_INIT_NOTE
         if not self.runner.proposer and req.spec.enabled and req.spec.method in NEEDS_DRAFT:
             seq.request.spec.enabled = False
             seq.spec.note = (f"speculation is off: the server runs without a draft model, which method "
@@ -204,6 +208,12 @@ class EngineCore:
         room = seq.remaining - 1
         if spec.max_depth is not None:
             room = min(room, spec.max_depth)
+        if spec.enabled and spec.method == TARGET_INIT_LOSSY and seq.draft_slot is not None:
+            if seq.init_candidates is None:  # the first step only draws candidates
+                return DraftPlan(TARGET_INIT_LOSSY, empty, init=True)
+            depth = min(cfg.target_init_depth, room + 1)  # the candidate itself, then its chain
+            return DraftPlan(TARGET_INIT_LOSSY, self.init_topology.subtree(self.init_topology.widths[:depth]),
+                             init=True)
         if not spec.enabled or room <= 0:
             return DraftPlan(spec.method or MCSD, empty)
         if spec.method == MAXGRAM:
@@ -244,6 +254,8 @@ class EngineCore:
         seq.tokens.extend(new)
         if seq.output_counts is not None and new:
             seq.output_counts.index_add_(0, torch.tensor(new), torch.ones(len(new), dtype=torch.int32))
+        if res.next_candidates is not None:
+            seq.init_candidates = res.next_candidates
         if res.drafted:
             seq.spec.steps += 1
             seq.spec.drafted_tokens += res.drafted

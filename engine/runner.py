@@ -17,7 +17,7 @@ from engine.batching import Block, run_blocks
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
 from engine.request import TokenLogprob
-from engine.sampler import compute_probs, raw_logprobs
+from engine.sampler import compute_probs, process_logits, raw_logprobs
 from engine.sequence import Sequence
 from engine.spec.history import RowHistory
 from engine.spec.cascade import CascadeProposer
@@ -25,8 +25,9 @@ from engine.spec.draft_tree import BIGRAM, DEAD, MAXGRAM, DraftTree
 from engine.spec.maxgram import MaxGramDrafter
 from engine.spec.methods import DraftPlan
 from engine.spec.mjsd import MjsdProposer, verify_joint
+from engine.spec.target_init import draw_candidates, verify_target_init
 from engine.spec.proposer import DraftModelProposer
-from engine.spec.verify import VerifyResult, verify_greedy, verify_sampled
+from engine.spec.verify import VerifyResult, residual, verify_greedy, verify_sampled
 from engine.stats import StepStats, add_at
 
 
@@ -38,12 +39,13 @@ class SeqStepResult:
     drafted: int  # live drafted nodes
     logprobs: Optional[list[TokenLogprob]] = None
     logits: Optional[torch.Tensor] = None  # [1+n, vocab] the target's raw logits of the block (for training heads)
+    next_candidates: Optional[list[int]] = None  # target-initialised mode: the next step's candidate roots
 
 
 class ModelRunner:
     def __init__(self, target: LlamaModel, target_cache: KVCache, vocab_size: int,
                  proposer: Optional[DraftModelProposer] = None, maxgram: Optional[MaxGramDrafter] = None,
-                 mjsd_beam: int = 4, mjsd_tau: float = 0.5) -> None:
+                 mjsd_beam: int = 4, mjsd_tau: float = 0.5, target_init_k: int = 3) -> None:
         self.target = target
         self.cache = target_cache
         self.vocab_size = vocab_size
@@ -52,6 +54,7 @@ class ModelRunner:
         self.cascade = CascadeProposer(proposer, maxgram) if proposer is not None and maxgram is not None else None
         self.mjsd = MjsdProposer(proposer, mjsd_beam) if proposer is not None else None
         self.mjsd_tau = mjsd_tau
+        self.target_init_k = target_init_k
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
@@ -80,9 +83,9 @@ class ModelRunner:
             pos = block_positions(root_pos, tree.depths())
             blocks.append(Block(seq.slot, toks, pos, list(range(len(toks))), tree.mask()))
         _, logits = run_blocks(self.target, self.cache, blocks)  # each [1+n, vocab]
-        results = [self._verify(seq, tree, lg) for seq, tree, lg in zip(seqs, trees, logits)]
-        for r, tree in zip(results, trees):
-            self._update_caches(r.seq, tree, r.result)
+        results = [self._verify(seq, tree, lg, plan.init) for seq, tree, lg, plan in zip(seqs, trees, logits, plans)]
+        for r, tree, plan in zip(results, trees, plans):
+            self._update_caches(r.seq, tree, r.result, plan.init)
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += time.perf_counter() - t1
         return results
@@ -94,7 +97,8 @@ class ModelRunner:
         trees = [DraftTree(p.sub, []) for p in plans]
         idx = [i for i, p in enumerate(plans) if p.sub.num_nodes > 0]
         if idx and self.proposer is not None:
-            drafted = self.proposer.propose([seqs[i] for i in idx], [plans[i].sub for i in idx])
+            forced = [seqs[i].init_candidates if plans[i].init else None for i in idx]
+            drafted = self.proposer.propose([seqs[i] for i in idx], [plans[i].sub for i in idx], forced)
             for i, tree in zip(idx, drafted):
                 trees[i] = tree
         idx = [i for i, p in enumerate(plans) if p.cascade > 0]
@@ -133,7 +137,7 @@ class ModelRunner:
             for prop in self.maxgram.propose(seq, (), plan.maxgram, plan.branches):
                 tree.add_path(-1, prop.tokens, MAXGRAM if prop.match else BIGRAM)
 
-    def _verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> SeqStepResult:
+    def _verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor, init: bool = False) -> SeqStepResult:
         """logits: [1+n, vocab] target logits of the root and the tree nodes."""
         params = seq.request.sampling
         events = tree.events()
@@ -145,7 +149,24 @@ class ModelRunner:
             hist = RowHistory.for_rows(seq, tree.tokens, parents, [row]) if params.needs_history else None
             return compute_probs(logits[row][None], st, *(hist.tensors() if hist else (None, None)))[0]
 
-        if tree.joint_logq is not None:  # MJSD, lossy by design
+        candidates = None
+        if init:  # target-initialised candidates, lossy by design
+            def accept(row: int, node: int) -> bool:
+                x = tree.tokens[node]
+                if params.greedy:
+                    return int(processed(row).argmax()) == x
+                u = float(torch.rand((), generator=seq.generator))
+                return u * float(tree.q[row][x]) <= float(processed(row)[x])
+
+            result, rejected = verify_target_init(accept, tree.tokens, [[c for c, _ in evs] for evs in events])
+            row = result.final_row
+            hist = RowHistory.for_rows(seq, tree.tokens, parents, [row]) if params.needs_history else None
+            x = process_logits(logits[row][None], st, *(hist.tensors() if hist else (None, None)))[0]
+            probs = processed(row)
+            if rejected and not params.greedy:
+                probs = residual(probs, tree.q[row])
+            candidates = draw_candidates(x, probs, st, self.target_init_k, seq.generator)
+        elif tree.joint_logq is not None:  # MJSD, lossy by design
             result = verify_joint(logits, tree.tokens, tree.joint_logq, seq, self.mjsd_tau)
         elif params.greedy:
             if st.any_bias or params.needs_history:
@@ -158,7 +179,7 @@ class ModelRunner:
                                     seq.generator, self.proposer is None or self.proposer.without_replacement)
         drafted = sum(1 for t in tree.tokens if t != DEAD)
         lps = self._logprobs(logits, result, params.logprobs) if params.logprobs is not None else None
-        return SeqStepResult(seq, result, tree, drafted, lps, logits)
+        return SeqStepResult(seq, result, tree, drafted, lps, logits, candidates)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, result: VerifyResult, k: int) -> list[TokenLogprob]:
@@ -173,12 +194,21 @@ class ModelRunner:
             out.append(TokenLogprob(tok, chosen_lp[j], top))
         return out
 
-    def _update_caches(self, seq: Sequence, tree: DraftTree, result: VerifyResult) -> None:
-        """Target keeps root + accepted path; the draft keeps the accepted nodes it ran."""
-        self.cache.keep(seq.slot, kept_block_rows(result))
-        seq.target_cached = len(seq.tokens) + len(result.accepted)
+    def _update_caches(self, seq: Sequence, tree: DraftTree, result: VerifyResult, init: bool = False) -> None:
+        """Target keeps root + accepted path; the draft keeps the accepted nodes it ran.  In the
+        target-initialised mode the last emitted token is the accepted path's last node, and it stays
+        uncached (it is the next root)."""
+        accepted = result.accepted[:-1] if init else result.accepted
+        if not init:
+            rows = kept_block_rows(result)
+        elif result.accepted:
+            rows = kept_block_rows(result)[:-1]
+        else:
+            rows = []  # a first step only drew candidates: the root stays uncached
+        self.cache.keep(seq.slot, rows)
+        seq.target_cached = len(seq.tokens) + len(result.accepted) - (1 if init else 0)
         if self.proposer is not None and seq.draft_slot is not None:
-            kept = tree.draft_entries(result.accepted)
+            kept = tree.draft_entries(accepted)
             self.proposer.cache.keep(seq.draft_slot, kept)
             seq.draft_cached += len(kept)
 

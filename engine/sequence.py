@@ -45,6 +45,7 @@ class Sequence:
     output_counts: Optional[torch.Tensor] = None  # [vocab] int32, only when penalties are on
     prompt_mask: Optional[torch.Tensor] = None  # [vocab] bool, only with a repetition penalty
     sampling_tensors: Optional[SamplingTensors] = None  # one-row packing of the request's params
+    init_candidates: Optional[list[int]] = None  # target-initialised (lossy) mode: the next step's candidate roots
 
     @classmethod
     def create(cls, request: GenerationRequest, stream: TextStream) -> "Sequence":

@@ -124,7 +124,9 @@ def _worker(args) -> Counter:
         core = EngineCore(target, draft, EngineConfig(max_batch=n, max_model_len=8, tree=case.tree or (1,),
                                                       without_replacement=case.without_replacement,
                                                       maxgram_len=2, maxgram_branches=2, maxgram_tail=1,
-                                                      cascade_depth=2, load_aware=False),
+                                                      cascade_depth=2, load_aware=False,
+                                                      target_init_k=case.extra.get("target_init_k", 2),
+                                                      target_init_depth=2),
                           policy=stop_policy(case, seed=lo))
         core.maxgram.bigram = BigramTable(dict(case.bigram)) if case.bigram else None
         for i in range(n):
@@ -144,6 +146,13 @@ def sample_counts(case: Case, workers: int = 2, batch: int = 2500) -> Counter:
     with mp.get_context("spawn").Pool(workers) as pool:
         parts = pool.map(_worker, jobs)
     return sum(parts, Counter())
+
+
+def total_variation(counts: Counter, joint: dict) -> float:
+    """Half the L1 distance between the empirical and the exact joint."""
+    n = sum(counts.values())
+    keys = set(joint) | set(counts)
+    return 0.5 * sum(abs(counts.get(k, 0) / n - joint.get(k, 0.0)) for k in keys)
 
 
 def chi_square(counts: Counter, joint: dict) -> float:

@@ -273,3 +273,20 @@ def test_maxgram_length_follows_load_and_acceptance():
     for _ in range(400):
         poor.observe(8, 0)  # nothing accepted: even cheap rows are not worth it
     assert poor.choose(1, 0) == 0
+
+
+# ---------------------------------------------------------------------------- target-initialised (lossy)
+def test_target_init_with_one_candidate_is_greedy_and_the_mode_is_labelled(models):
+    """With k = 1 the candidate is the target's argmax, so greedy output equals plain decoding: this checks
+    the mode's cache bookkeeping (the last emitted token stays uncached, the first step only draws)."""
+    target, self_draft, other_draft = models
+    base = run_engine(target, None, PROMPTS, tree=(), ignore_eos=True, max_tokens=24)[0]
+    for draft in (self_draft, other_draft):
+        for k in (1, 3):
+            outs, core = run_engine(target, draft, PROMPTS, tree=(1,), ignore_eos=True, max_tokens=24,
+                                    spec=SpecOptions(method="target-init-lossy"),
+                                    config=dict(target_init_k=k, target_init_depth=3, load_aware=False))
+            assert all(len(o.tokens) == 24 and o.spec.note.startswith("lossy") for o in outs)
+            assert core.cache.free_slots == core.cache.num_slots
+            if k == 1 or draft is self_draft:  # a perfect draft never prefers a worse candidate
+                assert [o.tokens for o in outs] == [o.tokens for o in base]

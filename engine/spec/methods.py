@@ -12,9 +12,11 @@ method                  what drafts the tree                                    
                         Max-Gram writes the later depths (horizontal)
 ``mjsd-lossy``          **lossy**: joint decoding (MJSD): the draft's best beam, accepted by   yes
                         joint likelihood ratio against a threshold (``engine.spec.mjsd``)
+``target-init-lossy``   **lossy**: k target-sampled candidate roots, each with a draft chain;  yes
+                        the longest-surviving one is kept (``engine.spec.target_init``)
 ======================  =====================================================================  =========
 
-All but ``mjsd-lossy`` are lossless: the target's final review is the exact multi-candidate rule.
+All but the ``*-lossy`` methods are lossless: the target's final review is the exact multi-candidate rule.
 A lossy method is never a default; a response that used one carries a note saying so.
 
 **Trusting Max-Gram.**  For ``mcsd+maxgram`` and ``cascade``, a step whose context ends in a long
@@ -31,10 +33,10 @@ from dataclasses import dataclass
 from engine.spec.tree import SubTree
 
 MCSD, MAXGRAM, MCSD_MAXGRAM, CASCADE = "mcsd", "maxgram", "mcsd+maxgram", "cascade"
-MJSD_LOSSY = "mjsd-lossy"
-METHODS = (MCSD, MAXGRAM, MCSD_MAXGRAM, CASCADE, MJSD_LOSSY)
-NEEDS_DRAFT = {MCSD, MCSD_MAXGRAM, CASCADE, MJSD_LOSSY}
-LOSSY = {MJSD_LOSSY}
+MJSD_LOSSY, TARGET_INIT_LOSSY = "mjsd-lossy", "target-init-lossy"
+METHODS = (MCSD, MAXGRAM, MCSD_MAXGRAM, CASCADE, MJSD_LOSSY, TARGET_INIT_LOSSY)
+NEEDS_DRAFT = {MCSD, MCSD_MAXGRAM, CASCADE, MJSD_LOSSY, TARGET_INIT_LOSSY}
+LOSSY = {MJSD_LOSSY, TARGET_INIT_LOSSY}
 
 
 def check_method(method: str) -> str:
@@ -55,6 +57,7 @@ class DraftPlan:
     tail: int = 0  # Max-Gram tokens appended below the deepest drafted path (horizontal cascade)
     trust: int = 0  # a Max-Gram match this long replaces the draft model for the step (0 = never)
     mjsd: int = 0  # chain tokens MJSD (lossy) drafts by beam search
+    init: bool = False  # target-initialised (lossy): ``sub`` is (k, 1, ...) with the candidates as level 1
 
     @property
     def empty(self) -> bool:

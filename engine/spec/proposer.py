@@ -45,8 +45,12 @@ class DraftModelProposer:
         self.topology = topology  # needed only with a policy: the source of cut subtrees
         self.policy = policy
 
-    def propose(self, seqs: list[Sequence], subs: list[SubTree]) -> list[DraftTree]:
+    def propose(self, seqs: list[Sequence], subs: list[SubTree],
+                forced: Optional[list[Optional[list[int]]]] = None) -> list[DraftTree]:
+        """``forced[j]``: tokens that replace sequence ``j``'s first level (target-initialised candidates,
+        a lossy mode); the draft then grows its tree below them as usual, without the policy."""
         trees = [DraftTree(sub, [DEAD] * sub.num_nodes) for sub in subs]
+        self._forced = forced or [None] * len(seqs)
         # seq -> ([parents, vocab] logits, [parents, hidden] draft hidden states) of the next level's parents
         frontier = {i: (lg[None], h[None]) for i, (lg, h) in enumerate(zip(*self._catch_up(seqs)))}
         for d in range(1, max(sub.max_depth for sub in subs) + 1):
@@ -55,6 +59,11 @@ class DraftModelProposer:
                 break
             self._sample_level([seqs[i] for i in active], [trees[i] for i in active], d,
                                [frontier[i] for i in active])
+            if d == 1:
+                for i in active:
+                    if self._forced[i] is not None:
+                        k = trees[i].sub.widths[0]
+                        trees[i].tokens[:k] = (list(self._forced[i]) + [DEAD] * k)[:k]
             self._apply_policy(seqs, trees, [i for i in active if trees[i].sub.max_depth > d], d)
             to_run = [i for i in active if trees[i].sub.max_depth > d]
             if to_run:
@@ -63,6 +72,7 @@ class DraftModelProposer:
 
     def _apply_policy(self, seqs: list[Sequence], trees: list[DraftTree], deeper: list[int], d: int) -> None:
         """Asks the policy whether each tree that could grow past depth ``d`` does; cuts the others."""
+        deeper = [i for i in deeper if self._forced[i] is None]
         if self.policy is None or not deeper:
             return
         keep = self.policy.keep_drafting([seqs[i] for i in deeper], [trees[i] for i in deeper], d)
