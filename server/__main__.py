@@ -47,6 +47,7 @@ def build_core(settings: Settings):
                           maxgram_corpus=settings.maxgram_corpus, maxgram_tail=settings.maxgram_tail,
                           cascade_depth=settings.cascade_depth, maxgram_trust=settings.maxgram_trust,
                           mjsd_beam=settings.mjsd_beam, mjsd_depth=settings.mjsd_depth, mjsd_tau=settings.mjsd_tau,
+                          target_init_k=settings.target_init_k, target_init_depth=settings.target_init_depth,
                           **extra)
     # The single place where the server builds the engine core.
     core = EngineCore(target, draft, config, model_name=settings.model_id)

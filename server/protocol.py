@@ -49,8 +49,9 @@ class _Response(BaseModel):
 class SpeculativeOptions(_Request):
     """Extension: ``{"speculative": {"enabled": false}}`` turns speculation off for one request;
     ``max_depth`` caps the drafted depth, ``tree`` gives widths per depth (e.g. ``[4, 2, 2]``);
-    ``method`` picks the drafter (``mcsd``, ``maxgram``, ``mcsd+maxgram``, ``cascade``; see
-    ``engine.spec.methods``), default: the server's ``--spec-method``."""
+    ``method`` picks the drafter (``mcsd``, ``maxgram``, ``mcsd+maxgram``, ``cascade``, and the lossy
+    ``mjsd-lossy`` / ``target-init-lossy``; see ``engine.spec.methods``), default: the server's
+    ``--spec-method``."""
 
     enabled: bool = True
     max_depth: Optional[Annotated[int, Field(ge=0, le=64)]] = None

@@ -63,6 +63,8 @@ class Settings(BaseModel):
     mjsd_beam: int = Field(4, ge=1, le=16, description="MJSD (lossy, opt-in): draft beam width")
     mjsd_depth: int = Field(4, ge=1, le=32, description="MJSD: tokens drafted per step")
     mjsd_tau: float = Field(0.5, gt=0.0, le=1.0, description="MJSD: joint likelihood-ratio threshold")
+    target_init_k: int = Field(3, ge=1, le=16, description="target-initialised (lossy, opt-in): candidate roots")
+    target_init_depth: int = Field(3, ge=1, le=32, description="target-initialised: tokens per candidate chain")
     max_batch: int = Field(8, ge=1, description="sequences decoding together")
     max_queue: int = Field(64, ge=1, description="requests waiting for a slot before 429")
     max_model_len: Optional[int] = Field(None, ge=2, description="context length (default: the model's)")
