@@ -290,3 +290,29 @@ def test_target_init_with_one_candidate_is_greedy_and_the_mode_is_labelled(model
             assert core.cache.free_slots == core.cache.num_slots
             if k == 1 or draft is self_draft:  # a perfect draft never prefers a worse candidate
                 assert [o.tokens for o in outs] == [o.tokens for o in base]
+
+
+@pytest.mark.parametrize("method", ["mcsd", "mcsd+maxgram", "cascade"])
+def test_lazy_draft_cache_tracks_the_sequence_under_continuous_batching(models, method):
+    """Draft prefill is lazy and its catch-up chunked: after every step, every running sequence's
+    draft cache holds exactly ``draft_cached`` committed entries and nothing pending, while requests
+    of mixed lengths (several longer than the chunk) join and leave."""
+    import random
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    target, _, other = models
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 100) for _ in range(rng.randrange(3, 70))] for _ in range(10)]
+    core = EngineCore(target, other, EngineConfig(max_batch=3, tree=(2, 2), prefill_chunk=16, load_aware=False,
+                                                  max_model_len=max(map(len, prompts)) + 30))
+    for i, p in enumerate(prompts):
+        core.add_request(GenerationRequest(f"r{i}", p, SamplingParams(temperature=0.8, max_tokens=30, seed=i),
+                                           SpecOptions(method=method)))
+    cache = core.runner.proposer.cache
+    while core.has_unfinished():
+        core.step()
+        for s in core.scheduler.running:
+            if s.draft_slot is not None:
+                assert int(cache.pending[s.draft_slot]) == 0
+                assert int(cache.lens[s.draft_slot]) == s.draft_cached <= len(s.tokens)
+    assert cache.free_slots == cache.num_slots
