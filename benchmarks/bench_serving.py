@@ -681,7 +681,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print()
         print(format_goals(report["goals"]))
     if report["skipped"]:
-        print(f"\nskipped (--max-duration reached): "
+        print("\nskipped (--max-duration reached): "
               + ", ".join(f"{s['mode']} c={s['concurrency']}" for s in report["skipped"]))
     errors = sum(lv["errors"] for lv in report["results"])
     if errors:

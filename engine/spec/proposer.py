@@ -27,7 +27,7 @@ from engine.sampler import (
 )
 from engine.sequence import Sequence
 from engine.spec.adaptive import SpecPolicy
-from engine.spec.features import NodeFeatures, ParentStats, level_features, parent_stats
+from engine.spec.features import ParentStats, level_features, parent_stats
 from engine.spec.history import RowHistory
 from engine.spec.draft_tree import DEAD, DraftTree
 from engine.spec.tree import SubTree, TreeTopology
