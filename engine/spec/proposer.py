@@ -34,6 +34,8 @@ from engine.spec.tree import SubTree, TreeTopology
 
 
 class DraftModelProposer:
+    SHORT = 4  # catch-ups up to this many tokens share one forward (the usual lag is 1 or 2)
+
     def __init__(self, model: LlamaModel, cache: KVCache, vocab_size: int, without_replacement: bool = True,
                  topology: Optional[TreeTopology] = None, policy: Optional[SpecPolicy] = None,
                  chunk: int = 512) -> None:
@@ -86,26 +88,34 @@ class DraftModelProposer:
 
         A sequence drafting for the first time catches up on its whole prompt (draft prefill is lazy,
         see ``ModelRunner.prefill``), at most ``chunk`` tokens per forward."""
-        while True:
-            behind = [s for s in seqs if len(s.tokens) - s.draft_cached > self.chunk]
-            if not behind:
-                break
-            run_blocks(self.model, self.cache, [
-                Block(s.draft_slot, s.tokens[s.draft_cached: s.draft_cached + self.chunk],
-                      list(range(s.draft_cached, s.draft_cached + self.chunk)), []) for s in behind])
-            for s in behind:
+        # A forward pads every block to the longest one, and padding needs cache room too: a prompt
+        # catch-up therefore never shares a forward with a sequence that only lags a token or two.
+        logits: list[torch.Tensor] = [None] * len(seqs)
+        hidden: list[torch.Tensor] = [None] * len(seqs)
+        short = [i for i, s in enumerate(seqs) if len(s.tokens) - s.draft_cached <= self.SHORT]
+        groups = ([short] if short else []) + [[i] for i in range(len(seqs)) if i not in short]
+        for group in groups:
+            for i in group:
+                s = seqs[i]
+                while len(s.tokens) - s.draft_cached > self.chunk:
+                    run_blocks(self.model, self.cache, [Block(
+                        s.draft_slot, s.tokens[s.draft_cached: s.draft_cached + self.chunk],
+                        list(range(s.draft_cached, s.draft_cached + self.chunk)), [])])
+                    self.cache.commit(s.draft_slot)
+                    s.draft_cached += self.chunk
+            blocks = []
+            for i in group:
+                s = seqs[i]
+                new = s.tokens[s.draft_cached:]
+                blocks.append(Block(s.draft_slot, new, list(range(s.draft_cached, len(s.tokens))), [len(new) - 1]))
+            out, lg = run_blocks(self.model, self.cache, blocks)
+            for j, i in enumerate(group):
+                s = seqs[i]
                 self.cache.commit(s.draft_slot)
-                s.draft_cached += self.chunk
-        blocks = []
-        for s in seqs:
-            new = s.tokens[s.draft_cached:]
-            blocks.append(Block(s.draft_slot, new, list(range(s.draft_cached, len(s.tokens))), [len(new) - 1]))
-        out, logits = run_blocks(self.model, self.cache, blocks)
-        for s in seqs:
-            self.cache.commit(s.draft_slot)
-            s.draft_cached = len(s.tokens)
-        hidden = [out.hidden[i, len(bl.tokens) - 1] for i, bl in enumerate(blocks)]
-        return [lg[0] for lg in logits], hidden
+                s.draft_cached = len(s.tokens)
+                logits[i] = lg[j][0]
+                hidden[i] = out.hidden[j, len(blocks[j].tokens) - 1]
+        return logits, hidden
 
     def _run_level(self, seqs, trees, to_run: list[int], d: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         blocks = []
