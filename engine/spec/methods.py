@@ -58,7 +58,3 @@ class DraftPlan:
     trust: int = 0  # a Max-Gram match this long replaces the draft model for the step (0 = never)
     mjsd: int = 0  # chain tokens MJSD (lossy) drafts by beam search
     init: bool = False  # target-initialised (lossy): ``sub`` is (k, 1, ...) with the candidates as level 1
-
-    @property
-    def empty(self) -> bool:
-        return not (self.sub.num_nodes or self.maxgram or self.cascade or self.mjsd)

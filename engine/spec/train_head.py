@@ -136,12 +136,9 @@ def render_prompts(tokenizer, path: str, limit: Optional[int], max_prompt: int) 
 
 def collect(target, draft, prompts: list[list[int]], args) -> Dataset:
     recorder = Recorder(use_hidden=not args.no_hidden)
-    # A sequence joining mid-run catches the draft up on its whole prompt in the same padded forward
-    # as the others' steps (engine.batching.run_blocks), so every slot needs room for one more
-    # prompt-long block on top of its own prompt + output.
-    longest = max(len(p) for p in prompts)
+    # (a joining sequence's prompt catch-up runs in its own draft forward, so no padding margin is needed)
     config = EngineConfig(max_batch=args.batch, tree=parse_widths(args.tree),
-                          max_model_len=2 * longest + args.max_new + 1)
+                          max_model_len=max(len(p) for p in prompts) + args.max_new + 1)
     core = EngineCore(target, draft, config, policy=recorder)
     for i, ids in enumerate(prompts):
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new, seed=args.seed * 1_000_003 + i,

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from engine.sampler import sample_from_probs
-from engine.spec.draft_tree import DEAD, ONEHOT, SAMPLED
+from engine.spec.draft_tree import DEAD, ONEHOT
 from engine.spec.tree import SubTree
 
 
@@ -47,11 +47,6 @@ def children_of(sub: SubTree) -> list[list[int]]:
     for i, p in enumerate(sub.parent.tolist()):
         out[p + 1].append(i)
     return out
-
-
-def sampled_events(children: list[list[int]]) -> list[list[tuple[int, int]]]:
-    """Proposal events of a tree drafted by the draft model alone: every child is a sampled candidate."""
-    return [[(c, SAMPLED) for c in kids] for kids in children]
 
 
 def verify_greedy(argmax_of: Callable[[int], int], tokens: list[int],
