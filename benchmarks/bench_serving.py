@@ -75,7 +75,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.data import Prompt, load_prompts_file  # noqa: E402  (no torch import: the client stays light)
+from engine.data import Prompt, interleave_sources, load_prompts_file  # noqa: E402  (no torch import: the client stays light)
 
 DEFAULT_PROMPTS = ROOT / "benchmarks" / "prompts" / "bench.json"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "serving.json"
@@ -108,17 +108,6 @@ def summary_ms(values_s: Sequence[float]) -> dict[str, Optional[float]]:
         return {"p50": None, "p99": None, "mean": None}
     return {"p50": percentile(values_s, 50) * 1e3, "p99": percentile(values_s, 99) * 1e3,
             "mean": sum(values_s) / len(values_s) * 1e3}
-
-
-def interleave_by_prefix(prompts: Sequence[Prompt]) -> list[Prompt]:
-    """Round-robin over the id prefixes (the part before the first ``/``), keeping file order within each."""
-    groups: dict[str, list[Prompt]] = {}
-    for p in prompts:
-        groups.setdefault(p.id.split("/", 1)[0], []).append(p)
-    out: list[Prompt] = []
-    for i in range(max(len(g) for g in groups.values())):
-        out += [g[i] for g in groups.values() if i < len(g)]
-    return out
 
 
 def _git_commit() -> Optional[str]:
@@ -621,7 +610,7 @@ async def run_load(args: argparse.Namespace, base_url: str, headers: dict, promp
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
-        prompts = interleave_by_prefix(load_prompts_file(args.prompts))
+        prompts = interleave_sources(load_prompts_file(args.prompts))
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

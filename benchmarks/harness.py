@@ -3,7 +3,6 @@ the machine's read bandwidth, and table/JSON output."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import platform
 import statistics
@@ -15,7 +14,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.data import load_prompts_file
+from engine.data import interleave_sources, load_prompts_file
 from engine.request import GenerationRequest, SamplingParams, SpecOptions
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -26,19 +25,11 @@ def prompt_ids(tokenizer, path: str, limit: Optional[int]) -> list[tuple[str, li
     prompts are taken in turn from each source (the id's prefix: HumanEval, sharegpt, ...), so a
     short run still mixes code and chat."""
     out = []
-    for p in _spread(load_prompts_file(path), limit):
+    for p in interleave_sources(load_prompts_file(path), limit):
         text = tokenizer.apply_chat_template([dict(m) for m in p.messages], add_generation_prompt=True,
                                              tokenize=False)
         out.append((p.id, tokenizer.encode(text, add_special_tokens=False)))
     return out
-
-
-def _spread(prompts, limit: Optional[int]):
-    groups: dict[str, list] = {}
-    for p in prompts:
-        groups.setdefault(p.id.split("/")[0].split("-")[0], []).append(p)
-    order = [p for batch in itertools.zip_longest(*groups.values()) for p in batch if p is not None]
-    return order[:limit]
 
 
 def run_ours(target, draft, ids: list[int], max_new: int, tree=(), temperature=0.0, seed=0,

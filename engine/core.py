@@ -21,7 +21,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.spec.adaptive import AdaptiveSpeculation, SpecPolicy
 from engine.spec.cost_model import measure_curve
-from engine.spec.maxgram import BigramTable, LengthChooser, MaxGramDrafter
+from engine.spec.maxgram import MATCH_CLASSES, BigramTable, LengthChooser, MaxGramDrafter
 from engine.spec.methods import (
     CASCADE, LOSSY, MAXGRAM, MCSD, MCSD_MAXGRAM, MJSD_LOSSY, NEEDS_DRAFT, TARGET_INIT_LOSSY, DraftPlan,
 )
@@ -165,10 +165,10 @@ class EngineCore:
         outputs = []
         if plan.decode:
             budget = self.policy.budget(plan.decode) if self.policy is not None else None
-            plans = self._cap_maxgram([self._plan(seq, budget) for seq in plan.decode])
+            plans = self._cap_maxgram(plan.decode, [self._plan(seq, budget) for seq in plan.decode])
             stats.budget = max(p.sub.num_nodes for p in plans)
             results = self.runner.step(plan.decode, plans, stats)
-            self._observe_maxgram(results)
+            self._observe_maxgram(results, plans)
             if self.policy is not None:
                 self.policy.observe(results)
             for res in results:
@@ -179,25 +179,33 @@ class EngineCore:
             self._stats.append(stats)
         return outputs
 
-    def _cap_maxgram(self, plans: list[DraftPlan]) -> list[DraftPlan]:
-        """Caps Max-Gram's root proposals by the load-aware length chooser."""
+    def _cap_maxgram(self, seqs: list[Sequence], plans: list[DraftPlan]) -> list[DraftPlan]:
+        """Caps Max-Gram's root proposals by the load-aware length chooser, per match class."""
         if self.maxgram_lengths is None:
             return plans
-        users = [p for p in plans if p.maxgram and p.branches]
-        if not users:
+        klass = [self.maxgram.root_class(s) if p.maxgram and p.branches else None for s, p in zip(seqs, plans)]
+        if all(k is None for k in klass):
             return plans
-        others = sum(1 + p.sub.num_nodes + p.cascade + p.tail + p.mjsd for p in plans if not (p.maxgram and p.branches))
-        others += sum(p.sub.num_nodes + p.tail for p in users)
-        cap = self.maxgram_lengths.choose(len(users), others)
-        return [replace(p, maxgram=min(p.maxgram, cap)) if p.maxgram and p.branches else p for p in plans]
+        counts = [0] * MATCH_CLASSES
+        others = 0
+        for k, p in zip(klass, plans):
+            if k is None:
+                others += 1 + p.sub.num_nodes + p.cascade + p.tail + p.mjsd
+            else:
+                counts[k] += 1
+                others += p.sub.num_nodes + p.tail
+        caps = self.maxgram_lengths.choose(counts, others)
+        return [p if k is None else replace(p, maxgram=min(p.maxgram, caps[k]), maxgram_class=k)
+                for k, p in zip(klass, plans)]
 
-    def _observe_maxgram(self, results: list[SeqStepResult]) -> None:
+    def _observe_maxgram(self, results: list[SeqStepResult], plans: list[DraftPlan]) -> None:
         if self.maxgram_lengths is None:
             return
-        for res in results:
+        for res, plan in zip(results, plans):
             tree = res.tree
-            if tree.tokens and not tree.num_sub and tree.draft_index is None:  # Max-Gram alone drafted it
-                self.maxgram_lengths.observe(max(tree.depths()), len(res.result.accepted))
+            if tree.tokens and not tree.num_sub and tree.draft_index is None and plan.maxgram_class is not None:
+                # Max-Gram alone drafted it (also when trusting it replaced the draft model)
+                self.maxgram_lengths.observe(plan.maxgram_class, max(tree.depths()), len(res.result.accepted))
 
     def _plan(self, seq: Sequence, budget: Optional[tuple[int, ...]] = None) -> DraftPlan:
         """What each drafter of the request's method may draft this step.  The budget caps the draft

@@ -8,10 +8,11 @@ which entry is wrong and why, so a hand-edited file fails at load time and not i
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional, Sequence
 
 ROLES = ("system", "user", "assistant")
 _READ_CHARS = 1 << 20
@@ -163,6 +164,16 @@ def load_prompts_file(path: str | Path) -> list[Prompt]:
             raise ValueError(f"{path}: duplicate prompt id {p.id!r}")
         seen.add(p.id)
     return prompts
+
+
+def interleave_sources(prompts: Sequence[Prompt], limit: Optional[int] = None) -> list[Prompt]:
+    """Round-robin over the prompts' sources (the id before the first ``/``: ``HumanEval``,
+    ``sharegpt``, ...), keeping file order within each, so any first ``limit`` prompts mix the kinds."""
+    groups: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        groups.setdefault(p.id.split("/", 1)[0], []).append(p)
+    mixed = [p for row in itertools.zip_longest(*groups.values()) for p in row if p is not None]
+    return mixed[:limit]
 
 
 def parse_prompt(entry: Any, where: str) -> Prompt:

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from benchmarks.bench_serving import (
-    MODES, RequestResult, apply_timing, evaluate_goals, interleave_by_prefix, main, percentile, token_events,
+    MODES, RequestResult, apply_timing, evaluate_goals, main, percentile, token_events,
 )
-from engine.data import Prompt
+from engine.data import Prompt, interleave_sources
 from tests.fakes import make_tokenizer
 from tests.tiny import save_tiny_pair
 
@@ -77,7 +77,7 @@ def test_percentile_and_prompt_order():
     assert percentile(range(101), 99) == 99 and percentile([], 50) is None
     msgs = ({"role": "user", "content": "x"},)
     ps = [Prompt(i, msgs) for i in ("a/1", "a/2", "a/3", "b/1")]
-    assert [p.id for p in interleave_by_prefix(ps)] == ["a/1", "b/1", "a/2", "a/3"]
+    assert [p.id for p in interleave_sources(ps)] == ["a/1", "b/1", "a/2", "a/3"]
 
 
 def test_tokens_are_attributed_per_chunk():

@@ -259,20 +259,34 @@ def test_maxgram_length_follows_load_and_acceptance():
     from engine.spec.maxgram import LengthChooser
     flat = CostCurve((1.0, 100.0), (1.0, 1.01))  # verification rows are nearly free
     steep = CostCurve((1.0, 100.0), (1.0, 100.0))  # every row costs as much as a token of plain decoding
-    assert LengthChooser(flat, 8).choose(1, 0) == 8
+    long_matches = lambda n: [0, 0, 0, n]  # noqa: E731  (sequences per match class)
+    assert LengthChooser(flat, 8).choose(long_matches(1), 0)[3] == 8
     busy = LengthChooser(steep, 8, probe_every=3)
-    assert busy.choose(8, 0) == 0  # acceptance < 1 per row: plain decoding pays best
-    assert busy.choose(8, 0) == 0 and busy.choose(8, 0) == 8  # ... and every third idle step probes
+    assert busy.choose(long_matches(8), 0)[3] == 0  # acceptance < 1 per row: plain decoding pays best
+    assert busy.choose(long_matches(8), 0)[3] == 0 and busy.choose(long_matches(8), 0)[3] == 8  # ... probes
     mid = CostCurve((1.0, 16.0, 100.0), (1.0, 1.2, 20.0))  # rows nearly free up to 16, then costly
     good = LengthChooser(mid, 8)
     for _ in range(400):
-        good.observe(8, 8)  # everything accepted
-    assert good.choose(1, 0) == 8  # one sequence: 9 rows still fit the cheap part
-    assert good.choose(8, 0) == 1  # eight: 16 rows is the sweet spot
+        good.observe(3, 8, 8)  # everything accepted
+    assert good.choose(long_matches(1), 0)[3] == 8  # one sequence: 9 rows still fit the cheap part
+    assert good.choose(long_matches(8), 0)[3] == 1  # eight: 16 rows is the sweet spot
     poor = LengthChooser(mid, 8)
     for _ in range(400):
-        poor.observe(8, 0)  # nothing accepted: even cheap rows are not worth it
-    assert poor.choose(1, 0) == 0
+        poor.observe(3, 8, 0)  # nothing accepted: even cheap rows are not worth it
+    assert poor.choose(long_matches(1), 0)[3] == 0
+
+
+def test_maxgram_length_is_chosen_per_match_class():
+    """Bigram guesses that are never accepted lose their rows under load; long matches keep theirs."""
+    from engine.spec.cost_model import CostCurve
+    from engine.spec.maxgram import LengthChooser
+    mid = CostCurve((1.0, 24.0, 100.0), (1.0, 1.3, 20.0))
+    chooser = LengthChooser(mid, 8)
+    for _ in range(400):
+        chooser.observe(0, 2, 0)  # bigram: proposes 2, never accepted
+        chooser.observe(3, 8, 6)  # long match: 6 of 8 accepted
+    caps = chooser.choose([4, 0, 0, 4], 0)
+    assert caps[0] == 0 and caps[3] >= 4, caps
 
 
 # ---------------------------------------------------------------------------- target-initialised (lossy)

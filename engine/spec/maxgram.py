@@ -134,6 +134,11 @@ class MaxGramDrafter:
         idx.extend(seq.tokens)
         return idx
 
+    def root_class(self, seq: Sequence) -> Optional[int]:
+        """The match class (``match_class``) of the proposal from the root; None if there is none."""
+        props = self.propose(seq, (), 1)
+        return match_class(props[0].match) if props else None
+
     def propose(self, seq: Sequence, path: Seq[int] = (), max_len: Optional[int] = None,
                 branches: int = 1) -> list[Proposal]:
         """Up to ``branches`` proposals with distinct first tokens for what follows
@@ -161,59 +166,81 @@ class MaxGramDrafter:
         return out
 
 
+MATCH_CLASSES = 4  # what a proposal is known to come from: 0 = the bigram table, 1, 2, 3 = a match of 1, 2, 3+
+
+
+def match_class(match: int) -> int:
+    return min(match, MATCH_CLASSES - 1)
+
+
 class LengthChooser:
     """Load-aware cap on Max-Gram's proposal length, like the draft tree's budget
     (``engine.spec.cost_model``): a proposal costs nothing to draft but every token of it is a row of
     the verification forward, which on a busy batch is no longer free.
 
-    Online statistics per proposal position ``i`` (over steps whose tree Max-Gram alone drafted):
-    ``reach[i]`` = steps whose proposal had a token at ``i``, ``accept[i]`` = steps that accepted
-    through ``i``.  For a cap ``L`` a step is expected to emit ``1 + sum_{i<L} accept[i]/n`` tokens
-    for ``1 + sum_{i<L} reach[i]/n`` verified rows; the chooser maximises tokens per second of the
-    measured target cost curve over the whole batch.  Every ``probe_every`` steps at cap 0 it tries
-    the full length once, so the statistics keep up when speculation starts paying again.
+    A proposal's worth depends on where it comes from: a long suffix match is usually right, a
+    bigram guess rarely.  So statistics are kept per **match class** (``match_class``: bigram table,
+    match of 1, 2, 3+) and per proposal position ``i``, over steps whose tree Max-Gram alone drafted:
+    ``reach[c, i]`` = steps whose proposal had a token at ``i``, ``accept[c, i]`` = steps that
+    accepted through ``i``.  With cap ``L_c`` a class-``c`` sequence is expected to emit
+    ``1 + sum_{i<L_c} accept[c, i]/n_c`` tokens for ``1 + sum_{i<L_c} reach[c, i]/n_c`` verified rows;
+    the chooser picks the caps (coordinate ascent over classes) that maximise tokens per second of
+    the measured target cost curve over the whole batch.  After ``probe_every`` steps in a row with
+    every cap 0 it grants the full length once, so the statistics keep up when speculation starts
+    paying again.  Counts decay, because the text being written changes.
     """
 
-    def __init__(self, curve, max_len: int, prior_steps: float = 4.0, prior_rate: float = 0.6,
-                 probe_every: int = 64, decay: float = 0.995) -> None:
-        self.curve = curve
-        self.decay = decay  # CostCurve: seconds of a target forward by total rows
+    def __init__(self, curve, max_len: int, prior_steps: float = 4.0,
+                 prior_rates: Seq[float] = (0.3, 0.6, 0.6, 0.6), probe_every: int = 64, decay: float = 0.995) -> None:
+        self.curve = curve  # CostCurve: seconds of a target forward by total rows
+        self.decay = decay
         self.max_len = max_len
         self.caps = sorted({c for c in (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if c < max_len} | {max_len})
-        self.steps = prior_steps
-        self.reach = torch.full((max_len,), prior_steps)
-        self.accept = prior_steps * prior_rate ** torch.arange(1, max_len + 1, dtype=torch.float32)
+        self.steps = torch.full((MATCH_CLASSES,), prior_steps)
+        self.reach = torch.full((MATCH_CLASSES, max_len), prior_steps)
+        pos = torch.arange(1, max_len + 1, dtype=torch.float32)
+        self.accept = torch.stack([prior_steps * float(r) ** pos for r in prior_rates])
         self.probe_every = probe_every
         self._idle = 0
 
-    def choose(self, maxgram_seqs: int, other_rows: int) -> int:
-        """The cap for this step's ``maxgram_seqs`` Max-Gram sequences; ``other_rows``: verification
-        rows of the rest of the batch."""
-        if maxgram_seqs == 0:
-            return self.max_len
-        acc = torch.cat([torch.zeros(1), (self.accept / self.steps).cumsum(0)])  # [max_len + 1]
-        rows = torch.cat([torch.zeros(1), (self.reach / self.steps).cumsum(0)])
-        best, best_rate = 0, -1.0
-        for cap in self.caps:
-            tokens = maxgram_seqs * (1 + float(acc[cap])) + other_rows
-            secs = self.curve(maxgram_seqs * (1 + float(rows[cap])) + other_rows)
-            rate = tokens / max(secs, 1e-9)
-            if rate > best_rate * 1.0001:
-                best, best_rate = cap, rate
-        if best == 0:
-            self._idle += 1
-            if self._idle >= self.probe_every:
-                self._idle = 0
-                return self.max_len
-        else:
-            self._idle = 0
-        return best
+    def choose(self, counts: Seq[int], other_rows: int) -> list[int]:
+        """The cap of each match class for this step; ``counts[c]``: this step's Max-Gram sequences
+        of class ``c``; ``other_rows``: verification rows of the rest of the batch."""
+        caps = [self.max_len] * MATCH_CLASSES
+        if not any(counts):
+            return caps
+        zero = torch.zeros(MATCH_CLASSES, 1)
+        acc = torch.cat([zero, (self.accept / self.steps[:, None]).cumsum(1)], 1).tolist()  # [classes, max_len + 1]
+        rows = torch.cat([zero, (self.reach / self.steps[:, None]).cumsum(1)], 1).tolist()
 
-    def observe(self, proposed: int, accepted: int) -> None:
-        """One step of a Max-Gram-only tree: its longest proposal and the accepted length."""
+        def rate(caps: list[int]) -> float:
+            tokens = other_rows + sum(n * (1 + acc[c][caps[c]]) for c, n in enumerate(counts))
+            secs = self.curve(other_rows + sum(n * (1 + rows[c][caps[c]]) for c, n in enumerate(counts)))
+            return tokens / max(secs, 1e-9)
+
+        for _ in range(2):  # coordinate ascent: the classes share one forward
+            for c in (c for c, n in enumerate(counts) if n):
+                best, best_rate = caps[c], -1.0
+                for cap in self.caps:
+                    trial = caps[:c] + [cap] + caps[c + 1:]
+                    r = rate(trial)
+                    if r > best_rate * 1.0001:
+                        best, best_rate = cap, r
+                caps[c] = best
+        if any(caps[c] for c, n in enumerate(counts) if n):
+            self._idle = 0
+            return caps
+        self._idle += 1
+        if self._idle >= self.probe_every:
+            self._idle = 0
+            return [self.max_len] * MATCH_CLASSES
+        return caps
+
+    def observe(self, klass: int, proposed: int, accepted: int) -> None:
+        """One step of a Max-Gram-only tree: its match class, longest proposal and accepted length."""
         proposed, accepted = min(proposed, self.max_len), min(accepted, self.max_len)
-        for t in (self.reach, self.accept):  # forget slowly: the text being written changes
-            t.mul_(self.decay)
-        self.steps = self.steps * self.decay + 1
-        self.reach[:proposed] += 1
-        self.accept[:accepted] += 1
+        self.reach[klass].mul_(self.decay)
+        self.accept[klass].mul_(self.decay)
+        self.steps[klass] = self.steps[klass] * self.decay + 1
+        self.reach[klass, :proposed] += 1
+        self.accept[klass, :accepted] += 1

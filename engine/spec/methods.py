@@ -29,6 +29,7 @@ the output.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from engine.spec.tree import SubTree
 
@@ -58,3 +59,4 @@ class DraftPlan:
     trust: int = 0  # a Max-Gram match this long replaces the draft model for the step (0 = never)
     mjsd: int = 0  # chain tokens MJSD (lossy) drafts by beam search
     init: bool = False  # target-initialised (lossy): ``sub`` is (k, 1, ...) with the candidates as level 1
+    maxgram_class: Optional[int] = None  # the root proposal's match class, when the length chooser capped it

@@ -120,10 +120,10 @@ def select_nodes(f: NodeFeatures, mask: torch.Tensor) -> NodeFeatures:
 
 # ------------------------------------------------------------------ collecting data
 def render_prompts(tokenizer, path: str, limit: Optional[int], max_prompt: int) -> list[list[int]]:
-    from engine.data import load_prompts_file
+    from engine.data import interleave_sources, load_prompts_file
 
     out = []
-    for p in load_prompts_file(path)[:limit]:
+    for p in interleave_sources(load_prompts_file(path), limit):
         messages = [dict(m) for m in p.messages]
         if getattr(tokenizer, "chat_template", None):
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -240,7 +240,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--tree", default="4,2,2", help="fixed tree the data is drafted with")
     ap.add_argument("--max-new", type=int, default=128, help="tokens generated per prompt")
-    ap.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    ap.add_argument("--limit", type=int, default=None, help="use N prompts, taken round-robin over the sources (HumanEval, ShareGPT, ...)")
     ap.add_argument("--max-prompt", type=int, default=1024, help="keep the last N prompt tokens")
     ap.add_argument("--holdout", type=float, default=0.2, help="fraction of prompts held out for evaluation")
     ap.add_argument("--batch", type=int, default=4, help="sequences decoding together while collecting")
