@@ -26,44 +26,69 @@ from benchmarks.harness import (  # noqa: E402
     hf_model, machine, print_table, prompt_ids, run_hf, run_ours, write_json,
 )
 from engine.models.loader import load_model  # noqa: E402
+from engine.request import SpecOptions  # noqa: E402
 from engine.spec.tree import parse_widths  # noqa: E402
 
 DEFAULT_CONFIGS = "plain;chain:1,1;chain:1,1,1;chain:1,1,1,1;tree:2,1,1;tree:3,2,1;tree:4,2,2;tree:2,2,1,1;hf-assisted"
 
 
-def parse_configs(spec: str) -> list[tuple[str, tuple[int, ...]]]:
+CORPUS = "benchmarks/prompts/train.json"  # Max-Gram's bigram corpus, as in the default preset
+MAXGRAM = dict(maxgram_len=8, maxgram_tail=2, maxgram_corpus=CORPUS)  # the default preset's Max-Gram knobs
+
+
+def parse_configs(spec: str) -> list[dict]:
+    """``;``-separated items -> dicts (name, kind, tree, method, adaptive, heads, config):
+
+    plain, hf-assisted, hf-plain          as named
+    chain:W / tree:W                      fixed MCSD tree of widths W
+    tree+maxgram:W                        fixed draft tree W + Max-Gram branch and tail (method mcsd+maxgram)
+    adaptive:W[:heads]                    adaptive MCSD inside the largest tree W (online calibration, or the
+                                          ``--heads`` acceptance heads)
+    adaptive+maxgram:W[:heads]            the same with Max-Gram (the default preset's engine)
+    """
     out = []
     for item in spec.split(";"):
-        kind, _, widths = item.partition(":")
+        kind, *parts = item.split(":")
+        c = dict(name=item.replace(":", " "), kind=kind, tree=(), method="mcsd", adaptive=False, heads=False,
+                 config={})
         if kind in ("plain", "hf-assisted", "hf-plain"):
-            out.append((kind, ()))
-        elif kind in ("chain", "tree", "adaptive"):
-            out.append((f"{kind} {widths}", parse_widths(widths)))
+            c["method"] = None
+        elif kind in ("chain", "tree", "tree+maxgram", "adaptive", "adaptive+maxgram") and parts:
+            c["tree"] = parse_widths(parts[0])
+            c["adaptive"] = kind.startswith("adaptive")
+            c["heads"] = parts[1:] == ["heads"]
+            if parts[1:] not in ([], ["heads"]) or (c["heads"] and not c["adaptive"]):
+                raise SystemExit(f"unknown config {item!r}")
+            if kind.endswith("+maxgram"):
+                c.update(method="mcsd+maxgram", config=dict(MAXGRAM))
         else:
             raise SystemExit(f"unknown config {item!r}")
+        out.append(c)
     return out
 
 
-def adaptive_core(target, draft, tree, heads=()):
+def adaptive_core(target, draft, c: dict, heads=()):
     """One engine per adaptive config, reused over prompts: the online calibrator keeps what it learnt, as
     in a running server (the cost model is measured once, at creation)."""
     from engine.config import EngineConfig
     from engine.core import EngineCore
-    return EngineCore(target, draft, EngineConfig(max_batch=1, max_model_len=4096, tree=tree, adaptive=True,
-                                                  acceptance_heads=tuple(heads)))
+    return EngineCore(target, draft, EngineConfig(max_batch=1, max_model_len=4096, tree=c["tree"], adaptive=True,
+                                                  acceptance_heads=tuple(heads) if c["heads"] else (),
+                                                  spec_method=c["method"], **c["config"]))
 
 
-def run_config(name, tree, target, draft, hf_t, hf_d, ids, max_new, temperature, seed, cores=None):
-    if name == "plain":
+def run_config(c, target, draft, hf_t, hf_d, ids, max_new, temperature, seed, cores=None):
+    if c["kind"] == "plain":
         return run_ours(target, None, ids, max_new, temperature=temperature, seed=seed)
-    if name.startswith("hf-"):
-        kw = dict(assistant_model=hf_d) if name == "hf-assisted" else {}
+    if c["kind"].startswith("hf-"):
+        kw = dict(assistant_model=hf_d) if c["kind"] == "hf-assisted" else {}
         if temperature > 0:
             kw.update(do_sample=True, temperature=temperature, top_k=0)
             torch.manual_seed(seed)
         return run_hf(hf_t, ids, max_new, measure_ttft=True, **kw)
-    core = (cores or {}).get(name)
-    return run_ours(target, draft, ids, max_new, tree=tree, temperature=temperature, seed=seed, core=core)
+    core = (cores or {}).get(c["name"])
+    return run_ours(target, draft, ids, max_new, tree=c["tree"], temperature=temperature, seed=seed, core=core,
+                    spec=SpecOptions(method=c["method"]), config=c["config"])
 
 
 def summarise(name, runs, plain_runs, temperature) -> dict:
@@ -95,7 +120,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS,
-                    help="';'-separated: plain, chain:W, tree:W, adaptive:W (largest tree W), hf-assisted, hf-plain")
+                    help="';'-separated, see parse_configs: plain, chain:W, tree:W, tree+maxgram:W, adaptive:W[:heads], "
+                         "adaptive+maxgram:W[:heads], hf-assisted, hf-plain")
     ap.add_argument("--heads", default="", help="acceptance head files for adaptive configs, comma separated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
@@ -105,25 +131,27 @@ def main(argv=None) -> None:
     target, draft = load_model(args.model, dtype=args.dtype), load_model(args.draft, dtype=args.dtype)
     configs = parse_configs(args.configs)
     hf_t = hf_d = None
-    if any(n.startswith("hf-") for n, _ in configs):
+    if any(c["kind"].startswith("hf-") for c in configs):
         hf_t, hf_d = hf_model(target.path, target.model.dtype), hf_model(draft.path, draft.model.dtype)
     prompts = prompt_ids(target.tokenizer, args.prompts, args.limit)
     heads = [h for h in args.heads.split(",") if h]
-    cores = {name: adaptive_core(target, draft, tree, heads) for name, tree in configs if name.startswith("adaptive")}
+    if any(c["heads"] for c in configs) and not heads:
+        raise SystemExit("a ':heads' config needs --heads")
+    cores = {c["name"]: adaptive_core(target, draft, c, heads) for c in configs if c["adaptive"]}
     warm = prompts[0][1][:32]
-    for name, tree in configs:
-        run_config(name, tree, target, draft, hf_t, hf_d, warm, 4, 0.0, 0, cores)
+    for c in configs:
+        run_config(c, target, draft, hf_t, hf_d, warm, 4, 0.0, 0, cores)
 
     rows = []
     for temperature in [float(t) for t in args.temperatures.split(",")]:
-        runs = {name: [] for name, _ in configs}
+        runs = {c["name"]: [] for c in configs}
         for i, (pid, ids) in enumerate(prompts):
-            for name, tree in configs:
-                r = run_config(name, tree, target, draft, hf_t, hf_d, ids, args.max_new_tokens, temperature,
+            for c in configs:
+                r = run_config(c, target, draft, hf_t, hf_d, ids, args.max_new_tokens, temperature,
                                args.seed + i, cores)
-                runs[name].append(r)
-                print(f"T={temperature} {pid} {name}: {len(r['tokens']) / r['seconds']:.2f} tok/s", flush=True)
-        rows += [summarise(name, runs[name], runs["plain"], temperature) for name, _ in configs]
+                runs[c["name"]].append(r)
+                print(f"T={temperature} {pid} {c['name']}: {len(r['tokens']) / r['seconds']:.2f} tok/s", flush=True)
+        rows += [summarise(c["name"], runs[c["name"]], runs["plain"], temperature) for c in configs]
 
     print()
     print_table(rows, [("config", "config", "<16"), ("temperature", "T", ">4.1f"), ("tok_s", "tok/s", ">7.2f"),

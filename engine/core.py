@@ -213,6 +213,9 @@ class EngineCore:
         model); Max-Gram has no drafting cost and always proposes."""
         spec, cfg = seq.request.spec, self.config
         empty = self.topology.subtree(())
+        if budget != () and seq.draft_slot is not None and self.policy is not None \
+                and not self.policy.catch_up_pays(seq):
+            budget = ()  # the draft lags too far behind for this request to gain from catching up
         room = seq.remaining - 1
         if spec.max_depth is not None:
             room = min(room, spec.max_depth)

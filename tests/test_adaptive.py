@@ -224,6 +224,53 @@ def test_probe_when_speculation_has_not_paid_for_a_while():
     assert [policy.budget([Seq()]) for _ in range(6)] == [(), (), (1, 1), (), (), (1, 1)]
 
 
+def test_a_lagging_draft_catches_up_only_when_the_remaining_tokens_pay_for_it():
+    topo = TreeTopology((2, 1, 1))
+    # verification rows nearly free, a draft forward of T tokens costs T/100 s: speculation saves time
+    cost = CostModel(CostCurve((1.0, 1000.0), (0.1, 0.2)), CostCurve((1.0, 1000.0), (0.01, 10.0)))
+    policy = AdaptiveSpeculation(topo, cost=cost)
+
+    class Seq:
+        draft_slot = 0
+        request = type("R", (), {"spec": type("S", (), {"enabled": True}), "sampling": type("P", (), {"greedy": True})})
+
+        def __init__(self, lag, remaining):
+            self.tokens, self.draft_cached, self.remaining = [0] * (lag + 10), 10, remaining
+
+    assert policy.budget([Seq(0, 100)]) != () and policy.chooser.saving > 0
+    saving = policy.chooser.saving
+    assert policy.catch_up_pays(Seq(3, 1))  # a short lag always catches up (inside the first level forward)
+    lag = 500  # costs about 5 s
+    needed = cost.draft(lag) / saving  # tokens left for which catching up breaks even
+    assert 10 < needed < policy.HORIZON / 1.2
+    assert not policy.catch_up_pays(Seq(lag, int(needed * 0.8)))
+    assert policy.catch_up_pays(Seq(lag, int(needed * 1.2)))
+    huge = int(2 * policy.HORIZON * saving * 100)  # costs twice what HORIZON tokens save
+    assert not policy.catch_up_pays(Seq(huge, 10**6))  # max_tokens is only a bound: HORIZON caps it
+    busy = AdaptiveSpeculation(topo, cost=CostModel(CostCurve((1.0, 1000.0), (1.0, 1000.0)), cost.draft))
+    assert busy.budget([Seq(lag, 10**6)]) == () and busy.chooser.saving == 0.0
+    assert not busy.catch_up_pays(Seq(lag, 10**6))  # plain decoding pays best: nothing worth catching up for
+
+
+def test_engine_skips_the_draft_for_requests_whose_catch_up_does_not_pay(models):
+    """A draft forward made very expensive per token: short requests never run the draft model (no
+    draft tokens, draft cache never filled) and output stays exact."""
+    target, self_draft, _ = models
+    topo = TreeTopology((2, 1))
+    cost = CostModel(CostCurve((1.0, 1000.0), (0.1, 0.2)), CostCurve((1.0, 1000.0), (0.01, 1000.0)))
+    prompts = [list(range(3, 40)), list(range(50, 90))]
+    outs, core = run_engine(target, self_draft, prompts, ignore_eos=True, max_tokens=6,
+                            policy=AdaptiveSpeculation(topo, cost=cost, probe_every=1000))
+    assert [o.tokens for o in outs] == plain(target, prompts, max_tokens=6)
+    stats = [s for s in core.drain_step_stats() if s.num_seqs]
+    assert stats and all(s.drafted_tokens == 0 for s in stats)
+    cheap = CostModel(cost.target, CostCurve((1.0, 1000.0), (1e-6, 1e-3)))
+    outs, core = run_engine(target, self_draft, prompts, ignore_eos=True, max_tokens=6,
+                            policy=AdaptiveSpeculation(topo, cost=cheap, probe_every=1000))
+    assert [o.tokens for o in outs] == plain(target, prompts, max_tokens=6)
+    assert sum(s.drafted_tokens for s in core.drain_step_stats()) > 0
+
+
 def test_load_aware_engine_measures_at_start_and_stays_exact(models):
     target, _, other_draft = models
     outs, core = run_engine(target, other_draft, PROMPTS, ignore_eos=True, config=dict(adaptive=True))

@@ -7,7 +7,11 @@ Three hooks (:class:`SpecPolicy`) are all the engine sees:
 * ``keep_drafting(seqs, trees, d)``: after the draft sampled depth ``d`` of each tree, whether it
   grows another level.  A tree that stops is cut to its depth-``d`` prefix, a slice of the prebuilt
   topology, and the target verifies exactly the nodes that were drafted;
-* ``observe(results)``: after verification, learn from what was accepted.
+* ``observe(results)``: after verification, learn from what was accepted;
+* ``catch_up_pays(seq)``: after ``budget``, whether a sequence whose draft cache lags (its prompt, or
+  steps without the draft) may catch up this step: only when the expected saving over its remaining
+  tokens exceeds the catch-up's measured cost (``engine.spec.cost_model``), else it decodes without
+  the draft model this step.
 
 **Stopping rule (SpecDec++, for trees).**  Every drafted node gets ``y_hat = P(accepted | parent
 reached)`` from the acceptance head (when one is loaded for the request's temperature) or from the
@@ -56,6 +60,10 @@ class SpecPolicy:
 
     def observe(self, results: list["SeqStepResult"]) -> None:
         return None
+
+    def catch_up_pays(self, seq: "Sequence") -> bool:
+        """Whether the sequence may run its missing tokens through the draft this step (after ``budget``)."""
+        return True
 
 
 class OnlineCalibrator:
@@ -133,6 +141,8 @@ class AdaptiveSpeculation(SpecPolicy):
     """Threshold stopping + online calibration (+ optional heads) + load-aware budgets."""
 
     wants_features = True
+    SMALL_LAG = 4  # a lag this short catches up within the draft's first level forward, at no real cost
+    HORIZON = 256  # tokens a request is assumed to still write at most (max_tokens is only an upper bound)
 
     def __init__(self, topology: TreeTopology, threshold: float = 0.5, min_depth: int = 1,
                  max_depth: Optional[int] = None, heads: tuple[AcceptanceHead, ...] = (),
@@ -198,6 +208,12 @@ class AdaptiveSpeculation(SpecPolicy):
             return choice
         self._idle_steps = 0
         return (1,) * self.min_depth  # a probe
+
+    def catch_up_pays(self, seq: "Sequence") -> bool:
+        lag = len(seq.tokens) - seq.draft_cached
+        if self.chooser is None or lag <= self.SMALL_LAG:
+            return True
+        return self.chooser.cost.catch_up_pays(lag, min(seq.remaining, self.HORIZON), self.chooser.saving)
 
     def keep_drafting(self, seqs: list["Sequence"], trees: list["DraftTree"], depth: int) -> list[bool]:
         keep = []

@@ -11,6 +11,14 @@ and ``E[accepted](k') = sum of reach over k''s nodes``.  One step emits ``1 + ac
 speculating sequence and costs ``draft(k') + verify(total block tokens)``; the chooser returns the
 candidate maximising ``sum(1 + E) / seconds`` over the batch.  When one more verified token costs
 nearly as much as a token of plain decoding (large batches), that is the empty tree.
+
+**Catching up.**  The draft model's cache is filled lazily (``ModelRunner.prefill``): a sequence
+drafting for the first time, or after many steps without the draft, first runs its missing tokens
+through the draft, which costs about ``draft(lag)`` seconds and stalls the whole batch.  The chooser
+also reports ``saving``: seconds per emitted token the chosen budget saves over plain decoding for
+this batch.  A sequence that still has ``m`` tokens to write saves about ``m * saving`` seconds by
+speculating, so it catches up only when that exceeds the catch-up's cost (``CostModel.catch_up_pays``);
+otherwise it decodes without the draft model this step (and is asked again next step).
 """
 
 from __future__ import annotations
@@ -76,8 +84,14 @@ class CostModel:
         blocks = sorted({1, 2 + topology.num_nodes // 2, 1 + topology.num_nodes})
         widest = max(topology.level_offsets[d + 1] - topology.level_offsets[d] for d in range(len(topology.widths)))
         levels = sorted({1, max(1, widest // 2), widest})
+        catch_up = [(1, 64)]  # a prompt's catch-up (the curve extrapolates linearly beyond it)
         return cls(measure_curve(target, target_cache, list(itertools.product(batches, blocks)), reps),
-                   measure_curve(draft, draft_cache, list(itertools.product(batches, levels)), reps))
+                   measure_curve(draft, draft_cache, list(itertools.product(batches, levels)) + catch_up, reps))
+
+    def catch_up_pays(self, lag: int, remaining: int, saving: float) -> bool:
+        """Whether running ``lag`` missing tokens through the draft pays back over ``remaining``
+        tokens at ``saving`` seconds per token (see the module docstring)."""
+        return remaining * saving > self.draft(lag)
 
     def draft_seconds(self, batch: int, widths: tuple[int, ...]) -> float:
         """Catch-up forward plus one forward per non-final tree level (the deepest level never runs)."""
@@ -130,6 +144,7 @@ class BudgetChooser:
         self.member = member  # [candidates, nodes]
         self.sizes = member.sum(dim=1)  # [candidates]
         self._draft_seconds: dict[int, list[float]] = {}
+        self.saving = 0.0  # seconds per emitted token the last choice saves over plain decoding
 
     def expected_accepted(self, rates: torch.Tensor) -> torch.Tensor:
         """rates: [depths, ranks] P(accepted | parent reached) -> [candidates] expected accepted tokens."""
@@ -150,6 +165,7 @@ class BudgetChooser:
         """spec_counts: ``(sequences, rates)`` per group of speculating sequences sharing a rates
         table; ``plain``: sequences of the batch that decode without speculation."""
         spec = sum(n for n, _ in spec_counts)
+        self.saving = 0.0
         if spec == 0:
             return ()
         tokens = float(plain)
@@ -157,7 +173,10 @@ class BudgetChooser:
             tokens = tokens + n * (1.0 + self.expected_accepted(rates))  # [candidates]
         verify = [self.cost.target(spec * (1 + s) + plain) for s in self.sizes.tolist()]
         seconds = torch.tensor(verify) + torch.tensor(self._draft_costs(spec))
-        return self.candidates[int((tokens / seconds.clamp_min(1e-9)).argmax())]
+        per_token = seconds.clamp_min(1e-9) / tokens  # [candidates]; candidate 0 is plain decoding
+        best = int(per_token.argmin())
+        self.saving = float(per_token[0] - per_token[best])
+        return self.candidates[best]
 
     def _draft_costs(self, batch: int) -> list[float]:
         if batch not in self._draft_seconds:
