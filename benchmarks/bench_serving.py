@@ -11,7 +11,8 @@ the server (SIGINT, then SIGKILL after ``--grace`` seconds).  ``--url`` targets 
 Everything after a bare ``--`` is passed to ``python -m server`` unchanged.
 
 Load: for every concurrency level C (``--concurrency``, default 1,2,4,8) and every mode (``--modes``: ``spec``
-sends ``"speculative": {"enabled": true}``, ``nospec`` ``{"enabled": false}``), a closed loop of C workers
+sends ``"speculative": {"enabled": true}``, ``nospec`` ``{"enabled": false}``, ``fixed``
+``{"enabled": true, "adaptive": false, "tree": --fixed-tree}``), a closed loop of C workers
 sends ``--requests-per-level`` streaming chat completions (default 2*C).  Request i of a level uses prompt
 ``i mod len(prompts)`` of the prompts file, taken round-robin over the id prefixes (``HumanEval/...``,
 ``sharegpt/...``) so that any first k requests mix the prompt kinds; both modes of a level send the same
@@ -79,7 +80,8 @@ from engine.data import Prompt, interleave_sources, load_prompts_file  # noqa: E
 
 DEFAULT_PROMPTS = ROOT / "benchmarks" / "prompts" / "bench.json"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "serving.json"
-MODES = {"spec": {"enabled": True}, "nospec": {"enabled": False}}
+MODES = {"spec": {"enabled": True}, "nospec": {"enabled": False},
+         "fixed": {"enabled": True, "adaptive": False}}  # fixed: the whole tree every step (--fixed-tree)
 SCALING_GOAL = 3.0  # spec throughput at concurrency 8 / at concurrency 1
 SCALING_LEVELS = (1, 8)
 SPEC_RATIO_GOAL = 0.95
@@ -265,6 +267,7 @@ class Load:
     seed: Optional[int]
     request_timeout: float
     deadline: float  # time.monotonic() after which nothing new starts and in-flight requests are cancelled
+    fixed_tree: Optional[tuple[int, ...]] = None  # the "fixed" mode's speculative.tree (None: the server's tree)
 
     def body(self, prompt: Prompt, mode: str, max_tokens: Optional[int] = None) -> dict:
         body: dict[str, Any] = {
@@ -272,6 +275,8 @@ class Load:
             "temperature": self.temperature, "stream": True, "stream_options": {"include_usage": True},
             "speculative": dict(MODES[mode]),
         }
+        if mode == "fixed" and self.fixed_tree:
+            body["speculative"]["tree"] = list(self.fixed_tree)
         if self.model:
             body["model"] = self.model
         if self.logprobs:
@@ -385,11 +390,19 @@ def evaluate_goals(levels: list[dict]) -> dict:
             ratio = thr[("spec", c)] / thr[("nospec", c)]
             spec_vs_nospec.append({"concurrency": c, "ratio": ratio, "goal": SPEC_RATIO_GOAL,
                                    "pass": ratio >= SPEC_RATIO_GOAL})
+    adaptive_vs_best = []  # issue 5: adaptive (spec) >= the better of fixed speculation and none
+    for c in concs:
+        if all((m, c) in thr for m in ("spec", "fixed", "nospec")):
+            best = max(thr[("fixed", c)], thr[("nospec", c)])
+            ratio = thr[("spec", c)] / best if best else None
+            adaptive_vs_best.append({"concurrency": c, "ratio": ratio, "goal": 1.0,
+                                     "pass": ratio is not None and ratio >= 1.0})
     spec_scaling = next((s for s in scaling if s["mode"] == "spec"), None)
     return {
         "note": "levels with errors or cut short are left out of the goals",
         "scaling": scaling,
         "spec_vs_nospec": spec_vs_nospec,
+        "adaptive_vs_best_fixed_or_nospec": adaptive_vs_best,
         "throughput_scaling_pass": spec_scaling["pass"] if spec_scaling else None,
         "spec_never_slower_pass": all(x["pass"] for x in spec_vs_nospec) if spec_vs_nospec else None,
     }
@@ -428,6 +441,9 @@ def format_goals(goals: dict) -> str:
     for s in goals["spec_vs_nospec"]:
         lines.append(f"spec / nospec throughput at c={s['concurrency']}: {s['ratio']:.3f} "
                      f"(goal >= {s['goal']:g}) {verdict(s['pass'])}")
+    for s in goals.get("adaptive_vs_best_fixed_or_nospec", []):
+        lines.append(f"spec (adaptive) / max(fixed, nospec) throughput at c={s['concurrency']}: "
+                     f"{_fmt(s['ratio'], '.3f')} (goal >= 1) {verdict(s['pass'])}")
     if not lines:
         lines.append("goals: not enough complete, error-free levels to evaluate")
     return "\n".join(lines)
@@ -536,6 +552,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--concurrency", default="1,2,4,8", help="comma-separated levels (default: %(default)s)")
     g.add_argument("--modes", default="spec,nospec", help=f"comma-separated, of {', '.join(MODES)} "
                    "(default: %(default)s)")
+    g.add_argument("--fixed-tree", help="tree for mode 'fixed' (adaptive off for those requests), e.g. 2,1 "
+                   "(default: the server's --tree)")
     g.add_argument("--requests-per-level", type=int, help="requests per (mode, concurrency) (default: 2 * "
                    "concurrency; use at least the number of prompts to cover them all at every level)")
     g.add_argument("--max-tokens", type=int, default=128, help="max_tokens per request (default: %(default)s)")
@@ -561,6 +579,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--concurrency needs positive integers")
     if not args.mode_list or any(m not in MODES for m in args.mode_list):
         p.error(f"--modes must be a comma-separated subset of {', '.join(MODES)}")
+    try:
+        args.fixed_tree = tuple(int(k) for k in args.fixed_tree.split(",")) if args.fixed_tree else None
+    except ValueError:
+        p.error(f"--fixed-tree must be comma-separated widths, got {args.fixed_tree!r}")
     if args.requests_per_level is not None and args.requests_per_level < 1:
         p.error("--requests-per-level must be >= 1")
     if args.max_tokens < 1:
@@ -586,7 +608,7 @@ async def run_load(args: argparse.Namespace, base_url: str, headers: dict, promp
                 model = None
         report["server"]["model"] = model
         load = Load(base_url, model, headers, args.max_tokens, args.temperature, args.logprobs, args.ignore_eos,
-                    args.seed, args.request_timeout, time.monotonic() + args.max_duration)
+                    args.seed, args.request_timeout, time.monotonic() + args.max_duration, args.fixed_tree)
         for mode in args.mode_list:
             for _ in range(args.warmup):
                 res = await one_request(client, load, prompts[0], mode, min(args.max_tokens, 16))
@@ -622,7 +644,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "host": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
         "server": {"url": args.url, "started_by_benchmark": not args.url},
         "settings": {
-            "concurrency": args.levels, "modes": args.mode_list,
+            "concurrency": args.levels, "modes": args.mode_list, "fixed_tree": args.fixed_tree,
             "requests_per_level": args.requests_per_level or "2*concurrency", "max_tokens": args.max_tokens,
             "temperature": args.temperature, "seed": args.seed, "ignore_eos": args.ignore_eos,
             "prompts_file": str(args.prompts), "num_prompts": len(prompts),

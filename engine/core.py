@@ -99,6 +99,8 @@ class EngineCore:
             req.spec.method = self.config.spec_method
         if req.spec.enabled and req.spec.method in LOSSY and self.runner.proposer:
             seq.spec.note = MJSD_NOTE if req.spec.method == MJSD_LOSSY else TARGET_INIT_NOTE
+        if req.spec.enabled and req.spec.adaptive and not isinstance(self.policy, AdaptiveSpeculation):
+            seq.spec.note = "adaptive speculation is off on this server (start it with --adaptive); the tree is fixed"
         if not self.runner.proposer and req.spec.enabled and req.spec.method in NEEDS_DRAFT:
             seq.request.spec.enabled = False
             seq.spec.note = (f"speculation is off: the server runs without a draft model, which method "
@@ -183,14 +185,15 @@ class EngineCore:
         """Caps Max-Gram's root proposals by the load-aware length chooser, per match class."""
         if self.maxgram_lengths is None:
             return plans
-        klass = [self.maxgram.root_class(s) if p.maxgram and p.branches else None for s, p in zip(seqs, plans)]
+        klass = [self.maxgram.root_class(s) if p.maxgram and p.branches and s.request.spec.adaptive is not False
+                 else None for s, p in zip(seqs, plans)]
         if all(k is None for k in klass):
             return plans
         counts = [0] * MATCH_CLASSES
         others = 0
         for k, p in zip(klass, plans):
             if k is None:
-                others += 1 + p.sub.num_nodes + p.cascade + p.tail + p.mjsd
+                others += 1 + p.sub.num_nodes + p.cascade + p.tail + p.mjsd + p.maxgram * p.branches
             else:
                 counts[k] += 1
                 others += p.sub.num_nodes + p.tail
@@ -213,7 +216,9 @@ class EngineCore:
         model); Max-Gram has no drafting cost and always proposes."""
         spec, cfg = seq.request.spec, self.config
         empty = self.topology.subtree(())
-        if budget != () and seq.draft_slot is not None and self.policy is not None \
+        if spec.adaptive is False:
+            budget = None  # this request asked for its whole tree every step
+        elif budget != () and seq.draft_slot is not None and self.policy is not None \
                 and not self.policy.catch_up_pays(seq):
             budget = ()  # the draft lags too far behind for this request to gain from catching up
         room = seq.remaining - 1

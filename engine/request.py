@@ -101,6 +101,8 @@ class SpecOptions:
     max_depth: Optional[int] = None  # cap on drafted depth; None = engine default
     tree: Optional[tuple[int, ...]] = None  # width per depth; None = engine default
     method: Optional[str] = None  # engine.spec.methods; None = the engine's default
+    adaptive: Optional[bool] = None  # False: this request drafts its whole tree every step (no adaptive
+    # depth, load-aware budget or length caps); None = the engine's setting
 
     def __post_init__(self) -> None:
         if self.method is not None:

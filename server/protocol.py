@@ -51,16 +51,19 @@ class SpeculativeOptions(_Request):
     ``max_depth`` caps the drafted depth, ``tree`` gives widths per depth (e.g. ``[4, 2, 2]``);
     ``method`` picks the drafter (``mcsd``, ``maxgram``, ``mcsd+maxgram``, ``cascade``, and the lossy
     ``mjsd-lossy`` / ``target-init-lossy``; see ``engine.spec.methods``), default: the server's
-    ``--spec-method``."""
+    ``--spec-method``; ``adaptive: false`` drafts the whole tree every step on an adaptive server
+    (fixed speculation length for this request)."""
 
     enabled: bool = True
     max_depth: Optional[Annotated[int, Field(ge=0, le=64)]] = None
     tree: Optional[Annotated[list[Annotated[int, Field(ge=1, le=64)]], Field(max_length=32)]] = None
     method: Optional[Literal[METHODS]] = None
+    adaptive: Optional[bool] = None
 
     def to_spec_options(self) -> SpecOptions:
         tree = tuple(self.tree) if self.tree is not None else None
-        return SpecOptions(enabled=self.enabled, max_depth=self.max_depth, tree=tree, method=self.method)
+        return SpecOptions(enabled=self.enabled, max_depth=self.max_depth, tree=tree, method=self.method,
+                           adaptive=self.adaptive)
 
 
 class StreamOptions(_Request):

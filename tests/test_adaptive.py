@@ -212,6 +212,22 @@ def test_cost_model_drives_the_engine_budget(models):
     assert core.drain_step_stats()[0].budget == 28
 
 
+def test_a_request_can_opt_out_of_adaptive_speculation(models):
+    """``speculative.adaptive = false``: the whole tree every step, whatever the budget and stopping rule
+    say; still exact.  On an engine without an adaptive policy the request is told so."""
+    target, self_draft, _ = models
+    topo = TreeTopology((2, 1))
+    prohibitive = CostModel(CostCurve((1.0, 1000.0), (1.0, 1000.0)), ZERO)
+    outs, core = run_engine(target, self_draft, PROMPTS, tree=(2, 1), ignore_eos=True,
+                            spec=SpecOptions(adaptive=False),
+                            policy=ScriptedY(topo, [0.0, 0.0], cost=prohibitive, probe_every=1000))
+    assert [o.tokens for o in outs] == plain(target, PROMPTS)
+    verified = core.policy.verified
+    assert verified and all(nodes == topo.num_nodes for nodes, _, _ in verified)  # never cut, never budgeted
+    outs, _ = run_engine(target, self_draft, PROMPTS[:1], tree=(2, 1), spec=SpecOptions(adaptive=True))
+    assert "adaptive speculation is off" in outs[0].spec.note
+
+
 def test_probe_when_speculation_has_not_paid_for_a_while():
     topo = TreeTopology((4, 2, 2))
     policy = AdaptiveSpeculation(topo, min_depth=2, cost=CostModel(CostCurve((1.0, 1000.0), (1.0, 1000.0)), ZERO),

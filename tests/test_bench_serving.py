@@ -100,4 +100,8 @@ def test_goals():
                             level("nospec", 8, 40), level("spec", 4, 20, errors=1)])
     assert goals["throughput_scaling_pass"] is True and goals["spec_never_slower_pass"] is False
     assert [(g["concurrency"], g["pass"]) for g in goals["spec_vs_nospec"]] == [(1, True), (8, False)]
-    assert set(MODES) == {"spec", "nospec"}
+    assert set(MODES) == {"spec", "nospec", "fixed"} and MODES["fixed"]["adaptive"] is False
+    assert goals["adaptive_vs_best_fixed_or_nospec"] == []  # no fixed levels
+    goals = evaluate_goals([level("spec", 1, 10), level("fixed", 1, 9), level("nospec", 1, 8),
+                            level("spec", 8, 35), level("fixed", 8, 30), level("nospec", 8, 36)])
+    assert [(g["concurrency"], g["pass"]) for g in goals["adaptive_vs_best_fixed_or_nospec"]] == [(1, True), (8, False)]

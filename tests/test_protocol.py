@@ -59,7 +59,7 @@ def test_every_sampling_field_is_carried():
     req = chat(temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=7, stop="x", presence_penalty=0.5,
                frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias={"3": -100, "4": 2.5}, ignore_eos=True,
                stop_token_ids=[9], logprobs=True, top_logprobs=3, user="u1", n=3,
-               speculative={"enabled": False, "max_depth": 2, "tree": [3, 1], "method": "mcsd"})
+               speculative={"enabled": False, "max_depth": 2, "tree": [3, 1], "method": "mcsd", "adaptive": False})
     sp = req.to_sampling_params(max_tokens=10, choice=2)
     assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p) == (0.5, 0.9, 5, 0.1)
     assert sp.seed == 9  # seed + choice
@@ -68,7 +68,9 @@ def test_every_sampling_field_is_carried():
     assert sp.logit_bias == {3: -100.0, 4: 2.5}
     assert sp.logprobs == 3 and sp.max_tokens == 10
     spec = req.to_spec_options()
-    assert (spec.enabled, spec.max_depth, spec.tree, spec.method) == (False, 2, (3, 1), "mcsd")
+    assert (spec.enabled, spec.max_depth, spec.tree, spec.method, spec.adaptive) == (False, 2, (3, 1), "mcsd", False)
+    assert chat().to_spec_options().adaptive is None
+    assert api_error(ChatCompletionRequest, {"messages": MSG, "speculative": {"adaptive": "sometimes"}}).status == 400
 
 
 def test_logprobs_forms():

@@ -74,7 +74,7 @@ class DraftModelProposer:
 
     def _apply_policy(self, seqs: list[Sequence], trees: list[DraftTree], deeper: list[int], d: int) -> None:
         """Asks the policy whether each tree that could grow past depth ``d`` does; cuts the others."""
-        deeper = [i for i in deeper if self._forced[i] is None]
+        deeper = [i for i in deeper if self._forced[i] is None and seqs[i].request.spec.adaptive is not False]
         if self.policy is None or not deeper:
             return
         keep = self.policy.keep_drafting([seqs[i] for i in deeper], [trees[i] for i in deeper], d)
