@@ -86,12 +86,12 @@ class Settings(BaseModel):
     @field_validator("maxgram_corpus")
     @classmethod
     def _find_corpus(cls, v: Optional[str]) -> Optional[str]:
-        """A relative path is looked up in the working directory, then in the project (presets name
-        files shipped with it, e.g. ``benchmarks/prompts/train.json``)."""
-        if v is None or Path(v).is_absolute() or Path(v).exists():
-            return v
-        shipped = CONFIG_DIR.parent / v
-        return str(shipped) if shipped.exists() else v
+        return _shipped(v)
+
+    @field_validator("acceptance_heads")
+    @classmethod
+    def _find_heads(cls, v: Optional[str]) -> Optional[str]:
+        return ",".join(_shipped(p.strip()) for p in v.split(",") if p.strip()) if v else v
 
     @field_validator("cors_origins", mode="before")
     @classmethod
@@ -117,6 +117,15 @@ class Settings(BaseModel):
     def model_id(self) -> str:
         """The name clients must send as ``model``."""
         return self.served_model_name or self.model or "default"
+
+
+def _shipped(path: Optional[str]) -> Optional[str]:
+    """A relative path is looked up in the working directory, then in the project (presets name files
+    shipped with it, e.g. ``benchmarks/prompts/train.json`` or ``configs/heads/...``)."""
+    if path is None or Path(path).is_absolute() or Path(path).exists():
+        return path
+    shipped = CONFIG_DIR.parent / path
+    return str(shipped) if shipped.exists() else path
 
 
 def _flag(name: str) -> str:

@@ -40,6 +40,14 @@ def test_presets_parse():
         load_settings(["--config", str(path)], {})
 
 
+def test_relative_shipped_files_resolve_from_anywhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    s = load_settings(["--maxgram-corpus", "benchmarks/prompts/train.json",
+                       "--acceptance-heads", "benchmarks/prompts/bench.json, no/such/head.safetensors"], {})
+    assert Path(s.maxgram_corpus) == ROOT / "benchmarks/prompts/train.json"
+    assert s.acceptance_heads.split(",") == [str(ROOT / "benchmarks/prompts/bench.json"), "no/such/head.safetensors"]
+
+
 @pytest.mark.parametrize("argv, env, fragment", [
     (["--max-queue", "0"], {}, "max_queue (from --max-queue)"),
     ([], {"MCSD_PORT": "http"}, "port (from MCSD_PORT)"),
