@@ -92,8 +92,12 @@ def test_train_head_end_to_end(pair, tmp_path, capsys):
     assert m.target.endswith("target") and m.draft.endswith("draft")
     assert m.metrics["nodes"] > 0 and [r["depth"] for r in m.metrics["by_depth"]] == [1, 2]
     assert 0.0 < m.metrics["by_depth"][0]["label"] < 1.0 and 0.0 <= m.metrics["auc"] <= 1.0
-    again = train(pair, tmp_path / "again.safetensors")  # deterministic with --seed
-    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), again.state_dict().values()))
+    again = train(pair, tmp_path / "again.safetensors", "--save-data", str(tmp_path / "nodes.pt"))
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), again.state_dict().values()))  # seeded
+    reused = train(pair, tmp_path / "reused.safetensors", "--data", str(tmp_path / "nodes.pt"))  # no model runs
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), reused.state_dict().values()))
+    cheap = train(pair, tmp_path / "cheap.safetensors", "--data", str(tmp_path / "nodes.pt"), "--no-hidden")
+    assert cheap.meta.hidden_size == 0 and cheap.meta.metrics["nodes"] == head.meta.metrics["nodes"]
     # the trained head drives adaptive drafting; greedy output stays identical to plain decoding
     target, draft = load_model(str(pair / "target"), "fp32"), load_model(str(pair / "draft"), "fp32")
     prompts = [[5, 6, 7, 8], [9, 10]]

@@ -253,6 +253,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--rejection-weight", type=float, default=6.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save-data", help="also save the recorded nodes here (torch file), to retrain with --data")
+    ap.add_argument("--data", help="train on nodes saved by --save-data instead of running the models")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
@@ -268,21 +270,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         torch.set_num_threads(args.threads)
     from engine.models.loader import load_model
 
-    target = load_model(args.target, args.dtype, args.device)
-    draft = load_model(args.draft, args.dtype, args.device)
-    prompts = render_prompts(target.tokenizer, args.prompts, args.limit, args.max_prompt)
-    order = list(range(len(prompts)))
+    if args.data:  # nodes recorded by an earlier run (--save-data): train only
+        saved = torch.load(args.data)
+        data, num_prompts, hidden_size = Dataset(**saved["data"]), saved["num_prompts"], saved["hidden_size"]
+        if args.no_hidden:
+            data.hidden = None
+    else:
+        target = load_model(args.target, args.dtype, args.device)
+        draft = load_model(args.draft, args.dtype, args.device)
+        prompts = render_prompts(target.tokenizer, args.prompts, args.limit, args.max_prompt)
+        num_prompts, hidden_size = len(prompts), draft.config.hidden_size
+        data = collect(target, draft, prompts, args)
+        if args.save_data:
+            torch.save({"data": vars(data), "num_prompts": num_prompts, "hidden_size": hidden_size}, args.save_data)
+    order = list(range(num_prompts))
     random.Random(args.seed).shuffle(order)
-    held = set(order[: max(1, round(args.holdout * len(prompts)))])
-    if len(held) >= len(prompts):
+    held = set(order[: max(1, round(args.holdout * num_prompts))])
+    if len(held) >= num_prompts:
         raise SystemExit("need at least two prompts (one to train on, one to hold out)")
-    data = collect(target, draft, prompts, args)
     is_held = torch.tensor([int(i) in held for i in data.prompt.tolist()], dtype=torch.bool)
     train_set, test_set = data.select(~is_held), data.select(is_held)
     meta = HeadMeta(target=args.target, draft=args.draft, temperature=args.temperature,
-                    hidden_size=0 if args.no_hidden else draft.config.hidden_size, proj_dim=args.proj,
+                    hidden_size=0 if data.hidden is None else hidden_size, proj_dim=args.proj,
                     units=args.units, tree=list(parse_widths(args.tree)))
-    print(f"{train_set.size} training nodes from {len(prompts) - len(held)} prompts, "
+    print(f"{train_set.size} training nodes from {num_prompts - len(held)} prompts, "
           f"{test_set.size} held-out nodes from {len(held)} prompts")
     head = train(train_set, meta, args)
     head.meta.metrics = evaluate(head, test_set)
