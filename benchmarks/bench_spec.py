@@ -61,6 +61,8 @@ def parse_configs(spec: str) -> list[dict]:
                 raise SystemExit(f"unknown config {item!r}")
             if kind.endswith("+maxgram"):
                 c.update(method="mcsd+maxgram", config=dict(MAXGRAM))
+            if not c["adaptive"]:
+                c["config"]["load_aware"] = False  # fixed: no load-aware caps on Max-Gram either
         else:
             raise SystemExit(f"unknown config {item!r}")
         out.append(c)

@@ -220,7 +220,8 @@ class EngineCore:
             budget = None  # this request asked for its whole tree every step
         elif budget != () and seq.draft_slot is not None and self.policy is not None \
                 and not self.policy.catch_up_pays(seq):
-            budget = ()  # the draft lags too far behind for this request to gain from catching up
+            budget = ()  # the draft lags too far behind for this request to gain from catching up (or
+            # this is its first token, which never waits for the draft to read the prompt)
         room = seq.remaining - 1
         if spec.max_depth is not None:
             room = min(room, spec.max_depth)

@@ -167,7 +167,8 @@ def test_greedy_with_adaptive_depth_equals_plain_decoding(models, tree, threshol
 
 
 def test_adaptive_stops_early_and_verifies_only_drafted_nodes(models):
-    """y = .9 everywhere, h = .3: every speculating step drafts exactly 4 levels of the 5-chain."""
+    """y = .9 everywhere, h = .3: every speculating step drafts exactly 4 levels of the 5-chain (the first
+    step decodes plainly: the first token never waits for the draft to read the prompt)."""
     target, self_draft, _ = models
     policy = ScriptedY(TreeTopology(CHAIN), [0.9] * 5, threshold=0.3)
     outs, core = run_engine(target, self_draft, PROMPTS[:1], tree=CHAIN, max_batch=1, ignore_eos=True,
@@ -175,8 +176,9 @@ def test_adaptive_stops_early_and_verifies_only_drafted_nodes(models):
     assert outs[0].tokens == plain(target, PROMPTS[:1], max_tokens=30)[0]
     steps = [s for s in core.drain_step_stats() if s.num_seqs]
     assert all(s.drafted_tokens == min(4, s.budget) for s in steps)
-    assert steps[0].drafted_by_depth == [1, 1, 1, 1] and steps[0].accepted_by_depth == [1, 1, 1, 1]
-    assert outs[0].spec.steps == len(steps)
+    assert steps[0].drafted_tokens == 0
+    assert steps[1].drafted_by_depth == [1, 1, 1, 1] and steps[1].accepted_by_depth == [1, 1, 1, 1]
+    assert outs[0].spec.steps == len(steps) - 1
     assert all(sub == drafted == rows - 1 for sub, drafted, rows in policy.verified)  # the cut tree is verified
 
 
@@ -249,6 +251,8 @@ def test_a_lagging_draft_catches_up_only_when_the_remaining_tokens_pay_for_it():
     class Seq:
         draft_slot = 0
         request = type("R", (), {"spec": type("S", (), {"enabled": True}), "sampling": type("P", (), {"greedy": True})})
+
+        num_output = 5
 
         def __init__(self, lag, remaining):
             self.tokens, self.draft_cached, self.remaining = [0] * (lag + 10), 10, remaining

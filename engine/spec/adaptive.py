@@ -9,9 +9,10 @@ Three hooks (:class:`SpecPolicy`) are all the engine sees:
   topology, and the target verifies exactly the nodes that were drafted;
 * ``observe(results)``: after verification, learn from what was accepted;
 * ``catch_up_pays(seq)``: after ``budget``, whether a sequence whose draft cache lags (its prompt, or
-  steps without the draft) may catch up this step: only when the expected saving over its remaining
-  tokens exceeds the catch-up's measured cost (``engine.spec.cost_model``), else it decodes without
-  the draft model this step.
+  steps without the draft) may catch up this step: never for its first token (time to first token
+  stays that of plain decoding), then only when the expected saving over its remaining tokens exceeds
+  the catch-up's measured cost (``engine.spec.cost_model``); otherwise it decodes without the draft
+  model this step.
 
 **Stopping rule (SpecDec++, for trees).**  Every drafted node gets ``y_hat = P(accepted | parent
 reached)`` from the acceptance head (when one is loaded for the request's temperature) or from the
@@ -211,7 +212,11 @@ class AdaptiveSpeculation(SpecPolicy):
 
     def catch_up_pays(self, seq: "Sequence") -> bool:
         lag = len(seq.tokens) - seq.draft_cached
-        if self.chooser is None or lag <= self.SMALL_LAG:
+        if lag <= self.SMALL_LAG:
+            return True
+        if seq.num_output == 0:
+            return False  # time to first token: the first step decodes plainly, the catch-up comes after
+        if self.chooser is None:
             return True
         return self.chooser.cost.catch_up_pays(lag, min(seq.remaining, self.HORIZON), self.chooser.saving)
 
