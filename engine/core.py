@@ -21,7 +21,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.spec.adaptive import AdaptiveSpeculation, SpecPolicy
 from engine.spec.cost_model import measure_curve
-from engine.spec.maxgram import MATCH_CLASSES, BigramTable, LengthChooser, MaxGramDrafter
+from engine.spec.maxgram import MATCH_CLASSES, BigramTable, LengthChooser, MaxGramDrafter, match_class
 from engine.spec.methods import (
     CASCADE, LOSSY, MAXGRAM, MCSD, MCSD_MAXGRAM, MJSD_LOSSY, NEEDS_DRAFT, TARGET_INIT_LOSSY, DraftPlan,
 )
@@ -182,24 +182,28 @@ class EngineCore:
         return outputs
 
     def _cap_maxgram(self, seqs: list[Sequence], plans: list[DraftPlan]) -> list[DraftPlan]:
-        """Caps Max-Gram's root proposals by the load-aware length chooser, per match class."""
+        """Caps Max-Gram's root proposals by the load-aware length chooser, per match class.  A sequence
+        whose match is long enough to be trusted drafts nothing else (``ModelRunner._trust_maxgram``),
+        so its draft tree does not count among the step's other rows."""
         if self.maxgram_lengths is None:
             return plans
-        klass = [self.maxgram.root_class(s) if p.maxgram and p.branches and s.request.spec.adaptive is not False
+        match = [self.maxgram.root_match(s) if p.maxgram and p.branches and s.request.spec.adaptive is not False
                  else None for s, p in zip(seqs, plans)]
-        if all(k is None for k in klass):
+        if all(m is None for m in match):
             return plans
         counts = [0] * MATCH_CLASSES
         others = 0
-        for k, p in zip(klass, plans):
-            if k is None:
+        for m, p in zip(match, plans):
+            if m is None:
                 others += 1 + p.sub.num_nodes + p.cascade + p.tail + p.mjsd + p.maxgram * p.branches
             else:
-                counts[k] += 1
-                others += p.sub.num_nodes + p.tail
+                counts[match_class(m)] += 1
+                if not (p.trust and m >= p.trust):
+                    others += p.sub.num_nodes + p.tail
         caps = self.maxgram_lengths.choose(counts, others)
-        return [p if k is None else replace(p, maxgram=min(p.maxgram, caps[k]), maxgram_class=k)
-                for k, p in zip(klass, plans)]
+        return [p if m is None else replace(p, maxgram=min(p.maxgram, caps[match_class(m)]),
+                                            maxgram_class=match_class(m))
+                for m, p in zip(match, plans)]
 
     def _observe_maxgram(self, results: list[SeqStepResult], plans: list[DraftPlan]) -> None:
         if self.maxgram_lengths is None:
@@ -208,7 +212,8 @@ class EngineCore:
             tree = res.tree
             if tree.tokens and not tree.num_sub and tree.draft_index is None and plan.maxgram_class is not None:
                 # Max-Gram alone drafted it (also when trusting it replaced the draft model)
-                self.maxgram_lengths.observe(plan.maxgram_class, max(tree.depths()), len(res.result.accepted))
+                self.maxgram_lengths.observe(plan.maxgram_class, max(tree.depths()), len(res.result.accepted),
+                                             plan.maxgram)
 
     def _plan(self, seq: Sequence, budget: Optional[tuple[int, ...]] = None) -> DraftPlan:
         """What each drafter of the request's method may draft this step.  The budget caps the draft

@@ -289,6 +289,24 @@ def test_maxgram_length_is_chosen_per_match_class():
     assert caps[0] == 0 and caps[3] >= 4, caps
 
 
+def test_maxgram_length_learns_nothing_beyond_its_cap():
+    """A proposal cut by its cap says nothing about the tokens after the cap: a class capped to 1 token
+    under load keeps its prior beyond it, so its cap can grow again when the load drops."""
+    from engine.spec.cost_model import CostCurve
+    from engine.spec.maxgram import LengthChooser
+    chooser = LengthChooser(CostCurve((1.0, 100.0), (1.0, 100.0)), 8)
+    for _ in range(400):
+        chooser.observe(3, 1, 1, cap=1)  # proposed 1 (its cap), accepted
+        chooser.observe(1, 2, 1)  # a match of 1 that ends after 2 tokens, the second rejected
+    rows, tokens = chooser.expected()
+    assert rows[3][1] > 0.99 and tokens[3][1] > 0.98  # seen: always there, always accepted
+    assert 0.85 < rows[3][2] - rows[3][1] < 0.95  # unseen: the prior continuation rate (0.9)
+    assert rows[1][3] - rows[1][2] < 0.02  # seen to end at 2 tokens
+    assert tokens[1][2] - tokens[1][1] < 0.02  # and the second token rejected
+    chooser.curve = CostCurve((1.0, 16.0, 100.0), (1.0, 1.2, 20.0))  # the load dropped
+    assert chooser.choose([0, 0, 0, 1], 0)[3] == 8
+
+
 # ---------------------------------------------------------------------------- target-initialised (lossy)
 def test_target_init_with_one_candidate_is_greedy_and_the_mode_is_labelled(models):
     """With k = 1 the candidate is the target's argmax, so greedy output equals plain decoding: this checks

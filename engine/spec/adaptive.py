@@ -175,7 +175,9 @@ class AdaptiveSpeculation(SpecPolicy):
                             head.meta.target, head.meta.draft, target.source, draft.source)
         cost = None
         if config.load_aware:
-            cost = CostModel.measure(target.model, target_cache, draft.model, draft_cache, config.max_batch, topology)
+            maxgram_rows = config.maxgram_branches * config.maxgram_len + config.maxgram_tail
+            cost = CostModel.measure(target.model, target_cache, draft.model, draft_cache, config.max_batch, topology,
+                                     max_block=1 + topology.num_nodes + maxgram_rows)
             log.info("cost model: target %s, draft %s", cost.target, cost.draft)
         return cls(topology, config.adaptive_threshold, config.adaptive_min_depth,
                    config.adaptive_max_depth, heads, cost)

@@ -79,13 +79,16 @@ class CostModel:
 
     @classmethod
     def measure(cls, target: LlamaModel, target_cache: KVCache, draft: LlamaModel, draft_cache: KVCache,
-                max_batch: int, topology: TreeTopology, reps: int = 2) -> "CostModel":
+                max_batch: int, topology: TreeTopology, reps: int = 2, max_block: int = 0) -> "CostModel":
+        """``max_block``: the longest verification block other drafters may add (Max-Gram), timed at batch 1
+        so that their load-aware caps read the curve rather than extrapolate it."""
         batches = sorted({1, max(1, max_batch // 2), max_batch})
         blocks = sorted({1, 2 + topology.num_nodes // 2, 1 + topology.num_nodes})
+        longest = [(1, max_block)] if max_block > 1 + topology.num_nodes else []
         widest = max(topology.level_offsets[d + 1] - topology.level_offsets[d] for d in range(len(topology.widths)))
         levels = sorted({1, max(1, widest // 2), widest})
         catch_up = [(1, 64)]  # a prompt's catch-up (the curve extrapolates linearly beyond it)
-        return cls(measure_curve(target, target_cache, list(itertools.product(batches, blocks)), reps),
+        return cls(measure_curve(target, target_cache, list(itertools.product(batches, blocks)) + longest, reps),
                    measure_curve(draft, draft_cache, list(itertools.product(batches, levels)) + catch_up, reps))
 
     def catch_up_pays(self, lag: int, remaining: int, saving: float) -> bool:

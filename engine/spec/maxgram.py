@@ -134,10 +134,11 @@ class MaxGramDrafter:
         idx.extend(seq.tokens)
         return idx
 
-    def root_class(self, seq: Sequence) -> Optional[int]:
-        """The match class (``match_class``) of the proposal from the root; None if there is none."""
+    def root_match(self, seq: Sequence) -> Optional[int]:
+        """The suffix match length of the proposal from the root (0: the bigram table); None if there
+        is no proposal."""
         props = self.propose(seq, (), 1)
-        return match_class(props[0].match) if props else None
+        return props[0].match if props else None
 
     def propose(self, seq: Sequence, path: Seq[int] = (), max_len: Optional[int] = None,
                 branches: int = 1) -> list[Proposal]:
@@ -180,28 +181,47 @@ class LengthChooser:
 
     A proposal's worth depends on where it comes from: a long suffix match is usually right, a
     bigram guess rarely.  So statistics are kept per **match class** (``match_class``: bigram table,
-    match of 1, 2, 3+) and per proposal position ``i``, over steps whose tree Max-Gram alone drafted:
-    ``reach[c, i]`` = steps whose proposal had a token at ``i``, ``accept[c, i]`` = steps that
-    accepted through ``i``.  With cap ``L_c`` a class-``c`` sequence is expected to emit
-    ``1 + sum_{i<L_c} accept[c, i]/n_c`` tokens for ``1 + sum_{i<L_c} reach[c, i]/n_c`` verified rows;
-    the chooser picks the caps (coordinate ascent over classes) that maximise tokens per second of
-    the measured target cost curve over the whole batch.  After ``probe_every`` steps in a row with
-    every cap 0 it grants the full length once, so the statistics keep up when speculation starts
-    paying again.  Counts decay, because the text being written changes.
+    match of 1, 2, 3+) and per proposal position ``i``, over steps whose tree Max-Gram alone drafted,
+    as two conditional rates, each shrunk to a prior by ``prior_weight`` pseudo-observations:
+
+    * ``e[c, i] = P(the proposal has a token at i | it has one at i - 1)``, learnt only where the cap
+      let it be seen (a proposal cut by its cap says nothing about what lies beyond);
+    * ``a[c, i] = P(the token at i is accepted | it exists and every token before it was)``.
+
+    With cap ``L`` a class-``c`` sequence verifies ``1 + sum_{i<L} prod_{j<=i} e`` rows and emits
+    ``1 + sum_{i<L} prod_{j<=i} e * a`` tokens; the chooser picks the caps (coordinate ascent over
+    classes) that maximise tokens per second of the measured target cost curve over the whole batch.
+    Positions that a small cap keeps unseen keep their prior (rather than fading to nothing), so a
+    cap grows again as soon as the load allows it; after ``probe_every`` steps in a row with every cap
+    0 the full length is granted once, so the statistics keep up when speculation starts paying
+    again.  Counts decay, because the text being written changes.
     """
 
-    def __init__(self, curve, max_len: int, prior_steps: float = 4.0,
-                 prior_rates: Seq[float] = (0.3, 0.6, 0.6, 0.6), probe_every: int = 64, decay: float = 0.995) -> None:
+    def __init__(self, curve, max_len: int, prior_weight: float = 2.0, prior_extend: float = 0.9,
+                 prior_rates: Seq[float] = (0.3, 0.5, 0.6, 0.7), probe_every: int = 64, decay: float = 0.995) -> None:
         self.curve = curve  # CostCurve: seconds of a target forward by total rows
         self.decay = decay
         self.max_len = max_len
         self.caps = sorted({c for c in (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if c < max_len} | {max_len})
-        self.steps = torch.full((MATCH_CLASSES,), prior_steps)
-        self.reach = torch.full((MATCH_CLASSES, max_len), prior_steps)
-        pos = torch.arange(1, max_len + 1, dtype=torch.float32)
-        self.accept = torch.stack([prior_steps * float(r) ** pos for r in prior_rates])
+        self.weight = prior_weight
+        self.prior_extend = prior_extend
+        self.prior_accept = torch.tensor([float(r) for r in prior_rates])[:, None].expand(MATCH_CLASSES, max_len)
+        shape = (MATCH_CLASSES, max_len)
+        self.extend_seen, self.extend_hits = torch.zeros(shape), torch.zeros(shape)
+        self.accept_seen, self.accept_hits = torch.zeros(shape), torch.zeros(shape)
         self.probe_every = probe_every
         self._idle = 0
+
+    def expected(self) -> tuple[list[list[float]], list[list[float]]]:
+        """(rows, tokens): ``[class][cap]`` expected proposal rows and accepted tokens, cap 0..max_len."""
+        w = self.weight
+        extend = (self.extend_hits + w * self.prior_extend) / (self.extend_seen + w)
+        accept = (self.accept_hits + w * self.prior_accept) / (self.accept_seen + w)
+        exists = extend.cumprod(1)
+        zero = torch.zeros(MATCH_CLASSES, 1)
+        rows = torch.cat([zero, exists.cumsum(1)], 1)
+        tokens = torch.cat([zero, (exists * accept.cumprod(1)).cumsum(1)], 1)
+        return rows.tolist(), tokens.tolist()
 
     def choose(self, counts: Seq[int], other_rows: int) -> list[int]:
         """The cap of each match class for this step; ``counts[c]``: this step's Max-Gram sequences
@@ -209,9 +229,7 @@ class LengthChooser:
         caps = [self.max_len] * MATCH_CLASSES
         if not any(counts):
             return caps
-        zero = torch.zeros(MATCH_CLASSES, 1)
-        acc = torch.cat([zero, (self.accept / self.steps[:, None]).cumsum(1)], 1).tolist()  # [classes, max_len + 1]
-        rows = torch.cat([zero, (self.reach / self.steps[:, None]).cumsum(1)], 1).tolist()
+        rows, acc = self.expected()
 
         def rate(caps: list[int]) -> float:
             tokens = other_rows + sum(n * (1 + acc[c][caps[c]]) for c, n in enumerate(counts))
@@ -236,11 +254,14 @@ class LengthChooser:
             return [self.max_len] * MATCH_CLASSES
         return caps
 
-    def observe(self, klass: int, proposed: int, accepted: int) -> None:
-        """One step of a Max-Gram-only tree: its match class, longest proposal and accepted length."""
-        proposed, accepted = min(proposed, self.max_len), min(accepted, self.max_len)
-        self.reach[klass].mul_(self.decay)
-        self.accept[klass].mul_(self.decay)
-        self.steps[klass] = self.steps[klass] * self.decay + 1
-        self.reach[klass, :proposed] += 1
-        self.accept[klass, :accepted] += 1
+    def observe(self, klass: int, proposed: int, accepted: int, cap: Optional[int] = None) -> None:
+        """One step of a Max-Gram-only tree: its match class, longest proposal, accepted length and the
+        cap it was proposed under (default: the full length)."""
+        cap = self.max_len if cap is None else min(cap, self.max_len)
+        proposed, accepted = min(proposed, cap), min(accepted, proposed)
+        for t in (self.extend_seen, self.extend_hits, self.accept_seen, self.accept_hits):
+            t[klass].mul_(self.decay)
+        self.extend_seen[klass, :min(proposed + 1, cap)] += 1  # positions whose existence was visible
+        self.extend_hits[klass, :proposed] += 1
+        self.accept_seen[klass, :min(accepted + 1, proposed)] += 1  # existing tokens whose prefix was accepted
+        self.accept_hits[klass, :accepted] += 1
