@@ -107,6 +107,31 @@ def test_calibrator_converges_on_synthetic_data():
             assert abs(float(cal.rates()[d, r]) - float(a[d, r]) / 2) < 0.04  # E[a q] = a / 2
 
 
+
+def test_undrafted_depths_inherit_the_rate_one_level_up():
+    """Only depth 1 is ever observed (the budget never drafted deeper): deeper depths read as good as
+    depth 1, not as a fixed pessimistic prior, so a chooser that would pay for depth 2 at that rate
+    drafts it (and measures it) instead of being stuck at depth 1 for good."""
+    cal = OnlineCalibrator(max_depth=3)
+    ones = torch.ones(200, dtype=torch.long)
+    cal.update(ones, 0 * ones, torch.full((200,), 0.9), (torch.arange(200) % 10 != 0).float())  # 90% accepted
+    rates = cal.rates()
+    assert rates[0, 0] == pytest.approx(0.9, abs=0.02)
+    assert torch.allclose(rates[1:, 0], rates[0, 0].expand(2))
+    # depth 2 turns out bad: its estimate follows the data, and depth 3 (still unseen) follows depth 2
+    cal.update(2 * ones, 0 * ones, torch.full((200,), 0.9), (torch.arange(200) % 10 == 0).float())
+    rates = cal.rates()
+    assert rates[1, 0] < 0.2 and rates[2, 0] == pytest.approx(float(rates[1, 0]))
+    # a level costs half a verification: deeper pays at a 0.9 rate, not at the old fixed prior 0.6
+    cost = CostModel(CostCurve((1.0, 1000.0), (1.0, 1.0)), CostCurve((1.0, 1000.0), (0.5, 0.5)))
+    chooser = BudgetChooser(TreeTopology((1, 1, 1)), cost, 1, 3)
+    fresh = OnlineCalibrator(max_depth=3)
+    fresh.update(ones, 0 * ones, torch.full((200,), 0.9), (torch.arange(200) % 10 != 0).float())
+    assert chooser.choose([(1, fresh.rates())], plain=0) == (1, 1, 1)
+    stale = fresh.rates().clone()
+    stale[1:] = 0.6  # the old prior for depths never drafted
+    assert chooser.choose([(1, stale)], plain=0) == (1,)
+
 def test_cost_curve_fit_and_interpolation():
     c = CostCurve.fit([(1, 1.0), (10, 2.0), (10, 2.2), (10, 1.9), (20, 1.5), (30, 3.0)])
     assert c.tokens == (1.0, 10.0, 20.0, 30.0) and c.seconds == (1.0, 2.0, 2.0, 3.0)  # median, then monotone

@@ -70,8 +70,8 @@ class SpecPolicy:
 class OnlineCalibrator:
     """``P(node accepted | parent reached)`` from live verification results, without a head.
 
-    Exponentially decayed counts per ``(depth, rank)`` give the marginal rate (shrunk to a prior by
-    ``prior_weight`` pseudo-observations); counts per ``(depth, rank, q-bin)`` refine it with the
+    Exponentially decayed counts per ``(depth, rank)`` give the marginal rate (shrunk by
+    ``prior_weight`` pseudo-observations to a fixed prior at depth 1, to the rate one level up below it); counts per ``(depth, rank, q-bin)`` refine it with the
     draft's confidence ``q(x)``, shrunk towards the marginal rate.  ``decay`` applies once per
     observed sequence-step (a memory of about ``1 / (1 - decay)`` steps).
     """
@@ -81,7 +81,7 @@ class OnlineCalibrator:
     def __init__(self, max_depth: int, max_rank: int = 4, decay: float = 0.995, prior_weight: float = 4.0,
                  prior_first: float = 0.6, prior_ratio: float = 0.35) -> None:
         shape = (max(max_depth, 1), max_rank)
-        self.prior = (prior_first * prior_ratio ** torch.arange(max_rank, dtype=torch.float32)).expand(shape)
+        self.prior = prior_first * prior_ratio ** torch.arange(max_rank, dtype=torch.float32)  # [ranks], depth 1
         self.hits = torch.zeros(shape)
         self.seen = torch.zeros(shape)
         bins = len(self.Q_BINS) + 1
@@ -96,9 +96,17 @@ class OnlineCalibrator:
         return d, r, torch.bucketize(q, self.Q_BINS)
 
     def rates(self) -> torch.Tensor:
-        """[depths, ranks] marginal acceptance estimates."""
+        """[depths, ranks] marginal acceptance estimates.  Depth 1 shrinks to the fixed prior; each
+        deeper depth shrinks to the estimate one level up, so a depth the budget has not drafted yet
+        (or not for a while: counts decay) is expected to do as well as the one above it, and gets
+        drafted and measured, instead of being held at a pessimistic prior that never lets it run."""
         w = self.prior_weight
-        return (self.hits + w * self.prior) / (self.seen + w)
+        out = torch.empty_like(self.hits)
+        prior = self.prior
+        for d in range(self.hits.shape[0]):
+            out[d] = (self.hits[d] + w * prior) / (self.seen[d] + w)
+            prior = out[d]
+        return out
 
     def predict(self, depth: torch.Tensor, rank: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """depth, rank, q: [n] -> [n] estimates."""
