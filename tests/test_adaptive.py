@@ -346,6 +346,22 @@ def test_head_round_trips_with_metadata(tmp_path):
                                                   feats.entropy, feats.top_probs)), hidden=None))
 
 
+
+def test_head_reads_depths_beyond_its_training_tree_as_its_deepest_level():
+    """A head trained on a depth-2 tree, asked about depth 5 (a deeper adaptive chain): the depth-5
+    one-hot column never varied in training, so the node reads as depth 2, rank as the last rank."""
+    torch.manual_seed(0)
+    head = AcceptanceHead(HeadMeta("a", "b", 0.0, units=8, tree=[3, 1]))
+    head.feat_std.fill_(1e-3)  # what training stores for a constant column
+    n = 4
+    common = (torch.rand(n), torch.ones(n, dtype=torch.bool), torch.rand(n), torch.rand(n, 10))
+    deep = NodeFeatures(torch.full((n,), 5), torch.tensor([0, 1, 2, 7]), *common)
+    seen = NodeFeatures(torch.full((n,), 2), torch.tensor([0, 1, 2, 2]), *common)
+    assert torch.equal(head.predict(deep), head.predict(seen))
+    unclamped = AcceptanceHead(HeadMeta("a", "b", 0.0, units=8))  # no training tree recorded: as given
+    unclamped.load_state_dict(head.state_dict())
+    assert not torch.equal(unclamped.predict(deep), head.predict(deep))
+
 def test_head_file_errors(tmp_path):
     from safetensors.torch import save_file
 

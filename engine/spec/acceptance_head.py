@@ -13,7 +13,7 @@ One file per model pair and temperature: safetensors weights plus JSON metadata 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -78,7 +78,12 @@ class AcceptanceHead(nn.Module):
 
     @torch.inference_mode()
     def predict(self, feats: NodeFeatures) -> torch.Tensor:
-        """[n] predicted ``P(accepted | parent reached)``."""
+        """[n] predicted ``P(accepted | parent reached)``.  Depths and ranks beyond the training tree
+        read as its deepest level and last rank: their one-hot columns were constant in training (their
+        standardised values would be huge, and the prediction meaningless)."""
+        if self.meta.tree:
+            feats = replace(feats, depth=feats.depth.clamp(max=len(self.meta.tree)),
+                            rank=feats.rank.clamp(max=max(self.meta.tree) - 1))
         return torch.sigmoid(self(feats.cheap_matrix(), feats.hidden if self.uses_hidden else None))
 
     # ------------------------------------------------------------------ files
