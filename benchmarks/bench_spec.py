@@ -42,8 +42,8 @@ def parse_configs(spec: str) -> list[dict]:
     plain, hf-assisted, hf-plain          as named
     chain:W / tree:W                      fixed MCSD tree of widths W
     tree+maxgram:W                        fixed draft tree W + Max-Gram branch and tail (method mcsd+maxgram)
-    adaptive:W[:heads]                    adaptive MCSD inside the largest tree W (online calibration, or the
-                                          ``--heads`` acceptance heads)
+    adaptive:W[:heads][:hX]               adaptive MCSD inside the largest tree W (online calibration, or the
+                                          ``--heads`` acceptance heads; ``hX``: threshold h = X)
     adaptive+maxgram:W[:heads]            the same with Max-Gram (the default preset's engine)
     """
     out = []
@@ -56,8 +56,12 @@ def parse_configs(spec: str) -> list[dict]:
         elif kind in ("chain", "tree", "tree+maxgram", "adaptive", "adaptive+maxgram") and parts:
             c["tree"] = parse_widths(parts[0])
             c["adaptive"] = kind.startswith("adaptive")
-            c["heads"] = parts[1:] == ["heads"]
-            if parts[1:] not in ([], ["heads"]) or (c["heads"] and not c["adaptive"]):
+            extra = parts[1:]
+            c["heads"] = "heads" in extra
+            hs = [x for x in extra if x.startswith("h") and x != "heads"]
+            if hs:
+                c["config"]["adaptive_threshold"] = float(hs[0][1:])
+            if len(extra) != c["heads"] + len(hs) or len(hs) > 1 or (extra and not c["adaptive"]):
                 raise SystemExit(f"unknown config {item!r}")
             if kind.endswith("+maxgram"):
                 c.update(method="mcsd+maxgram", config=dict(MAXGRAM))

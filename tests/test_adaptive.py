@@ -39,7 +39,7 @@ class ScriptedY(AdaptiveSpeculation):
         return y.expand(feats.num_nodes) if y.dim() == 0 else y
 
 
-def drafted_depth(policy, widths, dead=()):
+def drafted_depth(policy, widths, dead=(), seq=None):
     """Drives ``keep_drafting`` level by level as the proposer does; returns the depth it stops at."""
     sub = policy.topology.subtree(widths)
     tree = DraftTree(sub, [1] * sub.num_nodes)
@@ -48,7 +48,7 @@ def drafted_depth(policy, widths, dead=()):
         live = torch.tensor([i not in dead for i in range(lv.start, lv.stop)])
         n = lv.stop - lv.start
         tree.features.append(NodeFeatures(torch.full((n,), d), sub.rank[lv], torch.full((n,), 0.5), live))
-        if d == sub.max_depth or not policy.keep_drafting([None], [tree], d)[0]:
+        if d == sub.max_depth or not policy.keep_drafting([seq], [tree], d)[0]:
             return d
 
 
@@ -78,6 +78,40 @@ def test_threshold_rule_follows_the_best_branch_of_a_tree():
     # the only branch worth extending is dead (no token could be drawn there): stop
     assert drafted_depth(ScriptedY(topo, y, threshold=0.6), (2, 2, 2, 1), dead={4, 5}) == 2
 
+
+
+class GreedySeq:
+    draft_slot = 0
+    num_output = 5
+    tokens: list = []
+    draft_cached = 0
+    request = type("R", (), {"spec": type("S", (), {"enabled": True}), "sampling": type("P", (), {"greedy": True})})
+
+
+def test_a_confident_path_drafts_deeper_than_the_budget_when_a_level_pays():
+    """Verification costs 1 s whatever its size, a draft level 0.3 s; at the prior rates (0.6) the
+    budget is one level, and one more level pays when the path's expected gain ``cum * 0.6`` exceeds
+    0.3 s in tokens of the plan's 1.3 s / 1.6 tokens (0.369), i.e. for ``cum > 0.615``."""
+    topo = TreeTopology((1,) * 6)
+    cost = CostModel(CostCurve((1.0, 1000.0), (1.0, 1.0)), CostCurve((1.0, 1000.0), (0.3, 0.3)))
+
+    def depth(y):
+        policy = ScriptedY(topo, y, threshold=0.9, cost=cost)
+        budget = policy.budget([GreedySeq()])
+        assert policy._chosen_depth == 1 and budget == (1,) * 6
+        assert policy.chooser.extend_tokens == pytest.approx(0.3 / (1.3 / 1.6))
+        return drafted_depth(policy, budget, seq=GreedySeq())
+
+    assert depth([0.95] * 6) == 6  # cum .95 .90 .86 .81 .77: every level pays
+    assert depth([0.95, 0.6, 0.99, 0.99, 0.99, 0.99]) == 2  # cum .57 after depth 2: gain .34 < .369
+    assert depth([0.95, 0.7, 0.99, 0.99, 0.99, 0.99]) == 6  # cum .665: gain .40
+    assert depth([0.5] * 6) == 1  # the threshold rule alone would go on (h = 0.9), the cost says stop
+    busy = BudgetChooser(topo, CostModel(CostCurve((1.0, 1000.0), (1.0, 1.0 + 999 * 0.2)), cost.draft), 1, 6)
+    rates = OnlineCalibrator(6).rates()
+    busy.choose([(1, rates)], plain=0)
+    alone = busy.extend_tokens
+    busy.choose([(1, rates)], plain=7)  # the same sequence among 7 that decode plainly: rows cost more
+    assert busy.extend_tokens > alone
 
 def test_keep_extending_exact_cases():
     assert keep_extending(torch.tensor([0.3, 0.71]), 2, threshold=0.3, min_depth=1)
@@ -282,17 +316,26 @@ def test_a_lagging_draft_catches_up_only_when_the_remaining_tokens_pay_for_it():
         def __init__(self, lag, remaining):
             self.tokens, self.draft_cached, self.remaining = [0] * (lag + 10), 10, remaining
 
+    def measured(p):  # verified first-level nodes at the prior's rate: estimates unchanged, no longer a prior
+        n = 2 * p.EXPLORE_NODES
+        p.calibrators[True].update(torch.ones(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
+                                   torch.full((n,), 0.5), (torch.arange(n) % 5 < 3).float())
+        return p
+
     assert policy.budget([Seq(0, 100)]) != () and policy.chooser.saving > 0
     saving = policy.chooser.saving
     assert policy.catch_up_pays(Seq(3, 1))  # a short lag always catches up (inside the first level forward)
     lag = 500  # costs about 5 s
     needed = cost.draft(lag) / saving  # tokens left for which catching up breaks even
     assert 10 < needed < policy.HORIZON / 1.2
+    assert policy.catch_up_pays(Seq(lag, int(needed * 0.8)))  # nothing measured yet: catch up and learn
+    measured(policy)
+    assert policy.budget([Seq(0, 100)]) != () and policy.chooser.saving == pytest.approx(saving, rel=0.05)
     assert not policy.catch_up_pays(Seq(lag, int(needed * 0.8)))
     assert policy.catch_up_pays(Seq(lag, int(needed * 1.2)))
     huge = int(2 * policy.HORIZON * saving * 100)  # costs twice what HORIZON tokens save
     assert not policy.catch_up_pays(Seq(huge, 10**6))  # max_tokens is only a bound: HORIZON caps it
-    busy = AdaptiveSpeculation(topo, cost=CostModel(CostCurve((1.0, 1000.0), (1.0, 1000.0)), cost.draft))
+    busy = measured(AdaptiveSpeculation(topo, cost=CostModel(CostCurve((1.0, 1000.0), (1.0, 1000.0)), cost.draft)))
     assert busy.budget([Seq(lag, 10**6)]) == () and busy.chooser.saving == 0.0
     assert not busy.catch_up_pays(Seq(lag, 10**6))  # plain decoding pays best: nothing worth catching up for
 

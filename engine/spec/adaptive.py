@@ -12,13 +12,21 @@ Three hooks (:class:`SpecPolicy`) are all the engine sees:
   steps without the draft) may catch up this step: never for its first token (time to first token
   stays that of plain decoding), then only when the expected saving over its remaining tokens exceeds
   the catch-up's measured cost (``engine.spec.cost_model``); otherwise it decodes without the draft
-  model this step.
+  model this step.  Until a few dozen first-level nodes have been verified, the acceptance estimates
+  are still the prior, so catch-ups are allowed (a pessimistic prior would otherwise never be tested).
 
 **Stopping rule (SpecDec++, for trees).**  Every drafted node gets ``y_hat = P(accepted | parent
 reached)`` from the acceptance head (when one is loaded for the request's temperature) or from the
 :class:`OnlineCalibrator`.  A node's path survives with ``cum = prod(y_hat)`` along it.  After depth
 ``d``, a sequence keeps drafting only while some live depth-``d`` node has ``cum >= 1 - h`` (i.e. it
 stops when ``1 - cum > h`` for every branch), and always while ``d < min_depth``.
+
+**Deeper than the budget.**  The load-aware budget is chosen from marginal per-depth rates, which
+cannot see that one sequence's path is nearly certain this step.  So a non-empty budget is extended
+by chain levels down to ``max_depth``, and a sequence drafts one of those levels only when, besides
+the threshold rule, its expected gain ``sum(cum) * r[d + 1]`` exceeds what the level costs in
+tokens at the step's planned rate (``BudgetChooser.extend_tokens``, from the measured cost curves).
+At batch 1 a confident path runs deep; in a loaded batch the verification rows make it not pay.
 
 **Losslessness.**  Decisions use only draft-side information of this step (drafted tokens, q, draft
 hidden states) and statistics of *earlier* verifications.  Conditioned on everything before it, a
@@ -152,6 +160,7 @@ class AdaptiveSpeculation(SpecPolicy):
     wants_features = True
     SMALL_LAG = 4  # a lag this short catches up within the draft's first level forward, at no real cost
     HORIZON = 256  # tokens a request is assumed to still write at most (max_tokens is only an upper bound)
+    EXPLORE_NODES = 32  # first-level verifications (decayed) below which catch-ups are always allowed
 
     def __init__(self, topology: TreeTopology, threshold: float = 0.5, min_depth: int = 1,
                  max_depth: Optional[int] = None, heads: tuple[AcceptanceHead, ...] = (),
@@ -168,6 +177,7 @@ class AdaptiveSpeculation(SpecPolicy):
         self.chooser = BudgetChooser(topology, cost, min_depth, self.max_depth) if cost is not None else None
         self.probe_every = probe_every
         self._idle_steps = 0
+        self._chosen_depth = self.max_depth  # the last budget's depth; deeper levels must pay (keep_drafting)
 
     @classmethod
     def from_config(cls, config: "EngineConfig", topology: TreeTopology, target, draft, target_cache,
@@ -211,13 +221,15 @@ class AdaptiveSpeculation(SpecPolicy):
             else:
                 plain += 1
         choice = self.chooser.choose([(n, self.calibrators[g].rates()) for g, n in groups.items()], plain)
+        self._chosen_depth = len(choice)
         if choice or not groups:
             self._idle_steps = 0
-            return choice
+            return choice + (1,) * (self.max_depth - len(choice)) if choice else choice  # deeper only if it pays
         self._idle_steps += 1
         if self._idle_steps < self.probe_every:
             return choice
         self._idle_steps = 0
+        self._chosen_depth = self.min_depth
         return (1,) * self.min_depth  # a probe
 
     def catch_up_pays(self, seq: "Sequence") -> bool:
@@ -228,6 +240,8 @@ class AdaptiveSpeculation(SpecPolicy):
             return False  # time to first token: the first step decodes plainly, the catch-up comes after
         if self.chooser is None:
             return True
+        if float(self.calibrators[seq.request.sampling.greedy].seen[0, 0]) < self.EXPLORE_NODES:
+            return True  # the pair's acceptance is still the prior: measure it before judging the saving
         return self.chooser.cost.catch_up_pays(lag, min(seq.remaining, self.HORIZON), self.chooser.saving)
 
     def keep_drafting(self, seqs: list["Sequence"], trees: list["DraftTree"], depth: int) -> list[bool]:
@@ -238,7 +252,12 @@ class AdaptiveSpeculation(SpecPolicy):
             parent_cum = tree.scores[-1].repeat_interleave(k) if tree.scores else torch.ones(y.numel())
             cum = torch.where(tree.features[-1].live, parent_cum * y, 0.0)  # [level nodes]
             tree.scores.append(cum)
-            keep.append(keep_extending(cum, depth, self.threshold, self.min_depth))
+            go = keep_extending(cum, depth, self.threshold, self.min_depth)
+            if go and depth >= self._chosen_depth and self.chooser is not None:  # below the load-aware budget: only where it pays
+                rates = self.calibrators[seq.request.sampling.greedy].rates()
+                gain = float(cum.sum()) * float(rates[min(depth, rates.shape[0] - 1), 0])
+                go = gain > self.chooser.extend_tokens
+            keep.append(go)
         return keep
 
     def predict(self, seq: "Sequence", feats: NodeFeatures) -> torch.Tensor:

@@ -24,6 +24,7 @@ otherwise it decodes without the draft model this step (and is asked again next 
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -148,6 +149,7 @@ class BudgetChooser:
         self.sizes = member.sum(dim=1)  # [candidates]
         self._draft_seconds: dict[int, list[float]] = {}
         self.saving = 0.0  # seconds per emitted token the last choice saves over plain decoding
+        self.extend_tokens = math.inf  # expected tokens one more level must add to pay (see choose)
 
     def expected_accepted(self, rates: torch.Tensor) -> torch.Tensor:
         """rates: [depths, ranks] P(accepted | parent reached) -> [candidates] expected accepted tokens."""
@@ -166,9 +168,15 @@ class BudgetChooser:
 
     def choose(self, spec_counts: list[tuple[int, torch.Tensor]], plain: int) -> tuple[int, ...]:
         """spec_counts: ``(sequences, rates)`` per group of speculating sequences sharing a rates
-        table; ``plain``: sequences of the batch that decode without speculation."""
+        table; ``plain``: sequences of the batch that decode without speculation.
+
+        Also sets ``extend_tokens``: what one more chain level below the chosen tree costs a sequence
+        (a draft forward of the deepest level's nodes plus their verification rows in this batch's
+        block, measured), in tokens of the chosen plan's seconds per token.  A sequence whose drafted
+        path is confident enough to add more than that in expectation gains by drafting deeper than the
+        budget (``AdaptiveSpeculation.keep_drafting``); plain decoding sets it to infinity."""
         spec = sum(n for n, _ in spec_counts)
-        self.saving = 0.0
+        self.saving, self.extend_tokens = 0.0, math.inf
         if spec == 0:
             return ()
         tokens = float(plain)
@@ -179,7 +187,13 @@ class BudgetChooser:
         per_token = seconds.clamp_min(1e-9) / tokens  # [candidates]; candidate 0 is plain decoding
         best = int(per_token.argmin())
         self.saving = float(per_token[0] - per_token[best])
-        return self.candidates[best]
+        choice = self.candidates[best]
+        if choice:
+            width = math.prod(choice)  # nodes of the deepest level; one chain level more under each
+            total = spec * (1 + float(self.sizes[best])) + plain
+            level = self.cost.draft(width) + self.cost.target(total + width) - self.cost.target(total)
+            self.extend_tokens = level / float(per_token[best])
+        return choice
 
     def _draft_costs(self, batch: int) -> list[float]:
         if batch not in self._draft_seconds:
