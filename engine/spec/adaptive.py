@@ -79,8 +79,9 @@ class OnlineCalibrator:
     """``P(node accepted | parent reached)`` from live verification results, without a head.
 
     Exponentially decayed counts per ``(depth, rank)`` give the marginal rate (shrunk by
-    ``prior_weight`` pseudo-observations to a fixed prior at depth 1, to the rate one level up below it); counts per ``(depth, rank, q-bin)`` refine it with the
-    draft's confidence ``q(x)``, shrunk towards the marginal rate.  ``decay`` applies once per
+    ``prior_weight`` pseudo-observations to a fixed prior at depth 1, below it to the rate one level
+    up); counts per ``(depth, rank, q-bin)`` refine it with the draft's confidence ``q(x)``, shrunk
+    towards the marginal rate.  ``decay`` applies once per
     observed sequence-step (a memory of about ``1 / (1 - decay)`` steps).
     """
 
@@ -253,7 +254,7 @@ class AdaptiveSpeculation(SpecPolicy):
             cum = torch.where(tree.features[-1].live, parent_cum * y, 0.0)  # [level nodes]
             tree.scores.append(cum)
             go = keep_extending(cum, depth, self.threshold, self.min_depth)
-            if go and depth >= self._chosen_depth and self.chooser is not None:  # below the load-aware budget: only where it pays
+            if go and depth >= self._chosen_depth and self.chooser is not None:  # below the budget: if it pays
                 rates = self.calibrators[seq.request.sampling.greedy].rates()
                 gain = float(cum.sum()) * float(rates[min(depth, rates.shape[0] - 1), 0])
                 go = gain > self.chooser.extend_tokens
