@@ -179,6 +179,7 @@ class AdaptiveSpeculation(SpecPolicy):
         self.probe_every = probe_every
         self._idle_steps = 0
         self._chosen_depth = self.max_depth  # the last budget's depth; deeper levels must pay (keep_drafting)
+        self._rates: dict[bool, torch.Tensor] = {}  # the last budget's calibrator rates, by greedy
 
     @classmethod
     def from_config(cls, config: "EngineConfig", topology: TreeTopology, target, draft, target_cache,
@@ -221,7 +222,8 @@ class AdaptiveSpeculation(SpecPolicy):
                 groups[g] = groups.get(g, 0) + 1
             else:
                 plain += 1
-        choice = self.chooser.choose([(n, self.calibrators[g].rates()) for g, n in groups.items()], plain)
+        self._rates = {g: self.calibrators[g].rates() for g in groups}  # this step's, also for keep_drafting
+        choice = self.chooser.choose([(n, self._rates[g]) for g, n in groups.items()], plain)
         self._chosen_depth = len(choice)
         if choice or not groups:
             self._idle_steps = 0
@@ -255,7 +257,7 @@ class AdaptiveSpeculation(SpecPolicy):
             tree.scores.append(cum)
             go = keep_extending(cum, depth, self.threshold, self.min_depth)
             if go and depth >= self._chosen_depth and self.chooser is not None:  # below the budget: if it pays
-                rates = self.calibrators[seq.request.sampling.greedy].rates()
+                rates = self._rates[seq.request.sampling.greedy]
                 gain = float(cum.sum()) * float(rates[min(depth, rates.shape[0] - 1), 0])
                 go = gain > self.chooser.extend_tokens
             keep.append(go)
