@@ -142,6 +142,28 @@ def test_calibrator_converges_on_synthetic_data():
 
 
 
+def test_calibrator_scales_q_and_keeps_its_resolution_inside_a_bin():
+    """A fresh calibrator trusts the draft (estimate = q); once a cell shows the draft over-confident,
+    every q in it is scaled down, and two greedy tokens in the top bin (0.975 and 0.999) stay apart:
+    a chain of the latter is what pays to draft deep, a bin average would blur them."""
+    q = torch.tensor([0.05, 0.5, 0.975, 0.999])
+    ones = torch.ones(4, dtype=torch.long)
+    fresh = OnlineCalibrator(max_depth=2)
+    assert torch.allclose(fresh.predict(ones, 0 * ones, q), q)
+    assert torch.allclose(fresh.predict(2 * ones, 0 * ones, q), q)  # unseen depth: as calibrated as depth 1
+    cal = OnlineCalibrator(max_depth=2, decay=1.0)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(400):  # depth 1, top bin: accepted with probability 0.9 q
+        qs = 0.97 + 0.03 * torch.rand(8, generator=g)
+        cal.update(torch.ones(8, dtype=torch.long), torch.zeros(8, dtype=torch.long), qs,
+                   (torch.rand(8, generator=g) < 0.9 * qs).float())
+    est = cal.predict(ones[:2], 0 * ones[:2], q[2:])
+    assert torch.allclose(est, 0.9 * q[2:], atol=0.02)
+    assert float(est[1] / est[0]) == pytest.approx(float(q[3] / q[2]))  # one factor for the bin, q kept
+    deeper = cal.predict(torch.tensor([2]), torch.tensor([0]), q[3:])  # depth 2 inherits the factor
+    assert float(deeper) == pytest.approx(float(est[1]), abs=0.02)
+
+
 def test_undrafted_depths_inherit_the_rate_one_level_up():
     """Only depth 1 is ever observed (the budget never drafted deeper): deeper depths read as good as
     depth 1, not as a fixed pessimistic prior, so a chooser that would pay for depth 2 at that rate

@@ -78,14 +78,21 @@ class SpecPolicy:
 class OnlineCalibrator:
     """``P(node accepted | parent reached)`` from live verification results, without a head.
 
-    Exponentially decayed counts per ``(depth, rank)`` give the marginal rate (shrunk by
-    ``prior_weight`` pseudo-observations to a fixed prior at depth 1, below it to the rate one level
-    up); counts per ``(depth, rank, q-bin)`` refine it with the draft's confidence ``q(x)``, shrunk
-    towards the marginal rate.  ``decay`` applies once per
-    observed sequence-step (a memory of about ``1 / (1 - decay)`` steps).
+    Two estimates from exponentially decayed counts per ``(depth, rank)``:
+
+    * ``rates()``: the marginal acceptance rate, for the load-aware budget (shrunk by
+      ``prior_weight`` pseudo-observations to a fixed prior at depth 1, below it to the rate one
+      level up);
+    * ``predict(q)``: the draft's own confidence ``q(x)``, scaled by a calibration factor
+      ``accepted / sum(q)`` of its cell and q-bin.  The factor keeps q's resolution inside a bin
+      (greedy tokens at q = 0.999 and at 0.9 are not alike, and a deep chain of the former is what
+      pays), and it starts at 1 (trust q) and shrinks towards the cell's factor, which shrinks
+      towards the factor one level up, so an unseen depth reads as calibrated as the one above it.
+
+    ``decay`` applies once per observed sequence-step (a memory of about ``1 / (1 - decay)`` steps).
     """
 
-    Q_BINS = torch.tensor([0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9])  # inner bin edges
+    Q_BINS = torch.tensor([0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9, 0.97])  # inner bin edges
 
     def __init__(self, max_depth: int, max_rank: int = 4, decay: float = 0.995, prior_weight: float = 4.0,
                  prior_first: float = 0.6, prior_ratio: float = 0.35) -> None:
@@ -93,9 +100,10 @@ class OnlineCalibrator:
         self.prior = prior_first * prior_ratio ** torch.arange(max_rank, dtype=torch.float32)  # [ranks], depth 1
         self.hits = torch.zeros(shape)
         self.seen = torch.zeros(shape)
+        self.q_sum = torch.zeros(shape)
         bins = len(self.Q_BINS) + 1
         self.bin_hits = torch.zeros(*shape, bins)
-        self.bin_seen = torch.zeros(*shape, bins)
+        self.bin_q_sum = torch.zeros(*shape, bins)
         self.decay = decay
         self.prior_weight = prior_weight
 
@@ -104,35 +112,43 @@ class OnlineCalibrator:
         r = rank.clamp(0, self.hits.shape[1] - 1)
         return d, r, torch.bucketize(q, self.Q_BINS)
 
+    def _shrunk(self, hits: torch.Tensor, seen: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """[depths, ...] ``(hits + w * prior) / (seen + w)``, the prior being ``first`` at depth 1 and
+        the estimate one level up below it."""
+        w = self.prior_weight
+        out = torch.empty_like(hits)
+        prior = first
+        for d in range(hits.shape[0]):
+            out[d] = (hits[d] + w * prior) / (seen[d] + w)
+            prior = out[d]
+        return out
+
     def rates(self) -> torch.Tensor:
         """[depths, ranks] marginal acceptance estimates.  Depth 1 shrinks to the fixed prior; each
         deeper depth shrinks to the estimate one level up, so a depth the budget has not drafted yet
         (or not for a while: counts decay) is expected to do as well as the one above it, and gets
         drafted and measured, instead of being held at a pessimistic prior that never lets it run."""
-        w = self.prior_weight
-        out = torch.empty_like(self.hits)
-        prior = self.prior
-        for d in range(self.hits.shape[0]):
-            out[d] = (self.hits[d] + w * prior) / (self.seen[d] + w)
-            prior = out[d]
-        return out
+        return self._shrunk(self.hits, self.seen, self.prior)
 
     def predict(self, depth: torch.Tensor, rank: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """depth, rank, q: [n] -> [n] estimates."""
+        """depth, rank, q: [n] -> [n] estimates ``q * factor``, at most 1."""
         d, r, b = self._cells(depth, rank, q)
         w = self.prior_weight
-        return (self.bin_hits[d, r, b] + w * self.rates()[d, r]) / (self.bin_seen[d, r, b] + w)
+        cell = self._shrunk(self.hits, self.q_sum, torch.ones(self.hits.shape[1]))  # [depths, ranks] factors
+        factor = (self.bin_hits[d, r, b] + w * cell[d, r]) / (self.bin_q_sum[d, r, b] + w)
+        return (q * factor).clamp(max=1.0)
 
     def update(self, depth: torch.Tensor, rank: torch.Tensor, q: torch.Tensor, accepted: torch.Tensor) -> None:
         """depth, rank, q, accepted: [n] nodes whose parent was reached (accepted: float 0/1)."""
-        for t in (self.hits, self.seen, self.bin_hits, self.bin_seen):
+        for t in (self.hits, self.seen, self.q_sum, self.bin_hits, self.bin_q_sum):
             t.mul_(self.decay)
         d, r, b = self._cells(depth, rank, q)
-        ones = torch.ones_like(accepted)
+        q = q.float()
         self.hits.index_put_((d, r), accepted, accumulate=True)
-        self.seen.index_put_((d, r), ones, accumulate=True)
+        self.seen.index_put_((d, r), torch.ones_like(accepted), accumulate=True)
+        self.q_sum.index_put_((d, r), q, accumulate=True)
         self.bin_hits.index_put_((d, r, b), accepted, accumulate=True)
-        self.bin_seen.index_put_((d, r, b), ones, accumulate=True)
+        self.bin_q_sum.index_put_((d, r, b), q, accumulate=True)
 
 
 def keep_extending(cum: torch.Tensor, depth: int, threshold: float, min_depth: int) -> bool:
