@@ -99,7 +99,7 @@ def test_a_confident_path_drafts_deeper_than_the_budget_when_a_level_pays():
         policy = ScriptedY(topo, y, threshold=0.9, cost=cost)
         budget = policy.budget([GreedySeq()])
         assert policy._chosen_depth == 1 and budget == (1,) * 6
-        assert policy.chooser.extend_tokens == pytest.approx(0.3 / (1.3 / 1.6))
+        assert policy.chooser.extend_tokens() == pytest.approx(0.3 / (1.3 / 1.6))
         return drafted_depth(policy, budget, seq=GreedySeq())
 
     assert depth([0.95] * 6) == 6  # cum .95 .90 .86 .81 .77: every level pays
@@ -109,9 +109,18 @@ def test_a_confident_path_drafts_deeper_than_the_budget_when_a_level_pays():
     busy = BudgetChooser(topo, CostModel(CostCurve((1.0, 1000.0), (1.0, 1.0 + 999 * 0.2)), cost.draft), 1, 6)
     rates = OnlineCalibrator(6).rates()
     busy.choose([(1, rates)], plain=0)
-    alone = busy.extend_tokens
+    alone = busy.extend_tokens()
     busy.choose([(1, rates)], plain=7)  # the same sequence among 7 that decode plainly: rows cost more
-    assert busy.extend_tokens > alone
+    assert busy.extend_tokens() > alone
+    # verification gets 1 s slower past 4 rows: the third level below the budget pays for that step
+    stepped = CostModel(CostCurve((1.0, 4.0, 5.0, 1000.0), (1.0, 1.0, 2.0, 2.0)), cost.draft)
+    policy = ScriptedY(topo, [0.95] * 6, threshold=0.9, cost=stepped)
+    budget = policy.budget([GreedySeq()])
+    assert budget == (1,) * 6 and policy._chosen_depth == 1
+    per_token = 1.3 / 1.6
+    assert [policy.chooser.extend_tokens(j) for j in (1, 2, 3)] == pytest.approx(
+        [0.3 / per_token, 0.3 / per_token, 1.3 / per_token])
+    assert drafted_depth(policy, budget, seq=GreedySeq()) == 3  # 4 rows; a fourth level would cost 1.6 tokens
 
 def test_keep_extending_exact_cases():
     assert keep_extending(torch.tensor([0.3, 0.71]), 2, threshold=0.3, min_depth=1)

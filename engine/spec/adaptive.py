@@ -25,7 +25,8 @@ stops when ``1 - cum > h`` for every branch), and always while ``d < min_depth``
 cannot see that one sequence's path is nearly certain this step.  So a non-empty budget is extended
 by chain levels down to ``max_depth``, and a sequence drafts one of those levels only when, besides
 the threshold rule, its expected gain ``sum(cum) * r[d + 1]`` exceeds what the level costs in
-tokens at the step's planned rate (``BudgetChooser.extend_tokens``, from the measured cost curves).
+tokens at the step's planned rate (``BudgetChooser.extend_tokens``, from the measured cost curves,
+level by level).
 At batch 1 a confident path runs deep; in a loaded batch the verification rows make it not pay.
 
 **Losslessness.**  Decisions use only draft-side information of this step (drafted tokens, q, draft
@@ -275,7 +276,7 @@ class AdaptiveSpeculation(SpecPolicy):
             if go and depth >= self._chosen_depth and self.chooser is not None:  # below the budget: if it pays
                 rates = self._rates[seq.request.sampling.greedy]
                 gain = float(cum.sum()) * float(rates[min(depth, rates.shape[0] - 1), 0])
-                go = gain > self.chooser.extend_tokens
+                go = gain > self.chooser.extend_tokens(depth - self._chosen_depth + 1)
             keep.append(go)
         return keep
 

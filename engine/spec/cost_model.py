@@ -149,7 +149,7 @@ class BudgetChooser:
         self.sizes = member.sum(dim=1)  # [candidates]
         self._draft_seconds: dict[int, list[float]] = {}
         self.saving = 0.0  # seconds per emitted token the last choice saves over plain decoding
-        self.extend_tokens = math.inf  # expected tokens one more level must add to pay (see choose)
+        self._extend: tuple[int, float, float] = (0, 0.0, math.inf)  # (width, block tokens, s/token), see choose
 
     def expected_accepted(self, rates: torch.Tensor) -> torch.Tensor:
         """rates: [depths, ranks] P(accepted | parent reached) -> [candidates] expected accepted tokens."""
@@ -170,13 +170,9 @@ class BudgetChooser:
         """spec_counts: ``(sequences, rates)`` per group of speculating sequences sharing a rates
         table; ``plain``: sequences of the batch that decode without speculation.
 
-        Also sets ``extend_tokens``: what one more chain level below the chosen tree costs a sequence
-        (a draft forward of the deepest level's nodes plus their verification rows in this batch's
-        block, measured), in tokens of the chosen plan's seconds per token.  A sequence whose drafted
-        path is confident enough to add more than that in expectation gains by drafting deeper than the
-        budget (``AdaptiveSpeculation.keep_drafting``); plain decoding sets it to infinity."""
+        Also prepares ``extend_tokens``."""
         spec = sum(n for n, _ in spec_counts)
-        self.saving, self.extend_tokens = 0.0, math.inf
+        self.saving, self._extend = 0.0, (0, 0.0, math.inf)
         if spec == 0:
             return ()
         tokens = float(plain)
@@ -190,10 +186,23 @@ class BudgetChooser:
         choice = self.candidates[best]
         if choice:
             width = math.prod(choice)  # nodes of the deepest level; one chain level more under each
-            total = spec * (1 + float(self.sizes[best])) + plain
-            level = self.cost.draft(width) + self.cost.target(total + width) - self.cost.target(total)
-            self.extend_tokens = level / float(per_token[best])
+            self._extend = (width, spec * (1 + float(self.sizes[best])) + plain, float(per_token[best]))
         return choice
+
+    def extend_tokens(self, extra: int = 1) -> float:
+        """What the ``extra``-th chain level below the last chosen tree costs a sequence, in tokens of
+        the chosen plan's seconds per token: a draft forward of the deepest level's nodes plus their
+        verification rows in this batch's block, on top of the ``extra - 1`` levels before it (the
+        measured curves are not linear: a block can cross a step where the kernels get slower).  A
+        sequence whose drafted path is confident enough to add more than that in expectation gains by
+        drafting deeper than the budget (``AdaptiveSpeculation.keep_drafting``); infinite after a
+        choice of plain decoding."""
+        width, total, per_token = self._extend
+        if not width:
+            return math.inf
+        before = total + (extra - 1) * width
+        level = self.cost.draft(width) + self.cost.target(before + width) - self.cost.target(before)
+        return level / per_token
 
     def _draft_costs(self, batch: int) -> list[float]:
         if batch not in self._draft_seconds:
