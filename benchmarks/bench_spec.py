@@ -34,6 +34,7 @@ DEFAULT_CONFIGS = "plain;chain:1,1;chain:1,1,1;chain:1,1,1,1;tree:2,1,1;tree:3,2
 
 CORPUS = "benchmarks/prompts/train.json"  # Max-Gram's bigram corpus, as in the default preset
 MAXGRAM = dict(maxgram_len=8, maxgram_tail=2, maxgram_corpus=CORPUS)  # the default preset's Max-Gram knobs
+DRAFT_VOCAB_FILE = "configs/draft_vocab/qwen2.5.safetensors"  # token ranking for the :vN configs
 
 
 def parse_configs(spec: str) -> list[dict]:
@@ -44,6 +45,8 @@ def parse_configs(spec: str) -> list[dict]:
     tree+maxgram:W                        fixed draft tree W + Max-Gram branch and tail (method mcsd+maxgram)
     adaptive:W[:heads][:hX]               adaptive MCSD inside the largest tree W (online calibration, or the
                                           ``--heads`` acceptance heads; ``hX``: threshold h = X)
+    ...:vN                                any drafting config with the draft's output layer cut to the N most
+                                          frequent tokens (``configs/draft_vocab/qwen2.5.safetensors``)
     adaptive+maxgram:W[:heads]            the same with Max-Gram (the default preset's engine)
     """
     out = []
@@ -61,7 +64,11 @@ def parse_configs(spec: str) -> list[dict]:
             hs = [x for x in extra if x.startswith("h") and x != "heads"]
             if hs:
                 c["config"]["adaptive_threshold"] = float(hs[0][1:])
-            if len(extra) != c["heads"] + len(hs) or len(hs) > 1 or (extra and not c["adaptive"]):
+            vs = [x for x in extra if x.startswith("v") and x[1:].isdigit()]
+            if vs:
+                c["config"].update(draft_vocab=int(vs[0][1:]), draft_vocab_file=DRAFT_VOCAB_FILE)
+            if (len(extra) != c["heads"] + len(hs) + len(vs) or len(hs) > 1 or len(vs) > 1
+                    or ((c["heads"] or hs) and not c["adaptive"])):
                 raise SystemExit(f"unknown config {item!r}")
             if kind.endswith("+maxgram"):
                 c.update(method="mcsd+maxgram", config=dict(MAXGRAM))

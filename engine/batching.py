@@ -9,6 +9,7 @@ import torch
 
 from engine.kv_cache import KVCache
 from engine.models.llama import ForwardOutput, LlamaModel
+from engine.models.vocab import OutputVocab
 
 
 @dataclass
@@ -27,8 +28,10 @@ class Block:
     mask: Optional[torch.Tensor] = None
 
 
-def run_blocks(model: LlamaModel, cache: KVCache, blocks: list[Block]) -> tuple[ForwardOutput, list[torch.Tensor]]:
-    """One forward over all blocks; returns the raw output and each block's logits [rows, vocab]."""
+def run_blocks(model: LlamaModel, cache: KVCache, blocks: list[Block],
+               vocab: Optional[OutputVocab] = None) -> tuple[ForwardOutput, list[torch.Tensor]]:
+    """One forward over all blocks; returns the raw output and each block's logits [rows, vocab]
+    (``vocab``: a restricted output layer, -inf logits outside it)."""
     b = len(blocks)
     t = max(len(bl.tokens) for bl in blocks)
     ids = torch.zeros(b, t, dtype=torch.long)
@@ -53,6 +56,6 @@ def run_blocks(model: LlamaModel, cache: KVCache, blocks: list[Block]) -> tuple[
             else:
                 mask[i, :n, : bl.mask.shape[1]] = bl.mask
     out = model(ids.to(model.device), pos, cache, [bl.slot for bl in blocks], block_mask=mask,
-                num_new=[len(bl.tokens) for bl in blocks], logits_rows=rows.to(model.device))
+                num_new=[len(bl.tokens) for bl in blocks], logits_rows=rows.to(model.device), vocab=vocab)
     per_block = [out.logits[i, : len(bl.logit_rows)] for i, bl in enumerate(blocks)]
     return out, per_block

@@ -40,6 +40,9 @@ class EngineConfig:
     mjsd_tau: float = 0.5  # MJSD: accept while the cumulative log p/q stays above log tau
     target_init_k: int = 3  # target-initialised (lossy): candidate roots per step
     target_init_depth: int = 3  # target-initialised: tokens per candidate, itself included
+    # the draft's output layer cut to its most frequent tokens (lossless; engine.models.vocab); 0 = whole vocabulary
+    draft_vocab: int = 0
+    draft_vocab_file: Optional[str] = None  # token ranking (most frequent first) the cut reads
 
     def __post_init__(self) -> None:
         self.tree = parse_widths(self.tree)
@@ -67,6 +70,11 @@ class EngineConfig:
         if self.target_init_k < 1 or self.target_init_depth < 1:
             raise ValueError(f"target_init_k and target_init_depth must be >= 1, got {self.target_init_k}, "
                              f"{self.target_init_depth}")
+        if self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be >= 0 (0 = the whole vocabulary), got {self.draft_vocab}")
+        if self.draft_vocab and (self.draft_vocab_file is None or not Path(self.draft_vocab_file).is_file()):
+            raise ValueError(f"draft_vocab {self.draft_vocab} needs a token ranking file (draft_vocab_file), "
+                             f"got {self.draft_vocab_file!r}")
         if self.maxgram_corpus is not None and not Path(self.maxgram_corpus).is_file():
             raise ValueError(f"maxgram_corpus {self.maxgram_corpus} does not exist")
 

@@ -14,6 +14,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.models.loader import LoadedModel
+from engine.models.vocab import OutputVocab, frequent_vocab
 from engine.request import GenerationRequest, RequestOutput
 from engine.runner import ModelRunner, SeqStepResult, record_step
 from engine.sampler import SamplingTensors, token_count_matrix
@@ -58,15 +59,18 @@ class EngineCore:
         self.maxgram = MaxGramDrafter(cfg.maxgram_len, cfg.maxgram_max_ngram, cfg.maxgram_min_ngram, bigram)
         proposer = None
         self.policy: Optional[SpecPolicy] = None
+        self.draft_vocab: Optional[OutputVocab] = None
         if draft is not None:
             _check_pair(target, draft)
             draft_cache = draft.model.new_cache(self.config.max_batch, draft_len)
+            self.draft_vocab = _draft_vocab(draft, cfg)
             if policy is None and self.config.adaptive:
                 policy = AdaptiveSpeculation.from_config(self.config, self.topology, target, draft, self.cache,
-                                                         draft_cache)
+                                                         draft_cache, self.draft_vocab)
             self.policy = policy
             proposer = DraftModelProposer(draft.model, draft_cache, self.vocab_size, self.config.without_replacement,
-                                          self.topology, policy, chunk=self.config.prefill_chunk)
+                                          self.topology, policy, chunk=self.config.prefill_chunk,
+                                          vocab=self.draft_vocab)
         self.maxgram_lengths = self._maxgram_lengths(target) if cfg.load_aware else None
         self.runner = ModelRunner(target.model, self.cache, self.vocab_size, proposer, self.maxgram,
                                   mjsd_beam=cfg.mjsd_beam, mjsd_tau=cfg.mjsd_tau, target_init_k=cfg.target_init_k)
@@ -291,6 +295,20 @@ class EngineCore:
             logprobs=res.logprobs[: len(new)] if res.logprobs is not None else None,
             prompt_tokens=seq.num_prompt, completion_tokens=seq.num_output, spec=seq.spec,
         )
+
+
+def _draft_vocab(draft: LoadedModel, cfg: EngineConfig) -> Optional[OutputVocab]:
+    """The draft's output layer cut to the ``draft_vocab`` most frequent tokens of ``draft_vocab_file``
+    and every special token, or None (``draft_vocab`` 0, or not smaller than the vocabulary)."""
+    vocab_size = draft.config.vocab_size
+    if cfg.draft_vocab <= 0 or cfg.draft_vocab >= vocab_size:
+        return None
+    special = set(draft.config.eos_token_ids)
+    if draft.tokenizer is not None:
+        special |= set(draft.tokenizer.all_special_ids) | set(getattr(draft.tokenizer, "added_tokens_decoder", {}))
+    ids = frequent_vocab(cfg.draft_vocab_file, cfg.draft_vocab, vocab_size, special)
+    lm_head = getattr(draft.model, "lm_head", None)
+    return OutputVocab(ids, vocab_size, None if lm_head is None else lm_head.weight)
 
 
 def _check_pair(target: LoadedModel, draft: LoadedModel) -> None:

@@ -65,6 +65,10 @@ class Settings(BaseModel):
     mjsd_tau: float = Field(0.5, gt=0.0, le=1.0, description="MJSD: joint likelihood-ratio threshold")
     target_init_k: int = Field(3, ge=1, le=16, description="target-initialised (lossy, opt-in): candidate roots")
     target_init_depth: int = Field(3, ge=1, le=32, description="target-initialised: tokens per candidate chain")
+    draft_vocab: int = Field(0, ge=0, description="draft output layer cut to this many most frequent tokens "
+                                                  "(lossless; 0 = whole vocabulary)")
+    draft_vocab_file: Optional[str] = Field(None, description="token ranking the cut reads "
+                                                              "(python -m engine.models.vocab)")
     max_batch: int = Field(8, ge=1, description="sequences decoding together")
     max_queue: int = Field(64, ge=1, description="requests waiting for a slot before 429")
     max_model_len: Optional[int] = Field(None, ge=2, description="context length (default: the model's)")
@@ -86,6 +90,11 @@ class Settings(BaseModel):
     @field_validator("maxgram_corpus")
     @classmethod
     def _find_corpus(cls, v: Optional[str]) -> Optional[str]:
+        return _shipped(v)
+
+    @field_validator("draft_vocab_file")
+    @classmethod
+    def _find_ranking(cls, v: Optional[str]) -> Optional[str]:
         return _shipped(v)
 
     @field_validator("acceptance_heads")

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from scipy import stats
@@ -14,6 +16,7 @@ from scipy import stats
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.models.loader import LoadedModel
+from engine.models.vocab import save_token_ranking
 from engine.request import GenerationRequest, SamplingParams, SpecOptions
 from engine.sampler import SamplingTensors, compute_probs
 from engine.spec.adaptive import AdaptiveSpeculation, SpecPolicy
@@ -119,6 +122,11 @@ def _worker(args) -> Counter:
     apply_sabotage(case.sabotage)
     counts: Counter = Counter()
     target, draft = loaded(0), loaded(1)
+    cut = {}
+    if case.extra.get("draft_vocab"):  # the draft's output layer cut to its most "frequent" tokens
+        path = Path(tempfile.mkdtemp()) / "ranking.safetensors"
+        save_token_ranking(path, list(case.extra["ranking"]), {"vocab_size": str(VOCAB)})
+        cut = dict(draft_vocab=case.extra["draft_vocab"], draft_vocab_file=str(path))
     for lo in range(start, start + count, batch):
         n = min(batch, start + count - lo)
         core = EngineCore(target, draft, EngineConfig(max_batch=n, max_model_len=8, tree=case.tree or (1,),
@@ -126,7 +134,7 @@ def _worker(args) -> Counter:
                                                       maxgram_len=2, maxgram_branches=2, maxgram_tail=1,
                                                       cascade_depth=2, load_aware=False,
                                                       target_init_k=case.extra.get("target_init_k", 2),
-                                                      target_init_depth=2),
+                                                      target_init_depth=2, **cut),
                           policy=stop_policy(case, seed=lo))
         core.maxgram.bigram = BigramTable(dict(case.bigram)) if case.bigram else None
         for i in range(n):

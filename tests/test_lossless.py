@@ -21,6 +21,9 @@ CASES = [
     Case("maxgram-with-bigrams", (1,), method="maxgram", bigram=BIGRAMS),
     Case("tree-2x1+maxgram-merged-T0.6", (2, 1), method="mcsd+maxgram", temperature=0.6, bigram=BIGRAMS),
     Case("cascade-maxgram-draft-target", (1,), method="cascade", bigram=BIGRAMS),
+    # the draft's output layer cut to 2 ranked tokens + the tokenizer's specials 0 and 1: q(2) = q(4) = 0
+    Case("tree-2x2-draft-vocab-cut-T0.6", (2, 2), temperature=0.6,
+         extra={"draft_vocab": 2, "ranking": (5, 3, 2, 4)}),
     # the lossy target-initialised mode with a single candidate is exactly speculative sampling
     Case("target-init-k1", (1,), method="target-init-lossy", runs=100_000, extra={"target_init_k": 1}),
 ]

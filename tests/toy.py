@@ -46,7 +46,8 @@ class ToyModel(LlamaModel):
         self.rope = None
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, cache, slots, block_mask=None, num_new=None, logits_rows=None):
+    def forward(self, input_ids, positions, cache, slots, block_mask=None, num_new=None, logits_rows=None,
+                vocab=None):
         b, t = input_ids.shape
         counts = num_new if num_new is not None else [t] * b
         cache.check_room(slots, t)
@@ -64,4 +65,5 @@ class ToyModel(LlamaModel):
         cache.advance(slots, counts)
         if logits_rows is not None:
             logits = torch.gather(logits, 1, logits_rows[..., None].expand(-1, -1, logits.shape[-1]))
-        return ForwardOutput(logits=logits.float(), hidden=torch.zeros(b, t, 1))
+        logits = logits.float() if vocab is None else vocab.restrict(logits)  # a draft's cut output layer
+        return ForwardOutput(logits=logits, hidden=torch.zeros(b, t, 1))

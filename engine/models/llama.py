@@ -23,6 +23,7 @@ from engine.kv_cache import KVCache
 from engine.models.cpu_kernels import linear
 from engine.models.config import ModelConfig
 from engine.models.rope import RotaryTables, apply_rotary
+from engine.models.vocab import OutputVocab
 
 
 class RMSNorm(nn.Module):
@@ -140,6 +141,7 @@ class LlamaModel(nn.Module):
         block_mask: Optional[torch.Tensor] = None,  # [batch, block, width] bool, see build_mask
         num_new: Optional[list[int]] = None,  # valid tokens per row (rest is padding); default all
         logits_rows: Optional[torch.Tensor] = None,  # [batch, rows] block indices; None = all
+        vocab: Optional[OutputVocab] = None,  # restricted output layer (drafts); None = the whole lm_head
     ) -> ForwardOutput:
         """Appends the block to each slot's pending entries and returns logits for it.
 
@@ -158,7 +160,8 @@ class LlamaModel(nn.Module):
         hidden = self.norm(x)
         rows = hidden if logits_rows is None else torch.gather(
             hidden, 1, logits_rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        return ForwardOutput(logits=linear(rows, self.lm_head.weight).float(), hidden=hidden)
+        logits = linear(rows, self.lm_head.weight).float() if vocab is None else vocab.logits(rows)
+        return ForwardOutput(logits=logits, hidden=hidden)
 
     def _context(self, cache: KVCache, slots: list[int], positions: torch.Tensor,
                  block_mask: Optional[torch.Tensor]) -> ForwardContext:

@@ -200,7 +200,7 @@ class AdaptiveSpeculation(SpecPolicy):
 
     @classmethod
     def from_config(cls, config: "EngineConfig", topology: TreeTopology, target, draft, target_cache,
-                    draft_cache) -> "AdaptiveSpeculation":
+                    draft_cache, draft_vocab=None) -> "AdaptiveSpeculation":
         """Loads the configured heads and, when load-aware, measures the cost curves (a few seconds)."""
         heads = tuple(AcceptanceHead.load(p) for p in config.acceptance_heads)
         for path, head in zip(config.acceptance_heads, heads):
@@ -214,7 +214,7 @@ class AdaptiveSpeculation(SpecPolicy):
         if config.load_aware:
             maxgram_rows = config.maxgram_branches * config.maxgram_len + config.maxgram_tail
             cost = CostModel.measure(target.model, target_cache, draft.model, draft_cache, config.max_batch, topology,
-                                     max_block=1 + topology.num_nodes + maxgram_rows)
+                                     max_block=1 + topology.num_nodes + maxgram_rows, draft_vocab=draft_vocab)
             log.info("cost model: target %s, draft %s", cost.target, cost.draft)
         return cls(topology, config.adaptive_threshold, config.adaptive_min_depth,
                    config.adaptive_max_depth, heads, cost)

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from engine.batching import Block, run_blocks
+from engine.batching import Block
 from engine.sampler import SamplingTensors, compute_probs, draw_uniforms, sample_from_probs
 from engine.sequence import Sequence
 from engine.spec.draft_tree import CASCADE, SAMPLED, DraftTree
@@ -102,7 +102,7 @@ class CascadeProposer:
                 c.entry[-1] = pend
             c.pending = pend
             blocks.append(Block(c.seq.draft_slot, toks, list(range(start, start + n)), list(range(n)), mask))
-        _, logits = run_blocks(self.draft.model, cache, blocks)
+        _, logits = self.draft.forward(blocks)
         return logits
 
     def _review(self, c: _Chain, guess: list[int], logits: Optional[torch.Tensor]) -> None:

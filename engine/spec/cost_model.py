@@ -28,11 +28,13 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
+from engine.models.vocab import OutputVocab
 from engine.spec.tree import TreeTopology, count_nodes
 
 
@@ -80,9 +82,11 @@ class CostModel:
 
     @classmethod
     def measure(cls, target: LlamaModel, target_cache: KVCache, draft: LlamaModel, draft_cache: KVCache,
-                max_batch: int, topology: TreeTopology, reps: int = 2, max_block: int = 0) -> "CostModel":
+                max_batch: int, topology: TreeTopology, reps: int = 2, max_block: int = 0,
+                draft_vocab: Optional[OutputVocab] = None) -> "CostModel":
         """``max_block``: the longest verification block other drafters may add (Max-Gram), timed at batch 1
-        so that their load-aware caps read the curve rather than extrapolate it."""
+        so that their load-aware caps read the curve rather than extrapolate it.  ``draft_vocab``: the
+        draft's restricted output layer, when it runs with one."""
         batches = sorted({1, max(1, max_batch // 2), max_batch})
         blocks = sorted({1, 2 + topology.num_nodes // 2, 1 + topology.num_nodes})
         longest = [(1, max_block)] if max_block > 1 + topology.num_nodes else []
@@ -90,7 +94,8 @@ class CostModel:
         levels = sorted({1, max(1, widest // 2), widest})
         catch_up = [(1, 64)]  # a prompt's catch-up (the curve extrapolates linearly beyond it)
         return cls(measure_curve(target, target_cache, list(itertools.product(batches, blocks)) + longest, reps),
-                   measure_curve(draft, draft_cache, list(itertools.product(batches, levels)) + catch_up, reps))
+                   measure_curve(draft, draft_cache, list(itertools.product(batches, levels)) + catch_up, reps,
+                                 draft_vocab))
 
     def catch_up_pays(self, lag: int, remaining: int, saving: float) -> bool:
         """Whether running ``lag`` missing tokens through the draft pays back over ``remaining``
@@ -105,7 +110,8 @@ class CostModel:
         return self.draft(batch) + sum(self.draft(batch * s) for s in sizes)
 
 
-def measure_curve(model: LlamaModel, cache: KVCache, points: list[tuple[int, int]], reps: int) -> CostCurve:
+def measure_curve(model: LlamaModel, cache: KVCache, points: list[tuple[int, int]], reps: int,
+                  vocab: Optional[OutputVocab] = None) -> CostCurve:
     """Times ``reps`` forwards of ``B`` slots x ``T`` tokens for each ``(B, T)`` (after one warm-up),
     on temporarily allocated cache slots that are freed afterwards."""
     need = max(b for b, _ in points)
@@ -120,7 +126,7 @@ def measure_curve(model: LlamaModel, cache: KVCache, points: list[tuple[int, int
             rows = torch.arange(t, device=model.device)[None].expand(b, t)
             for rep in range(reps + 1):
                 t0 = time.perf_counter()
-                model(ids, pos, cache, slots[:b], logits_rows=rows)
+                model(ids, pos, cache, slots[:b], logits_rows=rows, vocab=vocab)
                 dt = time.perf_counter() - t0
                 for s in slots[:b]:
                     cache.discard(s)

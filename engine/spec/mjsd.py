@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.batching import Block, run_blocks
+from engine.batching import Block
 from engine.sampler import SamplingTensors, apply_logit_bias, compute_probs, sample_tokens
 from engine.sequence import Sequence
 from engine.spec.draft_tree import DraftTree
@@ -123,7 +123,7 @@ class MjsdProposer:
                 b.entry[node] = pend + r
             pos = len(b.seq.tokens) - 1 + level
             blocks.append(Block(b.seq.draft_slot, [b.tokens[i] for i in b.frontier], [pos] * n, list(range(n)), mask))
-        _, logits = run_blocks(self.draft.model, cache, blocks)
+        _, logits = self.draft.forward(blocks)
         return logits
 
 

@@ -22,6 +22,7 @@ import torch
 from engine.batching import Block, run_blocks
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
+from engine.models.vocab import OutputVocab
 from engine.sampler import (
     SamplingTensors, draw_uniforms, finish_probs, process_logits, sample_from_probs, sample_k_distinct,
 )
@@ -38,8 +39,9 @@ class DraftModelProposer:
 
     def __init__(self, model: LlamaModel, cache: KVCache, vocab_size: int, without_replacement: bool = True,
                  topology: Optional[TreeTopology] = None, policy: Optional[SpecPolicy] = None,
-                 chunk: int = 512) -> None:
+                 chunk: int = 512, vocab: Optional[OutputVocab] = None) -> None:
         self.model = model
+        self.vocab = vocab  # the draft's output layer restricted to frequent tokens (q = 0 elsewhere); None = all
         self.chunk = chunk  # catch-up tokens per forward
         self.cache = cache
         self.vocab_size = vocab_size  # the target's vocabulary: q is padded to it
@@ -83,6 +85,10 @@ class DraftModelProposer:
                 trees[i].cut(self.topology.subtree(trees[i].sub.widths[:d]))
 
     # ------------------------------------------------------------------ draft forwards
+    def forward(self, blocks: list[Block]):
+        """One draft forward over ``blocks`` (every drafter that runs the draft model goes through here)."""
+        return run_blocks(self.model, self.cache, blocks, self.vocab)
+
     def _catch_up(self, seqs: list[Sequence]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Root logits [vocab] and draft hidden states [hidden] of every sequence.
 
@@ -98,7 +104,7 @@ class DraftModelProposer:
             for i in group:
                 s = seqs[i]
                 while len(s.tokens) - s.draft_cached > self.chunk:
-                    run_blocks(self.model, self.cache, [Block(
+                    self.forward([Block(
                         s.draft_slot, s.tokens[s.draft_cached: s.draft_cached + self.chunk],
                         list(range(s.draft_cached, s.draft_cached + self.chunk)), [])])
                     self.cache.commit(s.draft_slot)
@@ -108,7 +114,7 @@ class DraftModelProposer:
                 s = seqs[i]
                 new = s.tokens[s.draft_cached:]
                 blocks.append(Block(s.draft_slot, new, list(range(s.draft_cached, len(s.tokens))), [len(new) - 1]))
-            out, lg = run_blocks(self.model, self.cache, blocks)
+            out, lg = self.forward(blocks)
             for j, i in enumerate(group):
                 s = seqs[i]
                 self.cache.commit(s.draft_slot)
@@ -127,7 +133,7 @@ class DraftModelProposer:
             root_pos = len(seq.tokens) - 1
             blocks.append(Block(seq.draft_slot, toks, [root_pos + d] * len(toks), list(range(len(toks))), mask))
             trees[i].drafted_levels = d
-        out, logits = run_blocks(self.model, self.cache, blocks)
+        out, logits = self.forward(blocks)
         return [(lg, out.hidden[j, : len(bl.tokens)]) for j, (lg, bl) in enumerate(zip(logits, blocks))]
 
     # ------------------------------------------------------------------ sampling children
