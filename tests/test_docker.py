@@ -83,7 +83,7 @@ def test_every_copy_source_exists_and_reaches_the_build_context():
 def test_the_files_the_default_preset_names_are_in_the_image():
     settings = load_settings([], environ=_image_env())
     copied = {src.rstrip("/") for src, _ in _copies()}
-    named = [settings.maxgram_corpus, *(settings.acceptance_heads or "").split(",")]
+    named = [settings.maxgram_corpus, settings.draft_vocab_file, *(settings.acceptance_heads or "").split(",")]
     assert settings.maxgram_corpus, "the default preset names a Max-Gram corpus"
     for path in filter(None, named):
         rel = (ROOT / path).resolve().relative_to(ROOT).as_posix()

@@ -43,8 +43,10 @@ def test_presets_parse():
 def test_relative_shipped_files_resolve_from_anywhere(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     s = load_settings(["--maxgram-corpus", "benchmarks/prompts/train.json",
-                       "--acceptance-heads", "benchmarks/prompts/bench.json, no/such/head.safetensors"], {})
+                       "--acceptance-heads", "benchmarks/prompts/bench.json, no/such/head.safetensors",
+                       "--draft-vocab", "32768", "--draft-vocab-file", "configs/draft_vocab/qwen2.5.safetensors"], {})
     assert Path(s.maxgram_corpus) == ROOT / "benchmarks/prompts/train.json"
+    assert (s.draft_vocab, Path(s.draft_vocab_file)) == (32768, ROOT / "configs/draft_vocab/qwen2.5.safetensors")
     assert s.acceptance_heads.split(",") == [str(ROOT / "benchmarks/prompts/bench.json"), "no/such/head.safetensors"]
 
 
@@ -54,6 +56,7 @@ def test_relative_shipped_files_resolve_from_anywhere(tmp_path, monkeypatch):
     (["--tree", "4,x"], {}, "tree widths must be integers"),
     (["--dtype", "int3"], {}, "unknown dtype"),
     (["--device", "tpu"], {}, "unsupported device"),
+    ([], {"MCSD_DRAFT_VOCAB": "-5"}, "draft_vocab (from MCSD_DRAFT_VOCAB)"),
     (["--config", "no-such-preset"], {}, "not found"),
 ])
 def test_bad_settings_are_explained(argv, env, fragment):
