@@ -99,7 +99,7 @@ def test_a_confident_path_drafts_deeper_than_the_budget_when_a_level_pays():
         policy = ScriptedY(topo, y, threshold=0.9, cost=cost)
         budget = policy.budget([GreedySeq()])
         assert policy._chosen_depth == 1 and budget == (1,) * 6
-        assert policy.chooser.extend_tokens() == pytest.approx(0.3 / (1.3 / 1.6))
+        assert policy.chooser.level_tokens(2, 1, 1) == pytest.approx(0.3 / (1.3 / 1.6))
         return drafted_depth(policy, budget, seq=GreedySeq())
 
     assert depth([0.95] * 6) == 6  # cum .95 .90 .86 .81 .77: every level pays
@@ -109,18 +109,63 @@ def test_a_confident_path_drafts_deeper_than_the_budget_when_a_level_pays():
     busy = BudgetChooser(topo, CostModel(CostCurve((1.0, 1000.0), (1.0, 1.0 + 999 * 0.2)), cost.draft), 1, 6)
     rates = OnlineCalibrator(6).rates()
     busy.choose([(1, rates)], plain=0)
-    alone = busy.extend_tokens()
+    alone = busy.level_tokens(2, 1, 1)
     busy.choose([(1, rates)], plain=7)  # the same sequence among 7 that decode plainly: rows cost more
-    assert busy.extend_tokens() > alone
+    assert busy.level_tokens(9, 1, 1) > alone
     # verification gets 1 s slower past 4 rows: the third level below the budget pays for that step
     stepped = CostModel(CostCurve((1.0, 4.0, 5.0, 1000.0), (1.0, 1.0, 2.0, 2.0)), cost.draft)
     policy = ScriptedY(topo, [0.95] * 6, threshold=0.9, cost=stepped)
     budget = policy.budget([GreedySeq()])
     assert budget == (1,) * 6 and policy._chosen_depth == 1
     per_token = 1.3 / 1.6
-    assert [policy.chooser.extend_tokens(j) for j in (1, 2, 3)] == pytest.approx(
+    assert [policy.chooser.level_tokens(rows, 1, 1) for rows in (2, 3, 4)] == pytest.approx(
         [0.3 / per_token, 0.3 / per_token, 1.3 / per_token])
     assert drafted_depth(policy, budget, seq=GreedySeq()) == 3  # 4 rows; a fourth level would cost 1.6 tokens
+
+class PerSeqY(AdaptiveSpeculation):
+    """y_hat = ``seq.y[d - 1]`` for every depth-d node of the sequence's tree."""
+
+    def predict(self, seq, feats):
+        return torch.full((feats.num_nodes,), seq.y[int(feats.depth[0]) - 1])
+
+
+def grown(policy, ys, widths=(1,) * 4):
+    """Sequences with per-depth y_hat ``ys[j]`` draft together; returns each one's depth."""
+    seqs = [type("Seq", (GreedySeq,), {"y": y})() for y in ys]
+    budget = policy.budget(seqs)
+    sub = policy.topology.subtree(tuple(min(a, b) for a, b in zip(widths, budget)))
+    trees = [DraftTree(sub, [1] * sub.num_nodes) for _ in seqs]
+    depth, active = [sub.max_depth] * len(seqs), list(range(len(seqs)))
+    for d in range(1, sub.max_depth):
+        lv = sub.level(d)
+        for i in active:
+            n = lv.stop - lv.start
+            trees[i].features.append(NodeFeatures(torch.full((n,), d), sub.rank[lv], torch.full((n,), 0.5),
+                                                  torch.ones(n, dtype=torch.bool)))
+        keep = policy.keep_drafting([seqs[i] for i in active], [trees[i] for i in active], d)
+        for i, k in zip(list(active), keep):
+            if not k:
+                depth[i] = d
+                active.remove(i)
+    return depth
+
+
+def test_a_level_grows_only_when_the_trees_that_grow_it_pay_for_it_together():
+    """A draft forward costs 0.3 s whatever its size, verification 1 s whatever its size.  For two
+    sequences at the prior rates (0.6) the plan is one level at 1.3 s / 3.2 tokens, so a level costs
+    0.3 / 0.406 = 0.74 tokens: a path with cum 0.95 (gain 0.57) does not pay for it alone, two do, and a
+    less sure path (cum 0.4, gain 0.24) pays the rest for the sure one."""
+    cost = CostModel(CostCurve((1.0, 1000.0), (1.0, 1.0)), CostCurve((1.0, 1000.0), (0.3, 0.3)))
+    policy = PerSeqY(TreeTopology((1,) * 4), threshold=0.9, cost=cost)
+    sure, unsure, hopeless = [0.95, 1.0, 1.0, 1.0], [0.4, 1.0, 1.0, 1.0], [0.05, 1.0, 1.0, 1.0]
+    assert grown(policy, [sure, hopeless]) == [1, 1]  # the hopeless one fails the threshold (cum < 0.1)
+    assert policy.chooser.level_tokens(3, 1, 1) == pytest.approx(0.3 / (1.3 / 3.2))
+    assert grown(policy, [sure, sure]) == [4, 4]
+    assert grown(policy, [sure, unsure]) == [4, 4]  # 0.57 + 0.24 > 0.74, and deeper levels keep paying
+    assert grown(policy, [unsure, unsure]) == [1, 1]  # 0.48 < 0.74
+    # the same sure path alone in a batch of one pays: its own plan is 1.3 s / 1.6 tokens (a level: 0.37)
+    assert grown(policy, [sure]) == [4]
+
 
 def test_keep_extending_exact_cases():
     assert keep_extending(torch.tensor([0.3, 0.71]), 2, threshold=0.3, min_depth=1)
@@ -369,6 +414,38 @@ def test_a_lagging_draft_catches_up_only_when_the_remaining_tokens_pay_for_it():
     busy = measured(AdaptiveSpeculation(topo, cost=CostModel(CostCurve((1.0, 1000.0), (1.0, 1000.0)), cost.draft)))
     assert busy.budget([Seq(lag, 10**6)]) == () and busy.chooser.saving == 0.0
     assert not busy.catch_up_pays(Seq(lag, 10**6))  # plain decoding pays best: nothing worth catching up for
+
+
+def test_the_budget_is_planned_for_the_sequences_that_draft():
+    """A sequence whose catch-up does not pay decodes plainly, so the step's budget is the one for the
+    others plus one plain row (a draft level no longer looks shared by it), and its decision holds for
+    the step."""
+    topo = TreeTopology((2, 1, 1))
+    # a draft forward of T tokens costs 0.05 + T/100 s, verification 0.1 s + 1 ms a row
+    cost = CostModel(CostCurve((1.0, 1000.0), (0.1, 1.1)), CostCurve((1.0, 1000.0), (0.06, 10.05)))
+    policy = AdaptiveSpeculation(topo, cost=cost)
+    n = 2 * policy.EXPLORE_NODES
+    policy.calibrators[True].update(torch.ones(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
+                                    torch.full((n,), 0.9), (torch.arange(n) % 10 < 9).float())
+
+    class Seq:
+        draft_slot = 0
+        request = type("R", (), {"spec": type("S", (), {"enabled": True}), "sampling": type("P", (), {"greedy": True})})
+        num_output = 5
+
+        def __init__(self, lag, remaining):
+            self.tokens, self.draft_cached, self.remaining = [0] * (lag + 10), 10, remaining
+
+    ready, lagging = [Seq(0, 100) for _ in range(3)], Seq(800, 20)
+    budget = policy.budget(ready + [lagging])
+    assert not policy.catch_up_pays(lagging) and all(policy.catch_up_pays(s) for s in ready)
+    alone = AdaptiveSpeculation(topo, cost=cost)
+    alone.calibrators = policy.calibrators
+    alone.budget(ready)  # the rates of the same calibrator
+    expected = alone.chooser.choose([(3, alone.calibrators[True].rates())], plain=1)
+    assert budget[: len(expected)] == expected and policy._chosen_depth == len(expected)
+    four = alone.chooser.choose([(4, alone.calibrators[True].rates())], plain=0)
+    assert four != expected  # the plan for four drafting sequences would have been another one
 
 
 def test_engine_skips_the_draft_for_requests_whose_catch_up_does_not_pay(models):

@@ -21,13 +21,15 @@ reached)`` from the acceptance head (when one is loaded for the request's temper
 ``d``, a sequence keeps drafting only while some live depth-``d`` node has ``cum >= 1 - h`` (i.e. it
 stops when ``1 - cum > h`` for every branch), and always while ``d < min_depth``.
 
-**Deeper than the budget.**  The load-aware budget is chosen from marginal per-depth rates, which
-cannot see that one sequence's path is nearly certain this step.  So a non-empty budget is extended
-by chain levels down to ``max_depth``, and a sequence drafts one of those levels only when, besides
-the threshold rule, its expected gain ``sum(cum) * r[d + 1]`` exceeds what the level costs in
-tokens at the step's planned rate (``BudgetChooser.extend_tokens``, from the measured cost curves,
-level by level).
-At batch 1 a confident path runs deep; in a loaded batch the verification rows make it not pay.
+**Levels must pay.**  The load-aware budget is chosen from marginal per-depth rates, which cannot
+see that one sequence's path is nearly certain this step, nor that the threshold rule will stop most
+of the batch early.  So a non-empty budget is extended by chain levels down to ``max_depth``, and at
+every depth from ``min_depth`` on, the trees the threshold rule would grow are weighed together: the most
+promising ones grow another level only when their summed expected gain ``sum(cum) * r[d + 1]`` beats
+what the level costs in tokens at the step's planned rate (one draft forward over their nodes plus
+the next level's verification rows on the block drafted so far, ``BudgetChooser.level_tokens``).
+At batch 1 a confident path runs deep; in a loaded batch a level run for one or two sequences stalls
+the others, and it stops.  Sequences whose catch-up does not pay are left out of the budget's plan.
 
 **Losslessness.**  Decisions use only draft-side information of this step (drafted tokens, q, draft
 hidden states) and statistics of *earlier* verifications.  Conditioned on everything before it, a
@@ -195,7 +197,9 @@ class AdaptiveSpeculation(SpecPolicy):
         self.chooser = BudgetChooser(topology, cost, min_depth, self.max_depth) if cost is not None else None
         self.probe_every = probe_every
         self._idle_steps = 0
-        self._chosen_depth = self.max_depth  # the last budget's depth; deeper levels must pay (keep_drafting)
+        self._chosen_depth = self.max_depth  # the last budget's depth (a probe's when it was one)
+        self._block = 0.0  # this step's verification rows so far (budget, then keep_drafting)
+        self._decided: dict[int, tuple["Sequence", bool]] = {}  # this step's catch-up decisions, by id(seq)
         self._rates: dict[bool, torch.Tensor] = {}  # the last budget's calibrator rates, by greedy
 
     @classmethod
@@ -229,20 +233,23 @@ class AdaptiveSpeculation(SpecPolicy):
     # ------------------------------------------------------------------ hooks
     def budget(self, seqs: list["Sequence"]) -> Optional[tuple[int, ...]]:
         full = self.topology.widths[: self.max_depth]
+        self._block = float(len(seqs))  # verification rows of the step so far: the roots (keep_drafting adds levels)
+        self._decided = {}
         if self.chooser is None:
             return full
-        groups: dict[bool, int] = {}
-        plain = 0
-        for s in seqs:
-            if s.request.spec.enabled and s.draft_slot is not None:
-                g = s.request.sampling.greedy
-                groups[g] = groups.get(g, 0) + 1
-            else:
-                plain += 1
-        self._rates = {g: self.calibrators[g].rates() for g in groups}  # this step's, also for keep_drafting
-        choice = self.chooser.choose([(n, self._rates[g]) for g, n in groups.items()], plain)
+        spec = [s for s in seqs if s.request.spec.enabled and s.draft_slot is not None]
+        self._rates = {g: self.calibrators[g].rates() for g in {s.request.sampling.greedy for s in spec}}
+        choice = self._choose(spec, len(seqs) - len(spec))
+        if choice:
+            # Sequences whose catch-up does not pay decode plainly this step.  Plan the step without them:
+            # a budget priced for every draft slot would make the few that draft pay alone for levels
+            # priced as shared.  Their decision is the one taken at the first plan's saving.
+            self._decided = {id(s): (s, self.catch_up_pays(s)) for s in spec}
+            drafting = [s for s in spec if self._decided[id(s)][1]]
+            if len(drafting) < len(spec):
+                choice = self._choose(drafting, len(seqs) - len(drafting))
         self._chosen_depth = len(choice)
-        if choice or not groups:
+        if choice or not spec:
             self._idle_steps = 0
             return choice + (1,) * (self.max_depth - len(choice)) if choice else choice  # deeper only if it pays
         self._idle_steps += 1
@@ -252,7 +259,16 @@ class AdaptiveSpeculation(SpecPolicy):
         self._chosen_depth = self.min_depth
         return (1,) * self.min_depth  # a probe
 
+    def _choose(self, spec: list["Sequence"], plain: int) -> tuple[int, ...]:
+        groups: dict[bool, int] = {}
+        for s in spec:
+            groups[s.request.sampling.greedy] = groups.get(s.request.sampling.greedy, 0) + 1
+        return self.chooser.choose([(n, self._rates[g]) for g, n in groups.items()], plain)
+
     def catch_up_pays(self, seq: "Sequence") -> bool:
+        decided = self._decided.get(id(seq))
+        if decided is not None and decided[0] is seq:
+            return decided[1]  # taken by this step's budget
         lag = len(seq.tokens) - seq.draft_cached
         if lag <= self.SMALL_LAG:
             return True
@@ -265,20 +281,44 @@ class AdaptiveSpeculation(SpecPolicy):
         return self.chooser.cost.catch_up_pays(lag, min(seq.remaining, self.HORIZON), self.chooser.saving)
 
     def keep_drafting(self, seqs: list["Sequence"], trees: list["DraftTree"], depth: int) -> list[bool]:
-        keep = []
+        want, gains, sizes = [], [], []
         for seq, tree in zip(seqs, trees):
             y = self.predict(seq, tree.features[-1])
             k = tree.sub.widths[depth - 1]
             parent_cum = tree.scores[-1].repeat_interleave(k) if tree.scores else torch.ones(y.numel())
             cum = torch.where(tree.features[-1].live, parent_cum * y, 0.0)  # [level nodes]
             tree.scores.append(cum)
-            go = keep_extending(cum, depth, self.threshold, self.min_depth)
-            if go and depth >= self._chosen_depth and self.chooser is not None:  # below the budget: if it pays
-                rates = self._rates[seq.request.sampling.greedy]
-                gain = float(cum.sum()) * float(rates[min(depth, rates.shape[0] - 1), 0])
-                go = gain > self.chooser.extend_tokens(depth - self._chosen_depth + 1)
-            keep.append(go)
-        return keep
+            want.append(keep_extending(cum, depth, self.threshold, self.min_depth))
+            sizes.append(cum.numel())
+            if self.chooser is not None:
+                rates = self._rates.get(seq.request.sampling.greedy)
+                if rates is None:  # not planned by this step's budget
+                    rates = self._rates[seq.request.sampling.greedy] = self.calibrators[seq.request.sampling.greedy].rates()
+                gains.append(float(cum.sum()) * float(rates[min(depth, rates.shape[0] - 1), 0]))  # one level deeper
+        self._block += sum(sizes)
+        if self.chooser is None or depth < self.min_depth:
+            return want
+        return self._levels_that_pay(trees, depth, want, gains, sizes)
+
+    def _levels_that_pay(self, trees: list["DraftTree"], depth: int, want: list[bool], gains: list[float],
+                         sizes: list[int]) -> list[bool]:
+        """Of the trees the threshold rule would grow, the most promising ones whose summed expected
+        gain beats what the level costs them together (one draft forward over their depth-``depth``
+        nodes plus the next level's verification rows, ``BudgetChooser.level_tokens``); none when no
+        set pays.  A lone confident sequence in a busy batch thus stops where a level shared by many
+        would have gone on."""
+        order = sorted((i for i, w in enumerate(want) if w), key=lambda i: -gains[i])
+        best, best_n = 0.0, 0
+        gain = draft = rows = 0.0
+        for n, i in enumerate(order, 1):
+            gain += gains[i]
+            draft += sizes[i]
+            rows += sizes[i] * trees[i].sub.widths[depth]
+            net = gain - self.chooser.level_tokens(self._block, draft, rows)
+            if net > best:
+                best, best_n = net, n
+        go = set(order[:best_n])
+        return [i in go for i in range(len(trees))]
 
     def predict(self, seq: "Sequence", feats: NodeFeatures) -> torch.Tensor:
         head = self.head_for(seq)

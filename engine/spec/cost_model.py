@@ -155,7 +155,7 @@ class BudgetChooser:
         self.sizes = member.sum(dim=1)  # [candidates]
         self._draft_seconds: dict[int, list[float]] = {}
         self.saving = 0.0  # seconds per emitted token the last choice saves over plain decoding
-        self._extend: tuple[int, float, float] = (0, 0.0, math.inf)  # (width, block tokens, s/token), see choose
+        self._per_token = math.inf  # seconds per emitted token of the last choice (inf: plain decoding)
 
     def expected_accepted(self, rates: torch.Tensor) -> torch.Tensor:
         """rates: [depths, ranks] P(accepted | parent reached) -> [candidates] expected accepted tokens."""
@@ -176,9 +176,9 @@ class BudgetChooser:
         """spec_counts: ``(sequences, rates)`` per group of speculating sequences sharing a rates
         table; ``plain``: sequences of the batch that decode without speculation.
 
-        Also prepares ``extend_tokens``."""
+        Also sets the rate ``level_tokens`` prices levels at."""
         spec = sum(n for n, _ in spec_counts)
-        self.saving, self._extend = 0.0, (0, 0.0, math.inf)
+        self.saving, self._per_token = 0.0, math.inf
         if spec == 0:
             return ()
         tokens = float(plain)
@@ -191,24 +191,20 @@ class BudgetChooser:
         self.saving = float(per_token[0] - per_token[best])
         choice = self.candidates[best]
         if choice:
-            width = math.prod(choice)  # nodes of the deepest level; one chain level more under each
-            self._extend = (width, spec * (1 + float(self.sizes[best])) + plain, float(per_token[best]))
+            self._per_token = float(per_token[best])
         return choice
 
-    def extend_tokens(self, extra: int = 1) -> float:
-        """What the ``extra``-th chain level below the last chosen tree costs a sequence, in tokens of
-        the chosen plan's seconds per token: a draft forward of the deepest level's nodes plus their
-        verification rows in this batch's block, on top of the ``extra - 1`` levels before it (the
-        measured curves are not linear: a block can cross a step where the kernels get slower).  A
-        sequence whose drafted path is confident enough to add more than that in expectation gains by
-        drafting deeper than the budget (``AdaptiveSpeculation.keep_drafting``); infinite after a
-        choice of plain decoding."""
-        width, total, per_token = self._extend
-        if not width:
+    def level_tokens(self, block: float, draft_tokens: float, rows: float) -> float:
+        """What one more draft level costs the step, in tokens at the chosen plan's seconds per token:
+        a draft forward of ``draft_tokens`` nodes plus ``rows`` more verification rows on a block that
+        already holds ``block`` rows (the measured curves are not linear: a block can cross a step where
+        the kernels get slower).  The forward is paid once for every sequence that grows the level, so
+        ``AdaptiveSpeculation.keep_drafting`` weighs it against their expected gain together; infinite
+        after a choice of plain decoding."""
+        if math.isinf(self._per_token):
             return math.inf
-        before = total + (extra - 1) * width
-        level = self.cost.draft(width) + self.cost.target(before + width) - self.cost.target(before)
-        return level / per_token
+        verify = self.cost.target(block + rows) - self.cost.target(block)
+        return (self.cost.draft(draft_tokens) + verify) / self._per_token
 
     def _draft_costs(self, batch: int) -> list[float]:
         if batch not in self._draft_seconds:
