@@ -291,9 +291,10 @@ class AdaptiveSpeculation(SpecPolicy):
             want.append(keep_extending(cum, depth, self.threshold, self.min_depth))
             sizes.append(cum.numel())
             if self.chooser is not None:
-                rates = self._rates.get(seq.request.sampling.greedy)
-                if rates is None:  # not planned by this step's budget
-                    rates = self._rates[seq.request.sampling.greedy] = self.calibrators[seq.request.sampling.greedy].rates()
+                g = seq.request.sampling.greedy
+                if g not in self._rates:  # a sequence this step's budget did not plan for
+                    self._rates[g] = self.calibrators[g].rates()
+                rates = self._rates[g]
                 gains.append(float(cum.sum()) * float(rates[min(depth, rates.shape[0] - 1), 0]))  # one level deeper
         self._block += sum(sizes)
         if self.chooser is None or depth < self.min_depth:
