@@ -88,6 +88,13 @@ class GreedySeq:
     request = type("R", (), {"spec": type("S", (), {"enabled": True}), "sampling": type("P", (), {"greedy": True})})
 
 
+class LaggingSeq(GreedySeq):
+    """A greedy sequence whose draft cache lags ``lag`` tokens, with ``remaining`` tokens to write."""
+
+    def __init__(self, lag, remaining):
+        self.tokens, self.draft_cached, self.remaining = [0] * (lag + 10), 10, remaining
+
+
 def test_a_confident_path_drafts_deeper_than_the_budget_when_a_level_pays():
     """Verification costs 1 s whatever its size, a draft level 0.3 s; at the prior rates (0.6) the
     budget is one level, and one more level pays when the path's expected gain ``cum * 0.6`` exceeds
@@ -383,37 +390,28 @@ def test_a_lagging_draft_catches_up_only_when_the_remaining_tokens_pay_for_it():
     cost = CostModel(CostCurve((1.0, 1000.0), (0.1, 0.2)), CostCurve((1.0, 1000.0), (0.01, 10.0)))
     policy = AdaptiveSpeculation(topo, cost=cost)
 
-    class Seq:
-        draft_slot = 0
-        request = type("R", (), {"spec": type("S", (), {"enabled": True}), "sampling": type("P", (), {"greedy": True})})
-
-        num_output = 5
-
-        def __init__(self, lag, remaining):
-            self.tokens, self.draft_cached, self.remaining = [0] * (lag + 10), 10, remaining
-
     def measured(p):  # verified first-level nodes at the prior's rate: estimates unchanged, no longer a prior
         n = 2 * p.EXPLORE_NODES
         p.calibrators[True].update(torch.ones(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
                                    torch.full((n,), 0.5), (torch.arange(n) % 5 < 3).float())
         return p
 
-    assert policy.budget([Seq(0, 100)]) != () and policy.chooser.saving > 0
+    assert policy.budget([LaggingSeq(0, 100)]) != () and policy.chooser.saving > 0
     saving = policy.chooser.saving
-    assert policy.catch_up_pays(Seq(3, 1))  # a short lag always catches up (inside the first level forward)
+    assert policy.catch_up_pays(LaggingSeq(3, 1))  # a short lag always catches up (inside the first level forward)
     lag = 500  # costs about 5 s
     needed = cost.draft(lag) / saving  # tokens left for which catching up breaks even
     assert 10 < needed < policy.HORIZON / 1.2
-    assert policy.catch_up_pays(Seq(lag, int(needed * 0.8)))  # nothing measured yet: catch up and learn
+    assert policy.catch_up_pays(LaggingSeq(lag, int(needed * 0.8)))  # nothing measured yet: catch up and learn
     measured(policy)
-    assert policy.budget([Seq(0, 100)]) != () and policy.chooser.saving == pytest.approx(saving, rel=0.05)
-    assert not policy.catch_up_pays(Seq(lag, int(needed * 0.8)))
-    assert policy.catch_up_pays(Seq(lag, int(needed * 1.2)))
+    assert policy.budget([LaggingSeq(0, 100)]) != () and policy.chooser.saving == pytest.approx(saving, rel=0.05)
+    assert not policy.catch_up_pays(LaggingSeq(lag, int(needed * 0.8)))
+    assert policy.catch_up_pays(LaggingSeq(lag, int(needed * 1.2)))
     huge = int(2 * policy.HORIZON * saving * 100)  # costs twice what HORIZON tokens save
-    assert not policy.catch_up_pays(Seq(huge, 10**6))  # max_tokens is only a bound: HORIZON caps it
+    assert not policy.catch_up_pays(LaggingSeq(huge, 10**6))  # max_tokens is only a bound: HORIZON caps it
     busy = measured(AdaptiveSpeculation(topo, cost=CostModel(CostCurve((1.0, 1000.0), (1.0, 1000.0)), cost.draft)))
-    assert busy.budget([Seq(lag, 10**6)]) == () and busy.chooser.saving == 0.0
-    assert not busy.catch_up_pays(Seq(lag, 10**6))  # plain decoding pays best: nothing worth catching up for
+    assert busy.budget([LaggingSeq(lag, 10**6)]) == () and busy.chooser.saving == 0.0
+    assert not busy.catch_up_pays(LaggingSeq(lag, 10**6))  # plain decoding pays best: nothing worth catching up for
 
 
 def test_the_budget_is_planned_for_the_sequences_that_draft():
@@ -428,15 +426,7 @@ def test_the_budget_is_planned_for_the_sequences_that_draft():
     policy.calibrators[True].update(torch.ones(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
                                     torch.full((n,), 0.9), (torch.arange(n) % 10 < 9).float())
 
-    class Seq:
-        draft_slot = 0
-        request = type("R", (), {"spec": type("S", (), {"enabled": True}), "sampling": type("P", (), {"greedy": True})})
-        num_output = 5
-
-        def __init__(self, lag, remaining):
-            self.tokens, self.draft_cached, self.remaining = [0] * (lag + 10), 10, remaining
-
-    ready, lagging = [Seq(0, 100) for _ in range(3)], Seq(800, 20)
+    ready, lagging = [LaggingSeq(0, 100) for _ in range(3)], LaggingSeq(800, 20)
     budget = policy.budget(ready + [lagging])
     assert not policy.catch_up_pays(lagging) and all(policy.catch_up_pays(s) for s in ready)
     alone = AdaptiveSpeculation(topo, cost=cost)
