@@ -47,6 +47,7 @@ def parse_configs(spec: str) -> list[dict]:
                                           ``--heads`` acceptance heads; ``hX``: threshold h = X)
     ...:vN                                any drafting config with the draft's output layer cut to the N most
                                           frequent tokens (``configs/draft_vocab/qwen2.5.safetensors``)
+    ...:q8                                any drafting config with the draft's weights in int8 (draft_int8)
     adaptive+maxgram:W[:heads]            the same with Max-Gram (the default preset's engine)
     """
     out = []
@@ -67,11 +68,14 @@ def parse_configs(spec: str) -> list[dict]:
             vs = [x for x in extra if x.startswith("v") and x[1:].isdigit()]
             if vs:
                 c["config"].update(draft_vocab=int(vs[0][1:]), draft_vocab_file=DRAFT_VOCAB_FILE)
-            if (len(extra) != c["heads"] + len(hs) + len(vs) or len(hs) > 1 or len(vs) > 1
+            q8 = extra.count("q8")
+            if q8:
+                c["config"]["draft_int8"] = True
+            if (len(extra) != c["heads"] + len(hs) + len(vs) + q8 or len(hs) > 1 or len(vs) > 1 or q8 > 1
                     or ((c["heads"] or hs) and not c["adaptive"])):
                 raise SystemExit(f"unknown config {item!r}")
             if kind.endswith("+maxgram"):
-                c.update(method="mcsd+maxgram", config=dict(MAXGRAM))
+                c.update(method="mcsd+maxgram", config={**MAXGRAM, **c["config"]})
             if not c["adaptive"]:
                 c["config"]["load_aware"] = False  # fixed: no load-aware caps on Max-Gram either
         else:

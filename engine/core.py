@@ -14,6 +14,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.models.loader import LoadedModel
+from engine.models.quant import int8_copy
 from engine.models.vocab import OutputVocab, frequent_vocab
 from engine.request import GenerationRequest, RequestOutput
 from engine.runner import ModelRunner, SeqStepResult, record_step
@@ -64,6 +65,8 @@ class EngineCore:
             _check_pair(target, draft)
             draft_cache = draft.model.new_cache(self.config.max_batch, draft_len)
             self.draft_vocab = _draft_vocab(draft, cfg)
+            if cfg.draft_int8:  # after the vocabulary cut, which copies bf16 rows of the output layer
+                draft = replace(draft, model=int8_copy(draft.model))
             if policy is None and self.config.adaptive:
                 policy = AdaptiveSpeculation.from_config(self.config, self.topology, target, draft, self.cache,
                                                          draft_cache, self.draft_vocab)

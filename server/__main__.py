@@ -48,7 +48,8 @@ def build_core(settings: Settings):
                           cascade_depth=settings.cascade_depth, maxgram_trust=settings.maxgram_trust,
                           mjsd_beam=settings.mjsd_beam, mjsd_depth=settings.mjsd_depth, mjsd_tau=settings.mjsd_tau,
                           target_init_k=settings.target_init_k, target_init_depth=settings.target_init_depth,
-                          draft_vocab=settings.draft_vocab, draft_vocab_file=settings.draft_vocab_file, **extra)
+                          draft_vocab=settings.draft_vocab, draft_vocab_file=settings.draft_vocab_file,
+                          draft_int8=settings.draft_int8, **extra)
     # The single place where the server builds the engine core.
     core = EngineCore(target, draft, config, model_name=settings.model_id)
     log.info("engine ready: context %d tokens, tree %s, default method %s, max batch %d", core.max_model_len,

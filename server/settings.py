@@ -69,6 +69,8 @@ class Settings(BaseModel):
                                                   "(lossless; 0 = whole vocabulary)")
     draft_vocab_file: Optional[str] = Field(None, description="token ranking the cut reads "
                                                               "(python -m engine.models.vocab)")
+    draft_int8: bool = Field(False, description="draft model's linear weights in int8 per output channel "
+                                                "(lossless: only the draft changes; CPU only)")
     max_batch: int = Field(8, ge=1, description="sequences decoding together")
     max_queue: int = Field(64, ge=1, description="requests waiting for a slot before 429")
     max_model_len: Optional[int] = Field(None, ge=2, description="context length (default: the model's)")

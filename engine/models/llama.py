@@ -7,7 +7,9 @@ position ids and an arbitrary attention mask over the sequence's pending entries
 Weights use Hugging Face names so checkpoints load as they are; q/k/v and gate/up projections are
 fused into one matrix each at load time (one GEMM instead of three / two).  Every matrix multiply
 goes through ``cpu_kernels.linear``: on CPUs without native bf16 it takes our batch-invariant bf16
-kernel (a 16-token verification block costs ~2.7x one token instead of ~15x), elsewhere F.linear.
+kernel (a 16-token verification block costs ~2.7x one token instead of ~15x), elsewhere F.linear;
+a draft model copied by ``engine.models.quant.int8_copy`` has int8 weights, which take torch's
+weight-only int8 kernel instead.
 """
 
 from __future__ import annotations
@@ -20,10 +22,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kv_cache import KVCache
-from engine.models.cpu_kernels import linear
+from engine.models import cpu_kernels
 from engine.models.config import ModelConfig
+from engine.models.quant import Int8Weight
 from engine.models.rope import RotaryTables, apply_rotary
 from engine.models.vocab import OutputVocab
+
+
+def linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if isinstance(weight, Int8Weight):
+        return weight.linear(x, bias)
+    return cpu_kernels.linear(x, weight, bias)
 
 
 class RMSNorm(nn.Module):
