@@ -6,6 +6,7 @@ runner.  It is driven by one thread (see ``engine.async_engine``); nothing here 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 from typing import Optional
@@ -33,6 +34,8 @@ from engine.spec.proposer import DraftModelProposer
 from engine.spec.tree import SubTree, TreeTopology
 from engine.stats import StepStats
 from engine.stop import TextStream
+
+log = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -66,7 +69,7 @@ class EngineCore:
             draft_cache = draft.model.new_cache(self.config.max_batch, draft_len)
             self.draft_vocab = _draft_vocab(draft, cfg)
             if cfg.draft_int8:  # after the vocabulary cut, which copies bf16 rows of the output layer
-                draft = replace(draft, model=int8_copy(draft.model))
+                draft = self._int8_draft(draft)
             if policy is None and self.config.adaptive:
                 policy = AdaptiveSpeculation.from_config(self.config, self.topology, target, draft, self.cache,
                                                          draft_cache, self.draft_vocab)
@@ -82,6 +85,19 @@ class EngineCore:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
         self._stats: list[StepStats] = []
+
+    @staticmethod
+    def _int8_draft(draft: LoadedModel) -> LoadedModel:
+        """The draft with int8 linear weights (``engine.models.quant``); on other devices than the CPU,
+        where the int8 kernel is not wired up, the draft as it is (logged), so that a CPU preset that
+        asks for it still starts on a GPU."""
+        if draft.model.device.type != "cpu":
+            log.warning("draft_int8 is implemented for CPU only; the draft stays %s on %s",
+                        draft.model.dtype, draft.model.device)
+            return draft
+        model = int8_copy(draft.model)
+        log.info("draft %s: linear weights in int8 (per output channel)", draft.source)
+        return replace(draft, model=model)
 
     def _maxgram_lengths(self, target: LoadedModel) -> LengthChooser:
         """Max-Gram's load-aware length cap, on the target cost curve (the adaptive policy's when it

@@ -99,3 +99,15 @@ def test_int8_is_refused_off_the_cpu():
     meta = tiny_loaded("qwen2", seed=1).model.to("meta")
     with pytest.raises(ValueError, match="CPU only"):
         int8_copy(meta)
+
+
+def test_the_engine_keeps_the_draft_as_it_is_off_the_cpu(caplog):
+    from dataclasses import replace
+
+    from engine.core import EngineCore
+
+    draft = tiny_loaded("qwen2", seed=1)
+    on_meta = replace(draft, model=draft.model.to("meta"))
+    assert EngineCore._int8_draft(on_meta) is on_meta
+    assert "CPU only" in caplog.text
+    assert is_int8(EngineCore._int8_draft(tiny_loaded("qwen2", seed=1)).model)

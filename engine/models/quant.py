@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _K_MULTIPLE = 16
+_ROWS = 4096  # rows converted at a time
 
 
 class Int8Weight:
@@ -43,9 +44,15 @@ class Int8Weight:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> "Int8Weight":
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+        n = weight.shape[0]
+        q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+        scale = torch.empty(n, dtype=torch.float32, device=weight.device)
+        for i in range(0, n, _ROWS):  # in row blocks: no fp32 copy of a whole output layer
+            w = weight[i:i + _ROWS].detach().float()
+            # the scale as the kernel will read it (rounded to the weight's dtype), so q fits that one
+            s = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(weight.dtype).float()
+            q[i:i + _ROWS] = w.div_(s[:, None]).round_().clamp_(-127, 127)
+            scale[i:i + _ROWS] = s
         return cls(q, scale.to(weight.dtype))
 
     def dequantize(self) -> torch.Tensor:
@@ -69,7 +76,8 @@ class Int8Weight:
             got = self.linear(x).float()
         except RuntimeError:
             return False
-        want = x.float() @ self.dequantize().float().T
+        want = torch.cat([(x.float() @ self.q[i:i + _ROWS].float().T) * self.scale[i:i + _ROWS].float()
+                          for i in range(0, self.q.shape[0], _ROWS)], dim=1)
         tol = 2e-2 * float(want.abs().max()) + 1e-3  # the kernel's bf16 rounding, not a quantization error
         return bool(torch.isfinite(got).all()) and float((got - want).abs().max()) <= tol
 
