@@ -48,7 +48,7 @@ class Int8Weight:
         q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
         scale = torch.empty(n, dtype=torch.float32, device=weight.device)
         for i in range(0, n, _ROWS):  # in row blocks: no fp32 copy of a whole output layer
-            w = weight[i:i + _ROWS].detach().float()
+            w = weight[i:i + _ROWS].detach().to(torch.float32, copy=True)  # never the weight itself (fp32)
             # the scale as the kernel will read it (rounded to the weight's dtype), so q fits that one
             s = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(weight.dtype).float()
             q[i:i + _ROWS] = w.div_(s[:, None]).round_().clamp_(-127, 127)
