@@ -39,10 +39,10 @@ def test_int8_linear_equals_the_dequantized_product(dtype):
     bias = torch.randn(48, generator=gen).to(dtype)
     q = Int8Weight.quantize(w)
     assert q.works()
-    x = torch.randn(2, 5, 96, generator=gen).to(dtype)
+    x = torch.randn(2, 3, 96, generator=gen).to(dtype)  # 6 rows: int8 (MAX_ROWS)
     got = q.linear(x, bias)
     want = (x.float() @ q.dequantize().float().T + bias.float())
-    assert got.shape == (2, 5, 48) and got.dtype == dtype
+    assert got.shape == (2, 3, 48) and got.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
@@ -111,3 +111,20 @@ def test_the_engine_keeps_the_draft_as_it_is_off_the_cpu(caplog):
     assert EngineCore._int8_draft(on_meta) is on_meta
     assert "CPU only" in caplog.text
     assert is_int8(EngineCore._int8_draft(tiny_loaded("qwen2", seed=1)).model)
+
+
+def test_many_rows_take_the_original_weight_and_few_rows_take_int8():
+    from engine.models import cpu_kernels
+    from engine.models.quant import MAX_ROWS
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 64, generator=gen)
+    q = Int8Weight.quantize(w)
+    assert q.dense is w
+    few = torch.randn(1, MAX_ROWS, 64, generator=gen)
+    many = torch.randn(1, MAX_ROWS + 1, 64, generator=gen)
+    assert torch.equal(q.linear(many), cpu_kernels.linear(many, w))
+    assert torch.equal(q.linear(few), q._int8(few)) and not torch.equal(q.linear(few), cpu_kernels.linear(few, w))
+    # without the original, every product is int8
+    only = Int8Weight(q.q, q.scale)
+    torch.testing.assert_close(only.linear(many), q._int8(many))

@@ -13,6 +13,10 @@ How.  Every linear weight ``W [N, K]`` of the decoder layers and the output laye
 gpt-fast uses).  Embeddings and norms stay as they are.  :func:`int8_copy` builds a new model that
 shares those with the original, so the bf16 model a caller holds keeps working unchanged.
 
+That kernel is a GEMV: past a few rows it is slower than bf16 (see ``MAX_ROWS``), so each int8 weight
+keeps its original beside it and products of more rows (prompt catch-ups, wide tree levels) use the
+original.  The draft thus holds 1.5x its bf16 bytes; what it reads per drafted token is halved.
+
 That kernel is private to torch and only handles ``K % 16 == 0`` (other shapes return garbage or
 crash), so each weight is checked once, at quantization, against the dequantized matmul; a weight
 whose shape or check fails stays in its original dtype (logged).  CPU only.
@@ -27,20 +31,26 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from engine.models import cpu_kernels
+
 log = logging.getLogger(__name__)
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _K_MULTIPLE = 16
 _ROWS = 4096  # rows converted at a time
+# torch's int8 kernel is a GEMV: a whole 0.5B draft forward of 1 / 4 / 8 / 16 / 64 tokens took 51 / 54 /
+# 113 / 214 / 668 ms against bf16's 98 / 90 / 100 / 132 / 305 ms on the project's 2-core machine.
+# Tree levels of a few nodes take int8; prompt catch-ups and wide levels take the original weight.
+MAX_ROWS = 6
 
 
 class Int8Weight:
     """``W ~= q * scale[:, None]``: q [N, K] int8, scale [N] in the activations' dtype."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dense: Optional[torch.Tensor] = None) -> None:
         self.q = q
         self.scale = scale
-        self.shape = q.shape
+        self.dense = dense  # the original weight, for products of more than MAX_ROWS rows (None: always int8)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> "Int8Weight":
@@ -53,13 +63,19 @@ class Int8Weight:
             s = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(weight.dtype).float()
             q[i:i + _ROWS] = w.div_(s[:, None]).round_().clamp_(-127, 127)
             scale[i:i + _ROWS] = s
-        return cls(q, scale.to(weight.dtype))
+        return cls(q, scale.to(weight.dtype), weight)
 
     def dequantize(self) -> torch.Tensor:
         return (self.q.float() * self.scale.float()[:, None]).to(self.scale.dtype)
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``x @ W.T + bias`` for x [..., K] in the scale's dtype -> [..., N]."""
+        """``x @ W.T + bias`` for x [..., K] in the scale's dtype -> [..., N]: int8 for up to
+        ``MAX_ROWS`` rows, else the original weight."""
+        if self.dense is not None and x.numel() > MAX_ROWS * x.shape[-1]:
+            return cpu_kernels.linear(x, self.dense, bias)
+        return self._int8(x, bias)
+
+    def _int8(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         lead = x.shape[:-1]
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), self.q, self.scale)
         if bias is not None:
@@ -73,7 +89,7 @@ class Int8Weight:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(3, self.q.shape[1], generator=gen).to(self.scale.dtype)
         try:
-            got = self.linear(x).float()
+            got = self._int8(x).float()
         except RuntimeError:
             return False
         want = torch.cat([(x.float() @ self.q[i:i + _ROWS].float().T) * self.scale[i:i + _ROWS].float()
