@@ -13,13 +13,12 @@ How.  Every linear weight ``W [N, K]`` of the decoder layers and the output laye
 gpt-fast uses).  Embeddings and norms stay as they are.  :func:`int8_copy` builds a new model that
 shares those with the original, so the bf16 model a caller holds keeps working unchanged.
 
-That kernel is a GEMV: past a few rows it is slower than bf16 (see ``MAX_ROWS``), so each int8 weight
-keeps its original beside it and products of more rows (prompt catch-ups, wide tree levels) use the
-original.  The draft thus holds 1.5x its bf16 bytes; what it reads per drafted token is halved.
-
 That kernel is private to torch and only handles ``K % 16 == 0`` (other shapes return garbage or
 crash), so each weight is checked once, at quantization, against the dequantized matmul; a weight
-whose shape or check fails stays in its original dtype (logged).  CPU only.
+whose shape or check fails stays in its original dtype (logged).  It is also a GEMV: past a few rows
+it is slower than bf16 (see ``MAX_ROWS``), so each int8 weight keeps its original beside it and
+products of more rows (prompt catch-ups, wide tree levels) use the original.  The draft thus holds
+1.5x its bf16 bytes; what it reads per drafted token is halved.  CPU only.
 """
 
 from __future__ import annotations
@@ -84,7 +83,7 @@ class Int8Weight:
 
     def works(self) -> bool:
         """Whether torch's kernel computes this weight's product correctly (checked on random rows)."""
-        if self.q.shape[1] % _K_MULTIPLE or self.q.device.type != "cpu":
+        if self.q.shape[1] % _K_MULTIPLE:
             return False
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(3, self.q.shape[1], generator=gen).to(self.scale.dtype)
