@@ -21,13 +21,13 @@ from engine.sampler import compute_probs, process_logits, raw_logprobs
 from engine.sequence import Sequence
 from engine.spec.history import RowHistory
 from engine.spec.cascade import CascadeProposer
-from engine.spec.draft_tree import BIGRAM, DEAD, MAXGRAM, DraftTree
+from engine.spec.draft_tree import DEAD, DraftTree
 from engine.spec.maxgram import MaxGramDrafter
 from engine.spec.methods import DraftPlan
 from engine.spec.mjsd import MjsdProposer, verify_joint
 from engine.spec.target_init import draw_candidates, verify_target_init
 from engine.spec.proposer import DraftModelProposer
-from engine.spec.verify import VerifyResult, residual, verify_greedy, verify_sampled
+from engine.spec.verify import TorchCoins, VerifyResult, residual, verify_greedy, verify_sampled
 from engine.stats import StepStats, add_at
 
 
@@ -114,7 +114,7 @@ class ModelRunner:
                 trees[i] = tree
         if self.maxgram is not None:
             for seq, plan, tree in zip(seqs, plans, trees):
-                self._add_maxgram(seq, plan, tree)
+                self.maxgram.extend_tree(seq, tree, plan.tail, plan.maxgram, plan.branches)
         return trees
 
     def _trust_maxgram(self, seq: Sequence, plan: DraftPlan) -> DraftPlan:
@@ -127,15 +127,6 @@ class ModelRunner:
             return plan
         empty = self.proposer.topology.subtree(()) if self.proposer is not None else plan.sub
         return DraftPlan(plan.method, empty, maxgram=plan.maxgram, branches=max(plan.branches, 1))
-
-    def _add_maxgram(self, seq: Sequence, plan: DraftPlan, tree: DraftTree) -> None:
-        if plan.tail and tree.tokens:
-            leaf = tree.leaves()[0]  # deepest, the most likely path among equals (lowest index)
-            for prop in self.maxgram.propose(seq, tree.path_to(leaf), plan.tail):
-                tree.add_path(leaf, prop.tokens, MAXGRAM if prop.match else BIGRAM)
-        if plan.maxgram and plan.branches:
-            for prop in self.maxgram.propose(seq, (), plan.maxgram, plan.branches):
-                tree.add_path(-1, prop.tokens, MAXGRAM if prop.match else BIGRAM)
 
     def _verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor, init: bool = False) -> SeqStepResult:
         """logits: [1+n, vocab] target logits of the root and the tree nodes."""
@@ -150,13 +141,13 @@ class ModelRunner:
             return compute_probs(logits[row][None], st, *(hist.tensors() if hist else (None, None)))[0]
 
         candidates = None
+        coins = TorchCoins(seq.generator)
         if init:  # target-initialised candidates, lossy by design
             def accept(row: int, node: int) -> bool:
                 x = tree.tokens[node]
                 if params.greedy:
                     return int(processed(row).argmax()) == x
-                u = float(torch.rand((), generator=seq.generator))
-                return u * float(tree.q[row][x]) <= float(processed(row)[x])
+                return coins.accept(float(processed(row)[x]), float(tree.q[row][x]))
 
             result, rejected = verify_target_init(accept, tree.tokens, [[c for c, _ in evs] for evs in events])
             row = result.final_row
@@ -165,7 +156,7 @@ class ModelRunner:
             probs = processed(row)
             if rejected and not params.greedy:
                 probs = residual(probs, tree.q[row])
-            candidates = draw_candidates(x, probs, st, self.target_init_k, seq.generator)
+            candidates = draw_candidates(x, probs, st, self.target_init_k, coins)
         elif tree.joint_logq is not None:  # MJSD, lossy by design
             result = verify_joint(logits, tree.tokens, tree.joint_logq, seq, self.mjsd_tau)
         elif params.greedy:
@@ -176,7 +167,7 @@ class ModelRunner:
                 result = verify_greedy(lambda r: best[r], tree.tokens, events)
         else:
             result = verify_sampled(processed, lambda r: tree.q[r], tree.tokens, events,
-                                    seq.generator, self.proposer is None or self.proposer.without_replacement)
+                                    coins, self.proposer is None or self.proposer.without_replacement)
         drafted = sum(1 for t in tree.tokens if t != DEAD)
         lps = self._logprobs(logits, result, params.logprobs) if params.logprobs is not None else None
         return SeqStepResult(seq, result, tree, drafted, lps, logits, candidates)

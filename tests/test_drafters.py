@@ -5,7 +5,6 @@ from collections import Counter
 
 import pytest
 import torch
-from scipy import stats
 
 from engine.request import SpecOptions
 from engine.sequence import Sequence
@@ -16,6 +15,7 @@ from engine.spec.tree import TreeTopology
 from engine.spec.verify import residual, verify_sampled
 from engine.request import GenerationRequest, SamplingParams
 from tests.engine_utils import run_engine
+from tests.exact_law import Replay, enumerate_law
 from tests.test_tree import fresh_mask
 from tests.tiny import tiny_loaded
 
@@ -106,44 +106,39 @@ def test_merged_tree_shares_prefixes_and_its_mask_is_the_fresh_one():
 
 
 # ---------------------------------------------------------------------------- the merged-node rule
-P = torch.tensor([0.35, 0.25, 0.2, 0.15, 0.05], dtype=torch.float64).float()
-Q = torch.tensor([0.1, 0.4, 0.3, 0.1, 0.1], dtype=torch.float64).float()
+P = torch.tensor([0.35, 0.25, 0.2, 0.15, 0.05], dtype=torch.float64)
+Q = torch.tensor([0.1, 0.4, 0.3, 0.1, 0.1], dtype=torch.float64)
 
 
-def merged_row_samples(runs: int, onehot_token: int, skip_sampled_duplicate: bool = False) -> Counter:
-    """Emitted first token of a one-row tree: two draft candidates drawn without replacement from
-    Q, plus Max-Gram's fixed proposal (merged with a draft candidate when equal)."""
-    from engine.sampler import sample_k_distinct
-    gen = torch.Generator().manual_seed(0)
+def merged_row_law(onehot_token: int, skip_sampled_duplicate: bool = False) -> torch.Tensor:
+    """Exact law of the emitted first token of a one-row tree: two draft candidates drawn without
+    replacement from Q, plus Max-Gram's fixed proposal (merged with a draft candidate when equal)."""
     sub = TreeTopology((2,)).subtree((2,))
-    out = Counter()
-    for _ in range(runs):
-        u = torch.rand(1, 2, generator=gen)
-        toks = sample_k_distinct(Q[None], u)[0].tolist()
-        tree = DraftTree(sub, toks, q={0: Q})
+
+    def step(coins: Replay) -> tuple:
+        tree = DraftTree(sub, coins.draw_distinct(Q, 2), q={0: Q})
         tree.add_path(-1, [onehot_token], MAXGRAM)
         events = tree.events()
         if skip_sampled_duplicate:  # a wrong rule: a merged node keeps only its one-hot proposal
             merged = {n for n, k in events[0] if k == ONEHOT}
             events[0] = [(n, k) for n, k in events[0] if k == ONEHOT or n not in merged]
         events += [[] for _ in range(4)]
-        r = verify_sampled(lambda row: P, lambda row: tree.q[row], tree.tokens + [0] * 3, events, gen)
-        out[r.tokens[0]] += 1
-    return out
+        r = verify_sampled(lambda row: P, lambda row: tree.q[row], tree.tokens + [0] * 3, events, coins)
+        return (r.tokens[0],)
 
-
-def pvalue(counts: Counter, p: torch.Tensor) -> float:
-    n = sum(counts.values())
-    return float(stats.chisquare([counts.get(i, 0) for i in range(len(p))], (p.double() * n).numpy()).pvalue)
+    law = torch.zeros(len(P), dtype=torch.float64)
+    for (tok,), pr in enumerate_law(step, last_draw_emitted=False).items():
+        law[tok] += pr
+    return law
 
 
 def test_a_node_proposed_by_two_drafters_keeps_the_target_distribution():
     """The documented rule (engine.spec.draft_tree): one event per proposal, one-hot first.  The first
-    token must have law P exactly; dropping the merged node's sampled event biases it."""
-    counts = merged_row_samples(20_000, onehot_token=1)  # token 1 is Q's likeliest: merged most runs
-    assert pvalue(counts, P) > 1e-3
-    bad = merged_row_samples(20_000, onehot_token=1, skip_sampled_duplicate=True)
-    assert pvalue(bad, P) < 1e-6
+    token has law P exactly; dropping the merged node's sampled event biases it."""
+    for token in range(len(P)):
+        assert torch.allclose(merged_row_law(onehot_token=token), P, atol=1e-12, rtol=0), token
+    bad = merged_row_law(onehot_token=1, skip_sampled_duplicate=True)  # token 1 is Q's likeliest
+    assert (bad - P).abs().max() > 1e-2
 
 
 def test_onehot_residual_removes_the_token():

@@ -30,12 +30,13 @@ from typing import Optional
 import torch
 
 from engine.batching import Block
-from engine.sampler import SamplingTensors, compute_probs, draw_uniforms, sample_from_probs
+from engine.sampler import SamplingTensors, compute_probs
 from engine.sequence import Sequence
 from engine.spec.draft_tree import CASCADE, SAMPLED, DraftTree
 from engine.spec.maxgram import MaxGramDrafter
 from engine.spec.proposer import DraftModelProposer
 from engine.spec.tree import SubTree
+from engine.spec.verify import Coins, TorchCoins, onehot_residual
 
 
 @dataclass
@@ -116,27 +117,11 @@ class CascadeProposer:
         base = c.pending + (1 if logits is not None and c.frontier is None else 0)  # entry of guess[0]
         # rows[i]: raw logits for the token after chain + guess[:i]; rows[len(guess)] only if the guess ran
         probs = self._probs(c, guess, rows)
-        params = c.seq.request.sampling
-        u = draw_uniforms([c.seq.generator], [len(guess) + 1])[0] if not params.greedy else None
         c.frontier = None
-        for i, g in enumerate(guess):
-            p = probs[i]
-            ok = int(p.argmax()) == g if params.greedy else float(u[i]) < float(p[g])
-            if not ok:
-                if params.greedy:
-                    y = int(p.argmax())
-                else:
-                    rest = p.clone()
-                    rest[g] = 0.0
-                    y = int(sample_from_probs((rest / rest.sum())[None], u[len(guess)][None])[0])
-                self._append(c, y, p, -1)
-                return
-            self._append(c, g, p, base + i)
-            if c.done:
-                return
-        p = probs[len(guess)]  # every guess kept (or none made): draw the next token from q
-        y = int(p.argmax()) if params.greedy else int(sample_from_probs(p[None], u[len(guess)][None])[0])
-        self._append(c, y, p, -1)
+        coins = TorchCoins(c.seq.generator)
+        kept, tokens = review_guess(probs, guess, c.depth - len(c.tokens), c.seq.request.sampling.greedy, coins)
+        for i, tok in enumerate(tokens):
+            self._append(c, tok, probs[i], base + i if i < kept else -1)  # a new token was not run yet
 
     def _append(self, c: _Chain, tok: int, q: torch.Tensor, entry: int) -> None:
         c.tokens.append(tok)
@@ -159,3 +144,28 @@ class CascadeProposer:
             if seq.prompt_mask is not None:
                 prompt = seq.prompt_mask.expand(rows.shape[0], -1)
         return compute_probs(rows, st, counts, prompt)
+
+
+def review_guess(probs: torch.Tensor, guess: list[int], room: int, greedy: bool, coins: Coins) -> tuple[int, list[int]]:
+    """The draft's exact review of Max-Gram's ``guess`` (the inner level of the cascade).
+
+    ``probs[i]`` [vocab]: the draft's processed law of the token after the chain and ``guess[:i]``
+    (``len(guess) + 1`` rows, or one when there is no guess).  ``guess[i]`` is kept with probability
+    ``probs[i][guess[i]]`` (its one-hot law against the draft as the "target"); at the first rejection
+    a correction ``y ~ norm((probs[i] - e_g)+)`` ends the round; when every guess is kept (or there is
+    none) the round draws ``y ~ probs[len(guess)]``.  Greedy: a guess is kept iff it is the argmax, and
+    ``y`` is the argmax.  So token ``i`` of the result has law exactly ``probs[i]``.
+
+    Returns ``(kept, tokens)``: ``tokens[:kept]`` is the kept prefix of the guess, followed by ``y``
+    unless ``room`` tokens were already kept."""
+    tokens: list[int] = []
+    for i, g in enumerate(guess):
+        p = probs[i]
+        ok = int(p.argmax()) == g if greedy else coins.accept(float(p[g]), 1.0)
+        if not ok:
+            return i, tokens + [int(p.argmax()) if greedy else coins.draw(onehot_residual(p, g))]
+        tokens.append(g)
+        if len(tokens) == room:
+            return i + 1, tokens
+    p = probs[len(guess)]
+    return len(guess), tokens + [int(p.argmax()) if greedy else coins.draw(p)]

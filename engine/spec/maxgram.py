@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Optional, Sequence as Seq
 
 from engine.sequence import Sequence
+from engine.spec.draft_tree import BIGRAM, MAXGRAM, DraftTree
 
 
 @dataclass
@@ -165,6 +166,18 @@ class MaxGramDrafter:
             if cont:
                 out.append(Proposal(cont, 0))
         return out
+
+    def extend_tree(self, seq: Sequence, tree: DraftTree, tail: int = 0, length: int = 0, branches: int = 0) -> None:
+        """Appends Max-Gram's one-hot proposals to ``tree``: a ``tail`` of up to that many tokens below its
+        deepest live node (the most likely path among equals; the horizontal cascade), then up to
+        ``branches`` proposals of up to ``length`` tokens from the root (merged with equal nodes)."""
+        if tail and tree.tokens:
+            leaf = tree.leaves()[0]
+            for prop in self.propose(seq, tree.path_to(leaf), tail):
+                tree.add_path(leaf, prop.tokens, MAXGRAM if prop.match else BIGRAM)
+        if length and branches:
+            for prop in self.propose(seq, (), length, branches):
+                tree.add_path(-1, prop.tokens, MAXGRAM if prop.match else BIGRAM)
 
 
 MATCH_CLASSES = 4  # what a proposal is known to come from: 0 = the bigram table, 1, 2, 3 = a match of 1, 2, 3+

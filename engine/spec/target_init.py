@@ -25,9 +25,9 @@ from typing import Callable
 
 import torch
 
-from engine.sampler import SamplingTensors, draw_uniforms, sample_k_distinct
+from engine.sampler import SamplingTensors
 from engine.spec.draft_tree import DEAD
-from engine.spec.verify import VerifyResult
+from engine.spec.verify import Coins, VerifyResult
 
 LOSSY_NOTE = ("lossy: target-initialised candidates keep the target-sampled token whose draft continuation "
               "survives longest, which biases the output towards tokens the draft predicts well")
@@ -59,12 +59,10 @@ def verify_target_init(accept: Callable[[int, int], bool], tokens: list[int],
                         rows=[0] + [1 + i for i in best[:-1]]), best_rejected
 
 
-def draw_candidates(x: torch.Tensor, probs: torch.Tensor, st: SamplingTensors, k: int,
-                    generator: torch.Generator) -> list[int]:
+def draw_candidates(x: torch.Tensor, probs: torch.Tensor, st: SamplingTensors, k: int, coins: Coins) -> list[int]:
     """``k`` distinct candidate roots: the top ``k`` of the processed logits ``x`` [vocab] for greedy
     requests, else drawn without replacement from ``probs`` [vocab] (the target's sampling distribution
     there, or the residual left by a rejected draft token, so that ``k = 1`` is exact)."""
     if bool(st.greedy[0]):
         return x.topk(k).indices.tolist()
-    u = draw_uniforms([generator], [k])
-    return [t for t in sample_k_distinct(probs[None], u)[0].tolist() if t >= 0]
+    return coins.draw_distinct(probs, k)

@@ -18,16 +18,21 @@ the tree taking the child equal to the target's argmax, else emit the argmax.
 
 Target rows are evaluated lazily (``p_of(row)``): a walk touches at most depth + 1 rows, so only
 those are turned into probability vectors.
+
+**Randomness.**  The rule's random decisions go through a :class:`Coins` object: an acceptance test
+``u <= p(x) / q(x)`` and a draw ``y ~ p``.  The engine's :class:`TorchCoins` makes them from the
+request's seeded generator; the tests' exact-law harness (``tests/exact_law.py``) makes every outcome in
+turn, with its probability, and so computes the rule's output law exactly instead of sampling it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
-from engine.sampler import sample_from_probs
+from engine.sampler import draw_uniforms, sample_from_probs, sample_k_distinct
 from engine.spec.draft_tree import DEAD, ONEHOT
 from engine.spec.tree import SubTree
 
@@ -39,6 +44,40 @@ class VerifyResult:
     bonus: bool  # True: the final token is a bonus (no child of the last row was rejected)
     final_row: int  # block row whose distribution produced the final token
     rows: list[int]  # block rows that produced each emitted token (for logprobs)
+
+
+class Coins(Protocol):
+    """The two random decisions of the rule."""
+
+    def accept(self, p_x: float, q_x: float) -> bool:
+        """True with probability ``min(1, p_x / q_x)`` (always when ``q_x == 0``)."""
+
+    def draw(self, p: torch.Tensor) -> int:
+        """A token with probability ``p[y] / sum(p)`` (``p`` non-negative, positive sum)."""
+
+    def draw_distinct(self, p: torch.Tensor, k: int) -> list[int]:
+        """Up to ``k`` distinct tokens drawn one after the other without replacement (fewer when ``p``
+        has fewer positive entries)."""
+
+
+class TorchCoins:
+    """:class:`Coins` from a torch generator: one uniform per decision, in the order they are made, so a
+    seeded request reproduces."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def accept(self, p_x: float, q_x: float) -> bool:
+        u = float(torch.rand((), generator=self.generator))
+        return u * q_x <= p_x  # u <= p/q without dividing by a tiny q
+
+    def draw(self, p: torch.Tensor) -> int:
+        u = torch.rand(1, generator=self.generator)
+        return int(sample_from_probs(p[None], u)[0])
+
+    def draw_distinct(self, p: torch.Tensor, k: int) -> list[int]:
+        u = draw_uniforms([self.generator], [k])
+        return [t for t in sample_k_distinct(p[None], u)[0].tolist() if t >= 0]
 
 
 def children_of(sub: SubTree) -> list[list[int]]:
@@ -71,7 +110,7 @@ def verify_sampled(
     q_of: Callable[[int], torch.Tensor],  # row -> draft probs [vocab] its children were drawn from
     tokens: list[int],
     events: list[list[tuple[int, int]]],
-    generator: torch.Generator,
+    coins: Coins,
     without_replacement: bool = True,
 ) -> VerifyResult:
     """Multi-candidate speculative sampling along the tree (see the module docstring).
@@ -83,28 +122,27 @@ def verify_sampled(
         kids = [(c, k) for c, k in events[row] if tokens[c] != DEAD]
         p = p_of(row)
         if not kids:
-            y = _draw(p, generator)
+            y = coins.draw(p)
             return VerifyResult(accepted, [tokens[i] for i in accepted] + [y], True, row, rows)
         q = None
         taken = None
         for c, kind in kids:
             x = tokens[c]
-            u = float(torch.rand((), generator=generator))
             if kind == ONEHOT:
-                if u <= float(p[x]):
+                if coins.accept(float(p[x]), 1.0):
                     taken = c
                     break
                 p = onehot_residual(p, x)
                 continue
             q = q_of(row) if q is None else q
-            if u * float(q[x]) <= float(p[x]):  # u <= p/q without dividing by a tiny q
+            if coins.accept(float(p[x]), float(q[x])):
                 taken = c
                 break
             p = residual(p, q)
             if without_replacement:
                 q = remove_candidate(q, x)
         if taken is None:
-            y = _draw(p, generator)
+            y = coins.draw(p)
             return VerifyResult(accepted, [tokens[i] for i in accepted] + [y], False, row, rows)
         accepted.append(taken)
         row = taken + 1
@@ -130,8 +168,3 @@ def remove_candidate(q: torch.Tensor, x: int) -> torch.Tensor:
     q[x] = 0.0
     total = q.sum()
     return q / total if total > 0 else q
-
-
-def _draw(p: torch.Tensor, generator: torch.Generator) -> int:
-    u = torch.rand(1, generator=generator)
-    return int(sample_from_probs(p[None], u)[0])
