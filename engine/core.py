@@ -15,6 +15,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.models.loader import LoadedModel
+from engine.models.qweight import QuantLinear
 from engine.models.quant import int8_copy
 from engine.models.vocab import OutputVocab, frequent_vocab
 from engine.request import GenerationRequest, RequestOutput
@@ -94,6 +95,9 @@ class EngineCore:
         if draft.model.device.type != "cpu":
             log.warning("draft_int8 is implemented for CPU only; the draft stays %s on %s",
                         draft.model.dtype, draft.model.device)
+            return draft
+        if any(isinstance(m, QuantLinear) for m in draft.model.modules()):
+            log.info("draft %s: weights already in GGUF blocks; draft_int8 has nothing to do", draft.source)
             return draft
         model = int8_copy(draft.model)
         log.info("draft %s: linear weights in int8 (per output channel)", draft.source)

@@ -32,11 +32,12 @@ def build_core(settings: Settings):
     if settings.threads:
         torch.set_num_threads(settings.threads)
     log.info("loading target %s (%s, %s)", settings.model, settings.dtype, settings.device)
-    target = load_model(settings.model, settings.dtype, settings.device)
+    weights = dict(gguf_weights=settings.gguf_weights, quantize=settings.quantize)
+    target = load_model(settings.model, settings.dtype, settings.device, **weights)
     draft = None
     if settings.draft_model:
         log.info("loading draft %s", settings.draft_model)
-        draft = load_model(settings.draft_model, settings.dtype, settings.device)
+        draft = load_model(settings.draft_model, settings.dtype, settings.device, **weights)
     extra = {"max_model_len": settings.max_model_len} if settings.max_model_len else {}
     if settings.acceptance_heads:
         extra["acceptance_heads"] = tuple(h.strip() for h in settings.acceptance_heads.split(",") if h.strip())

@@ -42,6 +42,11 @@ class Settings(BaseModel):
     draft_model: Optional[str] = Field(None, description="draft model (same sources); none = no speculation")
     dtype: str = Field("bf16", description="weights dtype: bf16, fp16 or fp32")
     device: str = Field("cpu", description="cpu or cuda[:N]")
+    gguf_weights: Literal["dequantize", "native"] = Field(
+        "dequantize", description="GGUF models: 'native' keeps the quantized blocks and multiplies them with our "
+        "CPU kernels (about 3.5x less weight memory; slower than bf16 for now), 'dequantize' converts once to dense")
+    quantize: Literal["none", "q8_0"] = Field("none", description="quantize a dense model's linears on load "
+                                              "(CPU kernels)")
     threads: Optional[int] = Field(None, ge=1, description="CPU threads for torch (default: torch's choice)")
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind (0 = any free port)")

@@ -37,11 +37,14 @@ def test_runtime_matches_transformers_on_the_gguf(smollm, reference):
     slot = cache.allocate()
     got = lm.model(torch.tensor([ids[:-3]]), torch.arange(len(ids) - 3)[None], cache, [slot]).logits[0]
     cache.commit(slot)
-    assert (got - ref[:-3]).abs().max() < 1e-4  # prefill
+    # transformers dequantizes the blocks; our kernels multiply them in place, summing in another
+    # order: fp32 rounding of logits about 30 in size
+    tol = 1e-5 * float(ref.abs().max())
+    assert (got - ref[:-3]).abs().max() < tol  # prefill
     for i in range(len(ids) - 3, len(ids)):  # incremental decode
         step = lm.model(torch.tensor([[ids[i]]]), torch.tensor([[i]]), cache, [slot]).logits[0, 0]
         cache.commit(slot)
-        assert (step - ref[i]).abs().max() < 1e-4
+        assert (step - ref[i]).abs().max() < tol
 
 
 def test_chat_template_and_eos_come_from_the_gguf(smollm):

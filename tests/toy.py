@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.models.llama import ForwardOutput, LlamaModel
+from engine.models.llama import ForwardOutput, LlamaModel, RMSNorm
 
 SCALE = 60.0
 
@@ -40,7 +40,8 @@ class ToyModel(LlamaModel):
                           attention_bias=False)
         nn.Module.__init__(self)
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(1, 1)  # only carries dtype/device for the base class
+        self.embed_tokens = nn.Embedding(1, 1)
+        self.norm = RMSNorm(1, 1e-6)  # only carries dtype/device for the base class
         self.log_table = table.clamp_min(1e-30).log()  # [cur, prev, next]
         self.scrambled = self.log_table.flip(-1)
         self.rope = None

@@ -47,7 +47,8 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "bf16_gemm.cpp"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = (_CSRC / "bf16_gemm.cpp", _CSRC / "quant_gemm.cpp")  # one library: bf16 and GGUF-block kernels
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 _LDFLAGS = ["-fopenmp"]
 _ENV_SWITCH = "MCSD_CPU_KERNELS"
@@ -83,9 +84,10 @@ def _cpu_has_avx2_fma() -> bool:
 
 def _extension_name() -> str:
     h = hashlib.sha256()
-    h.update(_SOURCE.read_bytes())
+    for src in _SOURCES:
+        h.update(src.read_bytes())
     h.update(repr((_CFLAGS, _LDFLAGS, torch.__version__, platform.machine())).encode())
-    return f"mcsd_bf16_gemm_{h.hexdigest()[:12]}"
+    return f"mcsd_cpu_kernels_{h.hexdigest()[:12]}"
 
 
 def _load_library() -> None:
@@ -109,12 +111,12 @@ def _load_library() -> None:
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
-    print("compiling bf16 kernels (once)", file=sys.stderr, flush=True)
+    print("compiling the CPU kernels (once, about a minute)", file=sys.stderr, flush=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # compiler-version / ABI chatter; real errors raise
         cpp_extension.load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(src) for src in _SOURCES],
             extra_cflags=_CFLAGS,
             extra_ldflags=_LDFLAGS,
             build_directory=str(build_dir),

@@ -24,13 +24,14 @@ from torch import nn
 from engine.kv_cache import KVCache
 from engine.models import cpu_kernels
 from engine.models.config import ModelConfig
-from engine.models.quant import Int8Weight
 from engine.models.rope import RotaryTables, apply_rotary
 from engine.models.vocab import OutputVocab
 
 
 def linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    if isinstance(weight, Int8Weight):
+    """``x @ weight.T + bias`` for a dense weight, or a packed one that multiplies itself (int8,
+    GGUF blocks: ``engine.models.quant``, ``engine.models.qweight``)."""
+    if not isinstance(weight, torch.Tensor):
         return weight.linear(x, bias)
     return cpu_kernels.linear(x, weight, bias)
 
@@ -127,11 +128,12 @@ class LlamaModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        """The activations' dtype (the final norm's: embeddings and linears may be quantized)."""
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         """A cache sized for this model; also (re)builds the rotary tables for ``max_len`` positions."""

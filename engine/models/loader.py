@@ -73,45 +73,116 @@ def default_cache_dir() -> Path:
 
 
 def load_model(source: str, dtype: str | torch.dtype = "bf16", device: str = "cpu",
-               cache_dir: str | Path | None = None) -> LoadedModel:
-    """Loads weights, config and tokenizer of ``source`` into our runtime."""
+               cache_dir: str | Path | None = None, gguf_weights: str = "dequantize",
+               quantize: str = "none") -> LoadedModel:
+    """Loads weights, config and tokenizer of ``source`` into our runtime.
+
+    ``gguf_weights``: ``"dequantize"`` (the default) converts a GGUF file once into a cached dense
+    directory; ``"native"`` keeps its quantized tensors in their blocks (CPU, with the kernels built;
+    about 3.5x less weight memory, but the kernels are not yet faster than bf16: docs/quantized.md).
+    ``quantize``: ``"q8_0"`` quantizes a dense model's linears on load (``"none"``: as they are)."""
     t0 = time.perf_counter()
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
-    path = resolve_source(source, Path(cache_dir) if cache_dir else default_cache_dir())
+    if gguf_weights not in ("native", "dequantize"):
+        raise ValueError(f"gguf_weights must be 'native' or 'dequantize', not {gguf_weights!r}")
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    located = locate_source(source, cache)
     from transformers import AutoConfig, AutoTokenizer
 
-    hf_cfg = AutoConfig.from_pretrained(path)
-    cfg = ModelConfig.from_hf(hf_cfg)
-    model = build_model(cfg, read_state_dict(path, torch_dtype), torch_dtype, dev)
+    if located.suffix == ".gguf" and gguf_weights == "native" and _native_ok(dev):
+        from engine.models.gguf_native import build_native
+
+        path = gguf_meta(located, cache)
+        hf_cfg = AutoConfig.from_pretrained(path)
+        cfg = ModelConfig.from_hf(hf_cfg)
+        model = build_native(cfg, located, hf_cfg.model_type, torch_dtype)
+    else:
+        path = convert_gguf(located, cache) if located.suffix == ".gguf" else located
+        hf_cfg = AutoConfig.from_pretrained(path)
+        cfg = ModelConfig.from_hf(hf_cfg)
+        model = build_model(cfg, read_state_dict(path, torch_dtype), torch_dtype, dev)
+        if quantize != "none":
+            if dev.type != "cpu":
+                raise ValueError(f"--quantize {quantize} runs on the CPU kernels; use --quantize none on {dev.type}")
+            from engine.models.qweight import quantize_linears
+
+            quantize_linears(model, quantize)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(model, cfg, tokenizer, source, path, time.perf_counter() - t0)
 
 
+def _native_ok(device: torch.device) -> bool:
+    from engine.models import qweight
+
+    if device.type != "cpu":
+        log.warning("GGUF blocks run on the CPU kernels; dequantizing for %s", device)
+        return False
+    if not qweight.available():
+        log.warning("the CPU kernels are unavailable (%s); dequantizing the GGUF file",
+                    qweight.cpu_kernels.unavailable_reason())
+        return False
+    return True
+
+
 def resolve_source(source: str, cache_dir: Path) -> Path:
-    """Returns a local Hugging Face directory holding ``source``'s weights."""
+    """Returns a local Hugging Face directory holding ``source``'s weights (a GGUF file converted)."""
+    located = locate_source(source, cache_dir)
+    return convert_gguf(located, cache_dir) if located.suffix == ".gguf" else located
+
+
+def locate_source(source: str, cache_dir: Path) -> Path:
+    """A local GGUF file or Hugging Face directory for ``source`` (fetching a pack or a hub id)."""
     p = Path(source).expanduser()
     if p.is_file():
         if p.suffix != ".gguf":
             raise ModelLoadError(f"{p} is a file but not a .gguf; pass a GGUF file or a model directory")
-        return convert_gguf(p, cache_dir)
+        return p
     if p.is_dir():
         if (p / "config.json").is_file():
             return p
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
-            return convert_gguf(ggufs[0], cache_dir)
+            return ggufs[0]
         raise ModelLoadError(
             f"{p} has no config.json and {len(ggufs)} .gguf files; pass a Hugging Face model "
             f"directory or a single GGUF file")
     from engine.models import fetch
 
     if source in fetch.PACKS:
-        return convert_gguf(fetch.fetch_pack(source, cache_dir=cache_dir), cache_dir)
+        return fetch.fetch_pack(source, cache_dir=cache_dir)
     if source.count("/") == 1 and not source.startswith((".", "/")):
         return download_from_hub(source)
     raise ModelLoadError(
         f"model {source!r} not found: not a local file or directory, not a known pack "
         f"({', '.join(fetch.PACKS)}), and not a hub id of the form org/name")
+
+
+def gguf_meta(gguf: Path, cache_dir: Path) -> Path:
+    """A cached directory with ``gguf``'s config and tokenizer only (kilobytes; built once)."""
+    out = cache_dir / "gguf-meta" / f"{gguf.stem}-{gguf_cache_key(gguf)}"
+    if (out / "mcsd-complete.json").is_file():
+        return out
+    from transformers import AutoConfig, AutoTokenizer
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        kw = dict(gguf_file=gguf.name)
+        try:
+            hf_cfg = AutoConfig.from_pretrained(gguf.parent, **kw)
+            ModelConfig.from_hf(hf_cfg)
+            tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+        except (ValueError, OSError, KeyError) as e:
+            raise ModelLoadError(f"cannot read GGUF file {gguf}: {e}") from e
+        hf_cfg.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "mcsd-complete.json").write_text(json.dumps({"source": str(gguf), "key": gguf_cache_key(gguf)}))
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def download_from_hub(repo_id: str) -> Path:

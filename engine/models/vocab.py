@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from engine.data import iter_json_array, load_prompts_file
 from engine.models.cpu_kernels import linear
+from engine.models.qweight import QuantWeight
 
 
 class OutputVocab:
@@ -38,6 +39,10 @@ class OutputVocab:
         if lm_head is not None and lm_head.shape[0] != vocab_size:
             raise ValueError(f"lm_head has {lm_head.shape[0]} rows, the vocabulary {vocab_size}")
         self.vocab_size = vocab_size
+        if isinstance(lm_head, QuantWeight):  # an output layer in GGUF blocks: keep the rows' blocks
+            self.ids = kept
+            self.weight = QuantWeight(lm_head.data.index_select(0, kept), lm_head.type_id, lm_head.k)
+            return
         self.ids = kept if lm_head is None else kept.to(lm_head.device)
         self.weight = None if lm_head is None else lm_head.index_select(0, self.ids).contiguous()  # [kept, hidden]
 
@@ -47,6 +52,8 @@ class OutputVocab:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] float32 logits, ``-inf`` outside the kept tokens."""
+        if isinstance(self.weight, QuantWeight):
+            return self._scatter(self.weight.linear(hidden).float())
         return self._scatter(linear(hidden, self.weight).float())
 
     def restrict(self, logits: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,140 @@
+"""Linear weights kept in GGUF's quantized blocks and multiplied in place (``csrc/quant_gemm.cpp``).
+
+A :class:`QuantWeight` holds a GGUF tensor's own bytes, ``uint8 [N, row_bytes]`` (each row ``K / B``
+blocks of its type), and multiplies activations by it without a dequantized copy: the kernel
+dequantizes a few blocks at a time into cache and accumulates in fp32.  Supported block types: the
+ones of the packs the project ships and the other common ones (``BLOCK_TYPES``).  Results are
+batch-invariant (a row's output is bitwise the same whatever the number of rows in the call), see the
+kernel's header.
+
+CPU only: the kernels are built with the bf16 ones (``engine.models.cpu_kernels``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from engine.models import cpu_kernels
+
+#: GGML type id -> (name, weights per block, bytes per block)
+BLOCK_TYPES = {
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
+TYPE_IDS = {name: tid for tid, (name, _, _) in BLOCK_TYPES.items()}
+
+
+def row_bytes(type_id: int, k: int) -> int:
+    name, block, nbytes = _info(type_id)
+    if k % block:
+        raise ValueError(f"{name} rows hold multiples of {block} weights, not {k}")
+    return k // block * nbytes
+
+
+def _info(type_id: int) -> tuple[str, int, int]:
+    try:
+        return BLOCK_TYPES[int(type_id)]
+    except KeyError:
+        names = ", ".join(n for n, _, _ in BLOCK_TYPES.values())
+        raise ValueError(f"GGML block type {type_id} is not supported (supported: {names})") from None
+
+
+@dataclass
+class QuantWeight:
+    """A ``[N, K]`` linear weight in GGUF blocks of type ``type_id``."""
+
+    data: torch.Tensor  # uint8 [N, row_bytes], contiguous, CPU
+    type_id: int
+    k: int
+
+    def __post_init__(self) -> None:
+        name, _, _ = _info(self.type_id)
+        expected = row_bytes(self.type_id, self.k)
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[1] != expected:
+            raise ValueError(f"{name} weight of K={self.k} needs uint8 [N, {expected}], got "
+                             f"{self.data.dtype} {list(self.data.shape)}")
+        self.data = self.data.contiguous()
+
+    @property
+    def type_name(self) -> str:
+        return BLOCK_TYPES[self.type_id][0]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.data.shape[0], self.k))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x @ W.T + bias`` in fp32, returned in ``x``'s dtype; ``x`` [..., K]."""
+        y = torch.ops.mcsd_cpu.quant_linear(x, self.data, self.type_id, self.k)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+
+    def dequantize(self, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """fp32 ``[N, K]`` (or only ``rows``, e.g. the embedding rows of some token ids)."""
+        data = self.data if rows is None else self.data.index_select(0, rows.flatten())
+        out = torch.ops.mcsd_cpu.quant_dequantize(data, self.type_id, self.k)
+        return out if rows is None else out.view(*rows.shape, self.k)
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded (never raises)."""
+    return cpu_kernels.available()
+
+
+def quantize_q8_0(weight: torch.Tensor) -> QuantWeight:
+    """Q8_0 blocks of a ``[N, K]`` float weight (K a multiple of 32): per block of 32 weights an fp16
+    scale ``d = max|w| / 127`` and ``round(w / d)`` in int8, the layout llama.cpp writes."""
+    n, k = weight.shape
+    if k % 32:
+        raise ValueError(f"Q8_0 needs K divisible by 32, got {k}")
+    w = weight.detach().float().reshape(n, k // 32, 32)
+    amax = w.abs().amax(-1, keepdim=True)
+    d = (amax / 127.0).half()  # the scale as stored; quantize against it
+    inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(amax))
+    q = (w * inv).round().clamp(-127, 127).to(torch.int8)
+    blocks = torch.cat([d.view(torch.uint8).reshape(n, k // 32, 2), q.view(torch.uint8)], dim=-1)
+    return QuantWeight(blocks.reshape(n, k // 32 * 34), TYPE_IDS["Q8_0"], k)
+
+
+class QuantLinear(nn.Module):
+    """Stands in for ``nn.Linear`` in a :class:`~engine.models.llama.LlamaModel`: ``.weight`` is a
+    :class:`QuantWeight` (or any weight with a ``linear`` method), which ``engine.models.llama.linear``
+    dispatches on."""
+
+    def __init__(self, weight, bias: Optional[torch.Tensor] = None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+
+
+QUANTIZERS = {"q8_0": quantize_q8_0}
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def quantize_linears(model: nn.Module, fmt: str) -> nn.Module:
+    """Replaces the decoder linears and the output layer of a dense :class:`LlamaModel` by ``fmt``
+    blocks, in place (``--quantize``); embeddings and norms stay as they are.  Returns the model."""
+    try:
+        quantize = QUANTIZERS[fmt]
+    except KeyError:
+        raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(QUANTIZERS)} or none") from None
+    for layer in model.layers:
+        for name in LINEARS:
+            lin = getattr(layer, name)
+            setattr(layer, name, QuantLinear(quantize(lin.weight), lin.bias))
+    model.lm_head = QuantLinear(quantize(model.lm_head.weight))
+    return model

@@ -1,0 +1,138 @@
+"""GGUF weights kept in their blocks (engine/models/gguf_native.py, --quantize): a quantized model's
+logits against its dequantized copy, greedy speculation token-identical to plain decoding on quantized
+weights (the kernels are batch-invariant), the GGUF index reader, the q/k row un-permutation, and the
+real SmolLM2 pack loaded natively."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from engine.models import qweight
+from engine.models.gguf_native import _unpermute_rows, read_tensor_index, weight_bytes
+from engine.models.qweight import QuantLinear, quantize_linears
+from engine.request import SpecOptions
+from tests.engine_utils import run_engine
+from tests.tiny import tiny_loaded
+
+pytestmark = pytest.mark.skipif(not qweight.available(), reason="CPU kernels unavailable on this machine")
+
+
+def quantized(lm):
+    out = copy.copy(lm)
+    out.model = quantize_linears(copy.deepcopy(lm.model), "q8_0")
+    return out
+
+
+def dequantized_copy(model):
+    """The same model with every QuantLinear replaced by a dense fp32 linear of its dequantized weight."""
+    dense = copy.deepcopy(model)
+    for mod in [*dense.layers, dense]:
+        for name, child in list(mod.named_children()):
+            if isinstance(child, QuantLinear):
+                w = child.weight.dequantize()
+                lin = nn.Linear(w.shape[1], w.shape[0], bias=child.bias is not None)
+                lin.weight = nn.Parameter(w, requires_grad=False)
+                if child.bias is not None:
+                    lin.bias = nn.Parameter(child.bias, requires_grad=False)
+                setattr(mod, name, lin)
+    return dense
+
+
+def logits(model, ids):
+    cache = model.new_cache(1, 64)
+    return model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, [0]).logits[0]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_quantized_model_matches_its_dequantized_copy(kind):
+    lm = tiny_loaded(kind, seed=0)
+    q = quantized(lm).model
+    assert sum(isinstance(m, QuantLinear) for m in q.modules()) == 4 * len(q.layers) + 1
+    assert weight_bytes(q) < weight_bytes(lm.model)
+    ids = [5, 17, 3, 99, 42, 7, 7, 1]
+    got, want = logits(q, ids), logits(dequantized_copy(q), ids)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    # and Q8_0 stays close to the original fp32 weights
+    assert (got - logits(lm.model, ids)).abs().max() < 0.05 * want.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_greedy_speculation_on_quantized_weights_equals_plain_decoding(kind):
+    target, draft = quantized(tiny_loaded(kind, seed=0)), quantized(tiny_loaded(kind, seed=1, layers=1))
+    prompts = [[5, 6, 7, 8, 5, 6], [3, 4, 3, 4, 3], [10, 11, 12]]
+    plain = run_engine(target, None, prompts, tree=(), ignore_eos=True, max_tokens=20)[0]
+    for method in ("mcsd", "mcsd+maxgram"):
+        spec = run_engine(target, draft, prompts, tree=(2, 2, 1), ignore_eos=True, max_tokens=20,
+                          spec=SpecOptions(method=method))[0]
+        assert [o.tokens for o in spec] == [o.tokens for o in plain], method
+
+
+def test_quantize_refuses_unknown_formats():
+    with pytest.raises(ValueError, match="unknown quantization 'q3'"):
+        quantize_linears(tiny_loaded().model, "q3")
+
+
+def test_unpermute_undoes_the_llama_cpp_rotary_permutation():
+    n_head, head_dim, cols = 3, 8, 5
+    w = torch.arange(n_head * head_dim * cols).reshape(n_head * head_dim, cols)
+    # llama.cpp's converter: per head, rows (2, head_dim / 2) -> (head_dim / 2, 2)
+    permuted = w.reshape(n_head, 2, head_dim // 2, cols).transpose(1, 2).reshape(w.shape)
+    assert torch.equal(_unpermute_rows(permuted, n_head), w)
+
+
+def test_the_index_reader_agrees_with_the_gguf_package(tmp_path):
+    import gguf
+
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(300)])  # a string array to skip
+    writer.add_float32("some.value", 1.5)
+    a = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("a.weight", a)
+    writer.add_tensor("q.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    index = read_tensor_index(path)
+    raw = path.read_bytes()
+    for t in gguf.GGUFReader(str(path)).tensors:
+        info = index[t.name]
+        assert info.type_id == int(t.tensor_type) and info.shape == tuple(int(d) for d in t.shape)
+        assert raw[info.offset:info.offset + info.nbytes] == t.data.tobytes()
+
+
+@pytest.mark.real_model
+def test_the_smollm_pack_runs_in_its_own_blocks():
+    from engine.models.fetch import fetch_pack
+    from engine.models.loader import load_model
+
+    gguf = fetch_pack("smollm2-135m-instruct", progress=False)
+    native = load_model(str(gguf), dtype="fp32", gguf_weights="native")
+    dense = load_model(str(gguf), dtype="fp32")
+    assert any(isinstance(m, QuantLinear) for m in native.model.modules())
+    assert weight_bytes(native.model) < weight_bytes(dense.model) / 4  # Q4_1 / Q8_0 blocks vs fp32
+    ids = native.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n", add_special_tokens=False)
+    got, want = logits(native.model, ids), logits(dense.model, ids)
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+    prompts = [ids, ids[:5]]
+    plain = run_engine(native, None, prompts, tree=(), ignore_eos=True, max_tokens=16)[0]
+    spec = run_engine(native, native, prompts, tree=(2, 1), ignore_eos=True, max_tokens=16)[0]
+    assert [o.tokens for o in spec] == [o.tokens for o in plain]
+
+
+def test_a_cut_draft_vocabulary_keeps_the_quantized_output_rows():
+    from engine.models.vocab import OutputVocab
+
+    model = quantize_linears(tiny_loaded("qwen2", seed=1).model, "q8_0")
+    vocab = OutputVocab([0, 3, 7, 50], model.cfg.vocab_size, model.lm_head.weight)
+    hidden = torch.randn(2, 5, model.cfg.hidden_size)
+    full = model.lm_head.weight.linear(hidden).float()
+    cut = vocab.logits(hidden)
+    kept = torch.tensor([0, 3, 7, 50])
+    assert torch.equal(cut[..., kept], full[..., kept])  # batch-invariant rows: bitwise the same
+    assert torch.isinf(cut).sum() == 2 * 5 * (model.cfg.vocab_size - 4)

@@ -1,0 +1,117 @@
+"""GGUF block kernels (engine/models/csrc/quant_gemm.cpp): every block type against the ``gguf``
+package's dequantize + an fp64 matmul, every row count 1..64 batch-invariant, odd shapes refused."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from engine.models import qweight
+from engine.models.qweight import BLOCK_TYPES, QuantWeight, quantize_q8_0
+
+pytestmark = pytest.mark.skipif(not qweight.available(), reason="CPU kernels unavailable on this machine")
+
+TYPES = sorted(BLOCK_TYPES)
+
+
+def random_blocks(type_id: int, n: int, k: int, seed: int = 0) -> QuantWeight:
+    """A weight of random blocks: random quant bytes, with the fp16 scales set to sane values (random
+    bytes there would be NaN or 1e4-sized)."""
+    name, block, nbytes = BLOCK_TYPES[type_id]
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, k // block, nbytes), generator=g, dtype=torch.uint8)
+
+    def put_half(offset: int, scale: float) -> None:
+        h = (torch.rand(n, k // block, generator=g) * scale + scale / 10).half()
+        raw[..., offset:offset + 2] = h.view(torch.uint8).reshape(n, k // block, 2)
+
+    if name == "Q6_K":
+        put_half(208, 0.01)
+    elif name in ("Q4_K", "Q5_K"):
+        put_half(0, 0.01)
+        put_half(2, 0.01)
+    else:
+        put_half(0, 0.05)
+        if name == "Q4_1":
+            put_half(2, 0.1)
+    return QuantWeight(raw.reshape(n, -1), type_id, k)
+
+
+def reference(w: QuantWeight) -> torch.Tensor:
+    """The ``gguf`` package's dequantization (numpy), float32 [N, K]."""
+    return torch.from_numpy(np.ascontiguousarray(
+        quants.dequantize(w.data.numpy(), GGMLQuantizationType(w.type_id))).astype(np.float32))
+
+
+@pytest.mark.parametrize("type_id", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
+def test_dequantize_matches_the_gguf_package(type_id):
+    w = random_blocks(type_id, 24, 512)
+    ours, ref = w.dequantize(), reference(w)
+    assert ours.shape == ref.shape == (24, 512)
+    # same formulas in fp32; a product of three factors may round once differently
+    assert torch.allclose(ours, ref, rtol=1e-6, atol=0), (ours - ref).abs().max()
+    rows = torch.tensor([[3, 0], [23, 3]])
+    assert torch.equal(w.dequantize(rows), ours[rows])
+
+
+@pytest.mark.parametrize("type_id", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
+def test_linear_matches_dequantize_then_matmul(type_id):
+    w = random_blocks(type_id, 37, 768, seed=type_id)  # N not a multiple of the row tile
+    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(1))
+    want = x.double() @ reference(w).double().T
+    got = w.linear(x)
+    assert got.dtype == torch.float32 and got.shape == (5, 37)
+    # fp32 accumulation over K = 768 of products of size ~1: |err| ~ sqrt(K) * eps * |terms|
+    scale = (x.double().abs() @ reference(w).double().abs().T)
+    assert ((got.double() - want).abs() / scale).max() < 1e-6
+    bias = torch.randn(37)
+    assert torch.equal(w.linear(x, bias), (w.linear(x) + bias))
+    assert w.linear(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("type_id", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
+def test_every_row_count_is_batch_invariant(type_id):
+    """Row r of a call with M rows is bitwise the row computed alone, for M = 1..64, and the same
+    with one thread and with two."""
+    w = random_blocks(type_id, 19, 256, seed=3)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([w.linear(x[r:r + 1]) for r in range(64)])
+    for m in range(1, 65):
+        assert torch.equal(w.linear(x[:m]), alone[:m]), m
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = w.linear(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, alone)
+    assert torch.equal(w.linear(x.view(4, 16, 256)), alone.view(4, 16, 19))  # leading dims kept
+
+
+def test_odd_shapes_are_refused_with_a_clear_error():
+    w = random_blocks(12, 4, 256)
+    with pytest.raises(RuntimeError, match="x has 255 columns"):
+        w.linear(torch.randn(2, 255))
+    with pytest.raises(RuntimeError, match="not a multiple of the Q4_K block size 256"):
+        torch.ops.mcsd_cpu.quant_linear(torch.randn(1, 128), w.data, 12, 128)
+    with pytest.raises(RuntimeError, match="take 144 bytes"):
+        torch.ops.mcsd_cpu.quant_linear(torch.randn(1, 256), w.data[:, :100].contiguous(), 12, 256)
+    with pytest.raises(RuntimeError, match="unsupported GGML block type 10"):
+        torch.ops.mcsd_cpu.quant_linear(torch.randn(1, 256), w.data, 10, 256)
+    with pytest.raises(ValueError, match="rows hold multiples of 32"):
+        QuantWeight(torch.zeros(2, 18, dtype=torch.uint8), 2, 40)
+    with pytest.raises(ValueError, match="not supported"):
+        QuantWeight(torch.zeros(2, 18, dtype=torch.uint8), 10, 32)
+    assert w.linear(torch.randn(0, 256)).shape == (0, 4)
+
+
+def test_q8_0_quantization_is_the_gguf_layout_and_close():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(16, 96, generator=g)
+    q = quantize_q8_0(w)
+    assert q.nbytes == 16 * 3 * 34 and q.type_name == "Q8_0"
+    ref = quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0)
+    # llama.cpp's rounding (and so the gguf package's) may differ from torch.round by one step at exact halves
+    assert np.abs(q.data.numpy().astype(np.int16) - ref.astype(np.int16)).max() <= 1
+    assert torch.allclose(q.dequantize(), reference(q))
+    assert (q.dequantize() - w).abs().max() <= w.abs().max() / 127  # half a quantization step, rounded scale
