@@ -99,9 +99,9 @@ class StopChecker:
         if not ignore_eos:
             self.stop_token_ids |= frozenset(int(t) for t in eos_token_ids)
         self.max_tokens = max_tokens
-        # every proper prefix of a stop string: a text tail equal to one may still become a stop string
-        self._prefixes = frozenset(s[:i] for s in self.stop_strings for i in range(1, len(s)))
-        self._max_prefix_len = max((len(s) - 1 for s in self.stop_strings), default=0)
+        # the KMP failure function of each stop string: memory linear in their total length (a set of
+        # every prefix was quadratic: one 64k-character stop string took 1.45 GB)
+        self._failure = [_failure_function(s) for s in self.stop_strings]
 
     @classmethod
     def from_params(cls, params: SamplingParams, eos_token_ids: Iterable[int]) -> "StopChecker":
@@ -120,11 +120,21 @@ class StopChecker:
         return None if best is None else (best[1], best[2])
 
     def holdback(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
-        for n in range(min(len(text), self._max_prefix_len), 0, -1):
-            if text[-n:] in self._prefixes:
-                return n
-        return 0
+        """Length of the longest suffix of ``text`` that is a proper prefix of some stop string (a tail
+        that may still become one).  Time linear in the stop strings' lengths: each string's KMP
+        automaton reads the last ``len(s) - 1`` characters of ``text``."""
+        best = 0
+        for stop, fail in zip(self.stop_strings, self._failure):
+            state = 0
+            for ch in text[max(0, len(text) - (len(stop) - 1)):] if len(stop) > 1 else "":
+                while state and (state == len(stop) or stop[state] != ch):
+                    state = fail[state - 1]
+                if stop[state] == ch:
+                    state += 1
+            if state == len(stop):  # a whole match ending here is find_stop's; its proper prefix may go on
+                state = fail[state - 1]
+            best = max(best, state)
+        return best
 
 
 @dataclass
@@ -220,3 +230,16 @@ class TextStream:
         self.finished = True
         self.finish_reason = reason
         self.stop_reason = stop_reason
+
+
+def _failure_function(s: str) -> list[int]:
+    """``out[i]``: length of the longest proper prefix of ``s[:i + 1]`` that is also its suffix."""
+    out = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = out[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        out[i] = k
+    return out

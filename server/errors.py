@@ -97,15 +97,25 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     status = exc.status_code
+    if isinstance(exc, _TooLarge):
+        return APIError(413, exc.detail, code="request_too_large").to_json_response()
     phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
     detail = exc.detail if isinstance(exc.detail, str) and exc.detail != phrase else ""
     message = f"{phrase}: {request.method} {request.url.path}" + (f" ({detail})" if detail else "")
     code = {404: "not_found", 405: "method_not_allowed"}.get(status)
-    return APIError(status, message, code=code).to_json_response()
+    response = APIError(status, message, code=code).to_json_response()
+    for name, value in (getattr(exc, "headers", None) or {}).items():  # e.g. 405's Allow
+        response.headers[name] = value
+    return response
+
+
+RETRY_AFTER_S = 1  # what a 429 (queue full) tells clients to wait
 
 
 async def _overloaded(_: Request, exc: EngineOverloaded) -> JSONResponse:
-    return APIError(429, str(exc), code="queue_full").to_json_response()
+    response = APIError(429, str(exc), code="queue_full").to_json_response()
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
 
 async def _unavailable(_: Request, exc: EngineUnavailable) -> JSONResponse:
@@ -127,24 +137,61 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class BodySizeLimit:
-    """Pure ASGI middleware: 413 for a declared body larger than ``max_bytes`` (checked before the
-    body is read, so a huge upload is refused cheaply).  Pure ASGI, unlike ``@app.middleware``,
-    so streaming responses and disconnect detection are untouched."""
+    """Pure ASGI middleware: 413 for a body larger than ``max_bytes``, whatever the transfer encoding.
+
+    A declared ``Content-Length`` over the limit is refused before anything is read; a chunked (or
+    under-declared) body is counted as it arrives and refused as soon as it passes the limit, so a huge
+    upload never reaches the JSON parser.  Pure ASGI, unlike ``@app.middleware``, so streaming
+    responses and disconnect detection are untouched."""
 
     def __init__(self, app, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            length = dict(scope.get("headers") or []).get(b"content-length", b"0")
-            if length.isdigit() and int(length) > self.max_bytes:
-                err = APIError(413, f"Request body too large ({int(length)} bytes; limit {self.max_bytes}).",
-                               code="request_too_large")
-                body = json.dumps(err.to_response().model_dump()).encode()
-                await send({"type": "http.response.start", "status": 413,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode())]})
-                await send({"type": "http.response.body", "body": body})
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(send, f"{int(length)} bytes")
+            return
+        seen = 0
+        started = False
+
+        async def counted_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge(self.max_bytes)
+            return message
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except _TooLarge:
+            if not started:
+                await self._refuse(send, f"more than {self.max_bytes} bytes")
+
+    async def _refuse(self, send, size: str) -> None:
+        err = APIError(413, f"Request body too large ({size}; limit {self.max_bytes}).", code="request_too_large")
+        body = json.dumps(err.to_response().model_dump()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(StarletteHTTPException):
+    """Raised from inside ``receive`` when a streamed body passes the limit.  An HTTPException, so that
+    the framework's body reader passes it on (it turns other errors into a 400) and the handler answers
+    413."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"Request body too large (more than {limit} bytes; limit {limit}).")

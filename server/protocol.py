@@ -24,6 +24,8 @@ from engine.request import SamplingParams, SpecOptions
 from engine.spec.methods import METHODS
 
 MAX_STOP = 16  # OpenAI allows 4; be lenient
+MAX_STOP_CHARS = 1024  # per stop string (matching holds back at most this much text)
+MAX_TOKEN_ID = 2**31 - 1
 MAX_LOGPROBS = 20
 NonNegInt = Annotated[int, Field(ge=0)]
 
@@ -80,11 +82,48 @@ def _check_stop(v: Any) -> Optional[list[str]]:
         raise ValueError(f"stop accepts at most {MAX_STOP} strings, got {len(items)}")
     if any(not s for s in items):
         raise ValueError("stop strings must be non-empty")
+    if any(len(s) > MAX_STOP_CHARS for s in items):
+        raise ValueError(f"stop strings may be at most {MAX_STOP_CHARS} characters long, got "
+                         f"{max(len(s) for s in items)}")
     return items
+
+
+def _surrogate_path(v: Any, path: str) -> Optional[str]:
+    """The path of the first string in ``v`` holding a lone UTF-16 surrogate (JSON ``"\\ud800"``), which
+    no UTF-8 text can carry; None if there is none."""
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")  # C speed; fails exactly on surrogates
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(v, dict):
+        items = v.items()
+    elif isinstance(v, list):
+        items = enumerate(v)
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and _surrogate_path(key, path) is not None:
+            return path or "body"
+        sub = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else str(key))
+        found = _surrogate_path(item, sub)
+        if found is not None:
+            return found
+    return None
 
 
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        where = _surrogate_path(data, "")
+        if where is not None:
+            raise FieldError(where, "the text contains a lone UTF-16 surrogate (e.g. \\ud800), which is not "
+                                    "valid Unicode; send well-formed UTF-8 text")
+        return data
 
     model: Optional[str] = None
     max_tokens: Optional[Annotated[int, Field(ge=1)]] = None
@@ -115,8 +154,9 @@ class _SamplingFields(_Request):
     @classmethod
     def _check_logit_bias(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
         for key in v or {}:
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            if not (key.isascii() and key.isdigit()) or len(key) > 10 or int(key) > MAX_TOKEN_ID:
+                shown = key if len(key) <= 24 else key[:24] + "..."
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {shown!r}")
         return v
 
     @model_validator(mode="after")

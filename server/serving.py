@@ -106,7 +106,8 @@ class OpenAIServing:
     # ------------------------------------------------------------------ translation
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model not in (self.settings.model_id, self.settings.model):
-            raise APIError(404, f"The model `{model}` does not exist. Available: `{self.settings.model_id}`.",
+            shown = model if len(model) <= 64 else model[:64] + "..."
+            raise APIError(404, f"The model `{shown}` does not exist. Available: `{self.settings.model_id}`.",
                            param="model", code="model_not_found")
 
     def completion_prompts(self, body: CompletionRequest) -> list[Prompt]:

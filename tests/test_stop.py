@@ -222,3 +222,26 @@ def test_invalid_checker_config():
         StopChecker([""])
     with pytest.raises(ValueError):
         StopChecker(max_tokens=0)
+
+
+def test_holdback_equals_the_longest_suffix_that_is_a_proper_prefix():
+    """The linear-memory KMP holdback against the definition, on random small alphabets (where
+    overlaps are frequent), and on a long stop string that used to cost memory quadratic in it."""
+    import random
+
+    def by_definition(stops, text):
+        prefixes = {s[:i] for s in stops for i in range(1, len(s))}
+        for n in range(min(len(text), max(len(s) for s in stops)), 0, -1):
+            if text[-n:] in prefixes:
+                return n
+        return 0
+
+    rng = random.Random(0)
+    for _ in range(5000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 10)))
+        checker = StopChecker(stops)
+        assert checker.holdback(text) == by_definition(checker.stop_strings, text), (stops, text)
+    long = "ab" * 32_000  # 64k characters
+    checker = StopChecker([long])
+    assert checker.holdback("zz" + long[:1000]) == 1000 and checker.holdback("zzz") == 0

@@ -1,0 +1,104 @@
+"""Regression tests for the hostile-input findings (a real uvicorn on localhost, the fake core): lone
+surrogates, bodies over the limit whatever their transfer encoding, long stop strings, odd logit_bias
+keys, echoed model names, and the headers 405 and 429 owe their clients."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.fakes import FakeCore
+from tests.test_server import MODEL, client, error_of, running, serve, wait_until
+
+
+@pytest.fixture(scope="module")
+def srv():
+    with serve(FakeCore(max_batch=4, step_delay=0.002), max_request_bytes=64_000) as s:
+        yield s
+
+
+def post(http: httpx.Client, srv, path: str, raw: bytes) -> httpx.Response:
+    return http.post(srv.url + path, content=raw, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["ok", "x\\udfffy"]}', "prompt[1]"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+    ("/v1/chat/completions", b'{"model": "a\\ud800b", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": ["\\ud83d"]}', "stop[0]"),
+])
+def test_a_lone_surrogate_is_a_400_and_the_connection_keeps_serving(srv, path, raw, param):
+    with httpx.Client() as http:  # one keep-alive connection for both requests
+        r = post(http, srv, path, raw)
+        assert r.status_code == 400, r.text
+        err = error_of(r)
+        assert err["param"] == param and "surrogate" in err["message"]
+        ok = post(http, srv, "/v1/completions", b'{"prompt": "hello", "max_tokens": 2}')
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
+
+
+def test_a_paired_surrogate_is_just_an_emoji(srv):
+    r = httpx.post(srv.url + "/v1/completions", content=b'{"prompt": "hi \\ud83d\\ude00", "max_tokens": 2}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 200
+
+
+def test_a_chunked_body_over_the_limit_is_a_413(srv):
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(100):
+            yield b"x" * 1000  # 100 kB, over the 64 kB limit, with no Content-Length
+        yield b'"}'
+
+    r = httpx.post(srv.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and error_of(r)["code"] == "request_too_large"
+    small = httpx.post(srv.url + "/v1/completions", content=iter([b'{"prompt": "hi", ', b'"max_tokens": 2}']),
+                       headers={"content-type": "application/json"})
+    assert small.status_code == 200  # chunked bodies under the limit still work
+
+
+def test_stop_strings_are_bounded(srv):
+    oai = client(srv)
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=MODEL, prompt="hi", max_tokens=2, stop=["x" * 1025])
+    assert info.value.body["param"] == "stop" and "at most 1024 characters" in info.value.body["message"]
+    r = oai.completions.create(model=MODEL, prompt="hi", max_tokens=2, stop=["y" * 1024] * 16)
+    assert r.choices[0].text
+
+
+@pytest.mark.parametrize("key", ["²", "1" * 5000, "-3", "1e3", "99999999999"])
+def test_odd_logit_bias_keys_get_a_clear_400(srv, key):
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "logit_bias": {key: 1}})
+    assert r.status_code == 400
+    err = error_of(r)
+    assert err["param"] == "logit_bias" and "token ids" in err["message"] and len(err["message"]) < 300
+
+
+def test_an_unknown_model_name_is_not_echoed_in_full(srv):
+    r = httpx.post(srv.url + "/v1/completions", json={"model": "m" * 50_000, "prompt": "hi"})  # under the body limit
+    assert r.status_code == 404 and error_of(r)["code"] == "model_not_found"
+    assert len(r.content) < 1000
+
+
+def test_405_names_the_allowed_methods(srv):
+    r = httpx.get(srv.url + "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert error_of(r)["code"] == "method_not_allowed"
+
+
+def test_429_says_when_to_retry():
+    core = FakeCore(max_batch=1, step_delay=0.02)
+    with serve(core, max_queue=1) as s:
+        oai = client(s)
+        first = oai.completions.create(model=MODEL, prompt="hello", max_tokens=40, stream=True)
+        next(iter(first))
+        wait_until(lambda: running(s) == 1)
+        second = oai.completions.create(model=MODEL, prompt="hello", max_tokens=3, stream=True)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        for _ in first:
+            pass
+        for _ in second:
+            pass
