@@ -18,7 +18,7 @@ from engine.models.loader import LoadedModel
 from engine.models.qweight import QuantLinear
 from engine.models.quant import int8_copy
 from engine.models.vocab import OutputVocab, frequent_vocab
-from engine.request import GenerationRequest, RequestOutput
+from engine.request import GenerationRequest, RequestOutput, RequestRejected
 from engine.runner import ModelRunner, SeqStepResult, record_step
 from engine.sampler import SamplingTensors, token_count_matrix
 from engine.scheduler import Scheduler
@@ -138,26 +138,36 @@ class EngineCore:
                 seq.prompt_mask = token_count_matrix([req.prompt_token_ids], self.vocab_size)[0] > 0
         self.scheduler.add(seq)
 
-    def _validate(self, req: GenerationRequest) -> None:
+    def check_request(self, req: GenerationRequest) -> None:
+        """Raises :class:`RequestRejected` if this engine cannot run ``req`` as asked.  Reads only the
+        engine's fixed configuration, so the server calls it from its own thread before answering
+        (a streaming request is refused with a 400, not an error after the first byte)."""
         n = len(req.prompt_token_ids)
         if n == 0:
-            raise ValueError("the prompt is empty")
+            raise RequestRejected("the prompt is empty", "prompt")
         if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         if n + req.sampling.max_tokens > self.max_model_len:
-            raise ValueError(
+            raise RequestRejected(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {n + req.sampling.max_tokens} tokens ({n} in the prompt, "
-                f"{req.sampling.max_tokens} in the completion). Please reduce the prompt or max_tokens.")
+                f"{req.sampling.max_tokens} in the completion). Please reduce the prompt or max_tokens.",
+                "max_tokens")
         if max(req.sampling.logit_bias, default=-1) >= self.vocab_size:
-            raise ValueError(f"logit_bias token ids must be < {self.vocab_size}")
+            raise RequestRejected(f"logit_bias token ids must be < {self.vocab_size}", "logit_bias")
+        if req.spec.method == MJSD_LOSSY and req.sampling.needs_history:
+            raise RequestRejected("speculative.method 'mjsd-lossy' does not support presence/frequency/repetition "
+                                  "penalties", "speculative.method")
+        if req.spec.tree is not None and req.spec.enabled:
+            try:
+                self.topology.subtree(req.spec.tree)
+            except ValueError as exc:
+                raise RequestRejected(str(exc), "speculative.tree") from None
+
+    def _validate(self, req: GenerationRequest) -> None:
+        self.check_request(req)
         if self.scheduler.find(req.request_id) is not None:
             raise ValueError(f"request id {req.request_id!r} is already running")
-        if req.spec.method == MJSD_LOSSY and req.sampling.needs_history:
-            raise ValueError("speculative.method 'mjsd-lossy' does not support presence/frequency/repetition "
-                             "penalties")
-        if req.spec.tree is not None and req.spec.enabled:
-            self.topology.subtree(req.spec.tree)  # raises if it does not fit the engine's tree
 
     def abort_request(self, request_id: str) -> None:
         seq = self.scheduler.find(request_id)

@@ -17,6 +17,14 @@ from engine.spec.methods import check_method
 GREEDY_EPS = 1e-5
 
 
+class RequestRejected(ValueError):
+    """A request the engine cannot run as asked; ``param`` names the API field to blame."""
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """How one request turns logits into tokens (OpenAI / vLLM semantics).

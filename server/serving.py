@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Union
 
@@ -19,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.async_engine import AsyncEngine, EngineErrorOutput, RequestGroup
-from engine.request import GenerationRequest, RequestOutput, SpecUsage, TokenLogprob
+from engine.request import GenerationRequest, RequestOutput, RequestRejected, SpecUsage, TokenLogprob
 from server.errors import APIError, bad_request
 from server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
@@ -31,6 +32,8 @@ from server.settings import Settings
 from server.sse import sse_response
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+PROMPT_WORKERS = 2  # threads that tokenize and render chat templates
+MAX_CHARS_PER_TOKEN = 32  # no tokenizer makes longer tokens in practice; a cheap bound before tokenizing
 
 
 @dataclass
@@ -94,6 +97,22 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, settings: Settings) -> None:
         self.engine = engine
         self.settings = settings
+        # tokenization and chat-template rendering run here, never on the event loop (a megabyte
+        # prompt would freeze every stream and /health); bounded, so a burst queues instead of
+        # spawning threads
+        self._prompt_pool = ThreadPoolExecutor(max_workers=PROMPT_WORKERS, thread_name_prefix="tokenize")
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, fn, *args)
+
+    def check_size(self, chars: int, what: str) -> None:
+        """A cheap bound before tokenizing: text longer than ``MAX_CHARS_PER_TOKEN`` characters per token
+        of the context cannot fit, whatever the tokenizer makes of it."""
+        limit = self.max_model_len
+        if chars > limit * MAX_CHARS_PER_TOKEN:
+            raise bad_request(f"This model's maximum context length is {limit} tokens, but the {what} has "
+                              f"{chars} characters, more than any {limit}-token text. Please shorten the {what}.",
+                              param=what, code="context_length_exceeded")
 
     @property
     def tokenizer(self):
@@ -115,6 +134,7 @@ class OpenAIServing:
         prompts = []
         for p in body.prompts():
             if isinstance(p, str):
+                self.check_size(len(p), "prompt")
                 prompts.append(Prompt(self.tokenizer.encode(p), p))
                 continue
             if any(t >= vocab for t in p):
@@ -126,8 +146,10 @@ class OpenAIServing:
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
             raise bad_request("This model has no chat template; use /v1/completions.", param="messages")
+        messages = body.template_messages()
+        self.check_size(sum(len(m["content"]) for m in messages), "messages")
         try:
-            text = tok.apply_chat_template(body.template_messages(), add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # noqa: BLE001 - jinja errors (e.g. roles must alternate) are user errors
             raise bad_request(f"The messages cannot be rendered with the model's chat template: {exc}",
                               param="messages") from None
@@ -159,12 +181,19 @@ class OpenAIServing:
             raise bad_request(f"The request asks for {total} completions; this server queues at most "
                               f"{self.engine.max_queue} at once.", param="n")
         try:
-            return [GenerationRequest(f"{call_id}-{p * body.n + i}", prompt.token_ids,
+            reqs = [GenerationRequest(f"{call_id}-{p * body.n + i}", prompt.token_ids,
                                       body.to_sampling_params(budgets[p], i),
                                       body.to_spec_options(self.settings.spec_enabled))
                     for p, prompt in enumerate(prompts) for i in range(body.n)]
         except ValueError as exc:  # the engine contract's own checks
             raise bad_request(str(exc), param=str(exc).split(" ")[0]) from None
+        check = getattr(self.engine.core, "check_request", None)
+        for req in reqs if check is not None else ():
+            try:  # what the engine would refuse is a 400 now, before a stream's first byte
+                check(req)
+            except RequestRejected as exc:
+                raise bad_request(str(exc), param=exc.param) from None
+        return reqs
 
     # ------------------------------------------------------------------ running
     async def collect(self, group: RequestGroup, choices: list[Choice], request: Request) -> bool:
@@ -202,7 +231,7 @@ class OpenAIServing:
         if body.echo and body.logprobs is not None:
             raise bad_request("echo together with logprobs needs prompt logprobs, which this engine does not "
                               "compute.", param="echo")
-        prompts = self.completion_prompts(body)
+        prompts = await self._off_loop(self.completion_prompts, body)
         budgets = [self.max_tokens_for(p, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt", "max_tokens")
                    for p in prompts]
         call_id = f"cmpl-{uuid.uuid4().hex}"
@@ -245,7 +274,7 @@ class OpenAIServing:
     # ------------------------------------------------------------------ chat
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Union[Response, ChatCompletionResponse]:
         self.check_model(body.model)
-        prompt = self.chat_prompt(body)
+        prompt = await self._off_loop(self.chat_prompt, body)
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         budget = self.max_tokens_for(prompt, body.requested_max_tokens(), None, "messages", max_param)
         call_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -18,7 +18,7 @@ from typing import Optional
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.request import GenerationRequest, RequestOutput, SpecUsage, TokenLogprob
+from engine.request import GenerationRequest, RequestOutput, RequestRejected, SpecUsage, TokenLogprob
 from engine.stats import StepStats, add_at
 from engine.stop import TextStream
 
@@ -82,14 +82,22 @@ class FakeCore:
         self._thread: Optional[int] = None  # the one thread allowed to call us
 
     # ----------------------------------------------------------------- interface
-    def add_request(self, req: GenerationRequest) -> None:
-        self._check_thread()
+    def check_request(self, req: GenerationRequest) -> None:
+        """Stateless checks, callable from any thread (the real core's contract)."""
         total = len(req.prompt_token_ids) + req.sampling.max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens "
-                             f"({req.sampling.max_tokens}) exceeds the context length {self.max_model_len}")
+            raise RequestRejected(f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens "
+                                  f"({req.sampling.max_tokens}) exceeds the context length {self.max_model_len}",
+                                  "max_tokens")
         if req.spec.method not in (None, "mcsd", "maxgram"):
-            raise ValueError(f"the fake engine does not run speculative.method {req.spec.method!r}")
+            raise RequestRejected(f"the fake engine does not run speculative.method {req.spec.method!r}",
+                                  "speculative.method")
+        if max(req.sampling.logit_bias, default=-1) >= len(self.tokenizer):
+            raise RequestRejected(f"logit_bias token ids must be < {len(self.tokenizer)}", "logit_bias")
+
+    def add_request(self, req: GenerationRequest) -> None:
+        self._check_thread()
+        self.check_request(req)
         s = req.sampling
         offset = 0 if s.greedy or s.seed is None else s.seed % len(req.prompt_token_ids)
         stream = TextStream.create(self.tokenizer, req.prompt_token_ids, s, [self.tokenizer.eos_token_id])

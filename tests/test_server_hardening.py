@@ -4,6 +4,9 @@ keys, echoed model names, and the headers 405 and 429 owe their clients."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import openai
 import pytest
@@ -102,3 +105,49 @@ def test_429_says_when_to_retry():
             pass
         for _ in second:
             pass
+
+
+class SlowTokenizer:
+    """The fake core's tokenizer, with an ``encode`` that takes ``delay`` seconds (a huge prompt)."""
+
+    def __init__(self, inner, delay: float) -> None:
+        self.inner, self.delay, self.calls = inner, delay, 0
+
+    def encode(self, *args, **kwargs):
+        self.calls += 1
+        time.sleep(self.delay)
+        return self.inner.encode(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def test_health_answers_while_a_prompt_is_tokenized():
+    core = FakeCore()
+    slow = SlowTokenizer(core.tokenizer, delay=1.5)
+    with serve(core) as s:
+        core.tokenizer = slow
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, s.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2},
+                                  timeout=30)
+            while slow.calls == 0:
+                time.sleep(0.01)
+            t0 = time.perf_counter()
+            assert httpx.get(s.url + "/health").status_code == 200
+            assert time.perf_counter() - t0 < 0.1  # not stuck behind the 1.5 s tokenization
+            assert pending.result().status_code == 200
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing():
+    core = FakeCore(max_model_len=256)
+    slow = SlowTokenizer(core.tokenizer, delay=0.0)
+    with serve(core) as s:
+        core.tokenizer = slow
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x" * 10_000})  # > 256 tokens * 32 chars
+        assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded"
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "y" * 10_000}]})
+        assert r.status_code == 400 and error_of(r)["param"] == "messages"
+        assert slow.calls == 0

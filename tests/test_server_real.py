@@ -129,3 +129,17 @@ def test_per_request_method_equals_plain_greedy_and_is_counted_by_method(srv, oa
     grown = {m: after[m] - before.get(m, 0.0) for m in after if after[m] > before.get(m, 0.0)}
     expected = {"maxgram": {"maxgram", "bigram"}, "mcsd+maxgram": {"draft"}, "cascade": {"cascade"}}[method]
     assert used["drafted_tokens"] > 0 and set(grown) & expected, grown
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"logit_bias": {"100000": 5}}, "logit_bias"),  # a token id past the vocabulary
+    ({"speculative": {"tree": [3, 3, 3]}}, "speculative.tree"),  # wider than the engine's (2, 2)
+    ({"speculative": {"method": "mjsd-lossy"}, "presence_penalty": 0.5}, "speculative.method"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_what_the_engine_refuses_is_a_400_before_the_stream_starts(srv, body, param, stream):
+    r = httpx.post(srv.url + "/v1/completions",
+                   json={"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": stream, **body})
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    assert r.json()["error"]["param"] == param
