@@ -206,17 +206,32 @@ class EngineCore:
             budget = self.policy.budget(plan.decode) if self.policy is not None else None
             plans = self._cap_maxgram(plan.decode, [self._plan(seq, budget) for seq in plan.decode])
             stats.budget = max(p.sub.num_nodes for p in plans)
-            results = self.runner.step(plan.decode, plans, stats)
+            results, failed = self.runner.step(plan.decode, plans, stats)
+            if failed:
+                kept = {id(r.seq) for r in results}
+                plans = [p for s, p in zip(plan.decode, plans) if id(s) in kept]
             self._observe_maxgram(results, plans)
             if self.policy is not None:
                 self.policy.observe(results)
             for res in results:
                 record_step(stats, res)
-                outputs.append(self._postprocess(res, stats))
+                try:
+                    outputs.append(self._postprocess(res, stats))
+                except Exception as exc:  # noqa: BLE001 - e.g. detokenization: this request alone fails
+                    log.exception("postprocessing failed for request %s", res.seq.request_id)
+                    failed.append((res.seq, exc))
+            outputs += [self._fail(seq, exc) for seq, exc in failed]
         stats.step_seconds = time.perf_counter() - t0
         if not plan.empty:
             self._stats.append(stats)
         return outputs
+
+    def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
+        """Ends ``seq`` with an error (its slots freed); the batch's other requests are untouched."""
+        self.scheduler.finish(seq)
+        return RequestOutput(request_id=seq.request_id, new_token_ids=[], new_text="", finished=True,
+                             finish_reason="error", error=f"generation failed: {type(exc).__name__}: {exc}",
+                             prompt_tokens=seq.num_prompt, completion_tokens=seq.num_output, spec=seq.spec)
 
     def _cap_maxgram(self, seqs: list[Sequence], plans: list[DraftPlan]) -> list[DraftPlan]:
         """Caps Max-Gram's root proposals by the load-aware length chooser, per match class.  A sequence

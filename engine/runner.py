@@ -7,6 +7,7 @@ Plain decoding is the same path with an empty tree: the block is just the root, 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -29,6 +30,8 @@ from engine.spec.target_init import draw_candidates, verify_target_init
 from engine.spec.proposer import DraftModelProposer
 from engine.spec.verify import TorchCoins, VerifyResult, residual, verify_greedy, verify_sampled
 from engine.stats import StepStats, add_at
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,7 +75,10 @@ class ModelRunner:
             s.target_cached = end
 
     # ------------------------------------------------------------------ decode
-    def step(self, seqs: list[Sequence], plans: list[DraftPlan], stats: StepStats) -> list[SeqStepResult]:
+    def step(self, seqs: list[Sequence], plans: list[DraftPlan],
+             stats: StepStats) -> tuple[list[SeqStepResult], list[tuple[Sequence, Exception]]]:
+        """Drafts, verifies and updates the caches of ``seqs``.  Returns the results and the sequences
+        whose own verification failed (with the error): one request's failure is that request's alone."""
         t0 = time.perf_counter()
         trees = self._draft(seqs, plans)
         t1 = time.perf_counter()
@@ -83,12 +89,19 @@ class ModelRunner:
             pos = block_positions(root_pos, tree.depths())
             blocks.append(Block(seq.slot, toks, pos, list(range(len(toks))), tree.mask()))
         _, logits = run_blocks(self.target, self.cache, blocks)  # each [1+n, vocab]
-        results = [self._verify(seq, tree, lg, plan.init) for seq, tree, lg, plan in zip(seqs, trees, logits, plans)]
-        for r, tree, plan in zip(results, trees, plans):
-            self._update_caches(r.seq, tree, r.result, plan.init)
+        results, failed = [], []
+        for seq, tree, lg, plan in zip(seqs, trees, logits, plans):
+            try:
+                res = self._verify(seq, tree, lg, plan.init)
+                self._update_caches(seq, tree, res.result, plan.init)
+            except Exception as exc:  # noqa: BLE001 - the engine ends this request, the others go on
+                log.exception("verification failed for request %s", seq.request_id)
+                failed.append((seq, exc))
+                continue
+            results.append(res)
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += time.perf_counter() - t1
-        return results
+        return results, failed
 
     def _draft(self, seqs: list[Sequence], plans: list[DraftPlan]) -> list[DraftTree]:
         """Every drafter that the plans ask for, in cascade order: the draft model's trees and the

@@ -195,3 +195,43 @@ def test_a_request_that_cannot_speculate_says_why(models):
     assert outs[0].spec.note and "without a draft model" in outs[0].spec.note
     outs, _ = run_engine(target, None, PROMPTS[:1], tree=(), max_tokens=4, spec=SpecOptions(enabled=False))
     assert outs[0].spec.note is None
+
+
+@pytest.mark.parametrize("stage", ["verify", "postprocess"])
+def test_one_failing_request_ends_alone_and_the_batch_goes_on(stage, monkeypatch):
+    """A request whose verification (or detokenization) raises finishes with an error and frees its
+    slots; the other requests of the same batches produce exactly what they produce without it."""
+    import engine.core as core_mod
+    import engine.runner as runner_mod
+
+    target, draft = tiny_loaded("llama", seed=0), tiny_loaded("llama", seed=1, layers=1)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    expected, _ = run_engine(target, draft, prompts, tree=(2, 1), ignore_eos=True, max_tokens=12)
+    calls = {"n": 0}
+    if stage == "verify":
+        real = runner_mod.ModelRunner._verify
+
+        def flaky(self, seq, *args, **kwargs):
+            if seq.request_id == "r1":
+                calls["n"] += 1
+                if calls["n"] == 2:  # its second decode step
+                    raise RuntimeError("planted verification failure")
+            return real(self, seq, *args, **kwargs)
+        monkeypatch.setattr(runner_mod.ModelRunner, "_verify", flaky)
+    else:
+        real = core_mod.EngineCore._postprocess
+
+        def flaky(self, res, stats):
+            if res.seq.request_id == "r1":
+                calls["n"] += 1
+                if calls["n"] == 2:
+                    raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "planted detokenizer failure")
+            return real(self, res, stats)
+        monkeypatch.setattr(core_mod.EngineCore, "_postprocess", flaky)
+    outs, core = run_engine(target, draft, prompts, tree=(2, 1), ignore_eos=True, max_tokens=12)
+    assert outs[1].finish_reason == "error" and len(outs[1].tokens) < 12
+    assert [o.tokens for i, o in enumerate(outs) if i != 1] == [o.tokens for i, o in enumerate(expected) if i != 1]
+    assert all(o.finish_reason == "length" for i, o in enumerate(outs) if i != 1)
+    assert core.cache.free_slots == core.cache.num_slots and not core.has_unfinished()
+    draft_cache = core.runner.proposer.cache
+    assert draft_cache.free_slots == draft_cache.num_slots
