@@ -49,10 +49,14 @@ class EngineState(enum.Enum):
     STOPPED = "stopped"
 
 
+SHUTDOWN_MESSAGE = "The server is shutting down and could not finish this request in its grace period; retry."
+
+
 @dataclass
 class EngineErrorOutput(RequestOutput):
     """The final output of a request that failed.  ``kind`` is ``"invalid_request"`` when the core
-    rejected it in ``add_request`` (a user error, 400) and ``"server_error"`` when a step failed."""
+    rejected it in ``add_request`` (a user error, 400), ``"shutdown"`` when the engine stopped before it
+    finished (503) and ``"server_error"`` when a step failed."""
 
     kind: str = "server_error"
 
@@ -243,6 +247,11 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, 30.0)
         self.state = EngineState.STOPPED
 
+    @property
+    def accepting(self) -> bool:
+        """Ready and taking new requests (False from the start of a shutdown)."""
+        return self.state is EngineState.READY and self._accepting
+
     def unavailable_reason(self) -> str:
         if self.state is EngineState.LOADING:
             return "The model is still loading; retry in a moment."
@@ -271,7 +280,7 @@ class AsyncEngine:
             self._fail(self._snapshot(), f"engine loop crashed: {exc}")
         finally:
             if self.state is EngineState.READY and self._stop_now:
-                self._fail(self._snapshot(), None)
+                self._fail(self._snapshot(), SHUTDOWN_MESSAGE, kind="shutdown")
 
     def _loop(self) -> None:
         busy = False
@@ -344,8 +353,8 @@ class AsyncEngine:
         with self._cond:
             return list(self._entries.values())
 
-    def _fail(self, entries: list[_Entry], message: Optional[str]) -> None:
-        """Ends ``entries`` with an error output (or an abort when ``message`` is None)."""
+    def _fail(self, entries: list[_Entry], message: Optional[str], kind: str = "server_error") -> None:
+        """Ends ``entries`` with an error output of ``kind`` (or an abort when ``message`` is None)."""
         for entry in entries:
             rid = entry.req.request_id
             if entry.admitted:
@@ -356,7 +365,7 @@ class AsyncEngine:
             if message is None:
                 out = RequestOutput(rid, [], "", finished=True, finish_reason="abort")
             else:
-                out = EngineErrorOutput(rid, [], "", finished=True, finish_reason="error", error=message)
+                out = EngineErrorOutput(rid, [], "", finished=True, finish_reason="error", error=message, kind=kind)
             self._finish(entry, out)
 
     def _finish(self, entry: _Entry, out: RequestOutput) -> None:

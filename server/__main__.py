@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import uvicorn
 
 from engine.async_engine import AsyncEngine
-from server.app import create_app
+from server.app import GracefulServer, create_app
 from server.settings import Settings, SettingsError, load_settings
 
 log = logging.getLogger("server")
@@ -77,8 +77,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     engine = AsyncEngine(lambda: build_core(settings), max_queue=settings.max_queue)
     app = create_app(settings, engine)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=int(settings.shutdown_grace) + 1)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=int(settings.shutdown_grace) + 5)
+    server = GracefulServer(config, engine, settings.shutdown_grace)
     status = [0]
     threading.Thread(target=_exit_if_load_fails, args=(engine, server, status), daemon=True).start()
     try:

@@ -8,17 +8,19 @@ which starts HTTP first and loads the models in the background) sees the server 
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from contextlib import asynccontextmanager
 from typing import Optional
 
+import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from engine.async_engine import AsyncEngine, EngineState, EngineUnavailable
-from server.errors import APIError, BodySizeLimit, install_error_handlers
+from server.errors import RETRY_AFTER_S, APIError, BodySizeLimit, install_error_handlers
 from server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.serving import OpenAIServing
@@ -131,8 +133,10 @@ def _ops_router(engine: AsyncEngine, metrics: ServerMetrics) -> APIRouter:
     @router.get("/health")
     async def health() -> Response:
         """200 with the engine's queue state when ready; 503 while loading, failed or stopping."""
-        if engine.state is not EngineState.READY:
-            return APIError(503, engine.unavailable_reason(), code="engine_unavailable").to_json_response()
+        if not engine.accepting:
+            response = APIError(503, engine.unavailable_reason(), code="engine_unavailable").to_json_response()
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return response
         g = engine.gauges
         return JSONResponse({"status": "ok", "running": g.num_running, "waiting": g.num_waiting,
                              "unfinished": engine.num_unfinished, "kv_cache_usage": g.kv_cache_usage})
@@ -142,3 +146,34 @@ def _ops_router(engine: AsyncEngine, metrics: ServerMetrics) -> APIRouter:
         return Response(metrics.render(engine), media_type=CONTENT_TYPE_LATEST)
 
     return router
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn that drains the engine as soon as SIGTERM (or Ctrl-C) arrives.
+
+    uvicorn stops listening and waits for open connections, then runs the app's lifespan shutdown; by
+    then it has cancelled whatever was still running, so the engine's own end of those requests never
+    reached their clients.  Here the engine's shutdown starts with the signal: it stops admitting
+    (503 with ``Retry-After`` on a kept-alive connection, and ``/health`` says so), lets running requests
+    finish for ``grace`` seconds, then ends the rest with a shutdown error that each handler still
+    delivers: an OpenAI-style error event and ``[DONE]`` for a stream, a 503 for a plain request.  Set
+    uvicorn's ``timeout_graceful_shutdown`` a few seconds above ``grace`` so those answers get written."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float) -> None:
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+        self.drain: Optional[asyncio.Task] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._loop is not None and self.drain is None:
+            self._loop.call_soon_threadsafe(self._begin_drain)
+        super().handle_exit(sig, frame)
+
+    def _begin_drain(self) -> None:
+        if self.drain is None:
+            self.drain = asyncio.ensure_future(self.engine.shutdown(self.grace))

@@ -29,6 +29,9 @@ ERROR_TYPES = {
 }
 
 
+RETRY_AFTER_S = 1  # what a 429 (queue full) or a 503 (loading, shutting down) tells clients to wait
+
+
 class APIError(Exception):
     """An error with everything the OpenAI error object needs; raise it anywhere in a route."""
 
@@ -88,7 +91,10 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
 
 
 async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    return exc.to_json_response()
+    response = exc.to_json_response()
+    if exc.status == 503:
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
 
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -109,9 +115,6 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return response
 
 
-RETRY_AFTER_S = 1  # what a 429 (queue full) tells clients to wait
-
-
 async def _overloaded(_: Request, exc: EngineOverloaded) -> JSONResponse:
     response = APIError(429, str(exc), code="queue_full").to_json_response()
     response.headers["Retry-After"] = str(RETRY_AFTER_S)
@@ -119,7 +122,9 @@ async def _overloaded(_: Request, exc: EngineOverloaded) -> JSONResponse:
 
 
 async def _unavailable(_: Request, exc: EngineUnavailable) -> JSONResponse:
-    return APIError(503, str(exc), code="engine_unavailable").to_json_response()
+    response = APIError(503, str(exc), code="engine_unavailable").to_json_response()
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
 
 async def _internal(_: Request, exc: Exception) -> JSONResponse:

@@ -66,6 +66,8 @@ class Choice:
 def raise_if_error(out: RequestOutput) -> None:
     if isinstance(out, EngineErrorOutput) and out.kind == "invalid_request":
         raise bad_request(out.error or "invalid request", code="invalid_request")
+    if isinstance(out, EngineErrorOutput) and out.kind == "shutdown":
+        raise APIError(503, out.error or "The server is shutting down.", code="server_shutting_down")
     if out.finish_reason == "error":
         raise APIError(500, out.error or "engine error", code="engine_error")
 

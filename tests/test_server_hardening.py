@@ -151,3 +151,59 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing():
         r = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "y" * 10_000}]})
         assert r.status_code == 400 and error_of(r)["param"] == "messages"
         assert slow.calls == 0
+
+
+def test_sigterm_finishes_what_it_can_and_ends_the_rest_cleanly():
+    """On SIGTERM: a short request in flight completes; a long stream gets an OpenAI-style error event
+    then [DONE]; a long plain request gets a 503 with Retry-After; nothing is cut mid-air."""
+    import json
+    import signal
+    import threading
+
+    import uvicorn
+
+    from engine.async_engine import AsyncEngine
+    from server.app import GracefulServer, create_app
+    from server.settings import Settings
+
+    core = FakeCore(max_batch=4, step_delay=0.05)
+    engine = AsyncEngine(core, max_queue=8)
+    app = create_app(Settings(served_model_name=MODEL, shutdown_grace=1.0), engine)
+    server = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           timeout_graceful_shutdown=6), engine, 1.0)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, timeout=20)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    results = {}
+
+    def stream(name: str, max_tokens: int) -> None:
+        with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                          json={"prompt": "hello", "max_tokens": max_tokens, "stream": True}) as r:
+            results[name] = (r.status_code, [line[6:] for line in r.iter_lines() if line.startswith("data: ")])
+
+    def plain(name: str) -> None:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 240}, timeout=30)
+        results[name] = (r.status_code, r.headers.get("retry-after"), r.json())
+
+    workers = [threading.Thread(target=stream, args=("long", 240)), threading.Thread(target=plain, args=("plain",))]
+    for w in workers:
+        w.start()
+    wait_until(lambda: len(core._running) == 2, timeout=10)
+    short = threading.Thread(target=stream, args=("short", 6))
+    short.start()
+    wait_until(lambda: len(core._running) == 3, timeout=10)
+    server.handle_exit(signal.SIGTERM, None)
+    for w in workers + [short]:
+        w.join(timeout=20)
+    thread.join(timeout=20)
+    assert not thread.is_alive()
+
+    status, events = results["short"]
+    assert status == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    status, events = results["long"]
+    assert status == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+    status, retry_after, body = results["plain"]
+    assert status == 503 and retry_after == "1" and body["error"]["code"] == "server_shutting_down"
