@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from engine.async_engine import AsyncEngine, EngineState, EngineUnavailable
 from server.errors import RETRY_AFTER_S, APIError, BodySizeLimit, install_error_handlers
 from server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList
 from server.serving import OpenAIServing
 from server.settings import Settings
 
@@ -94,6 +94,7 @@ def create_app(settings: Settings, engine: AsyncEngine, metrics: Optional[Server
                            allow_headers=["*"], allow_credentials="*" not in settings.cors_origins)
     app.include_router(_v1_router(serving))
     app.include_router(_ops_router(engine, metrics))
+    app.openapi = _openapi_without_422(app)
     return app
 
 
@@ -102,16 +103,46 @@ def _require_ready(engine: AsyncEngine) -> None:
         raise EngineUnavailable(engine.unavailable_reason())
 
 
+_ERRORS = {
+    400: "Invalid request (OpenAI error object; `param` names the field)",
+    401: "Missing or wrong API key",
+    404: "Unknown model",
+    413: "Request body too large",
+    429: "Queue full; retry after `Retry-After` seconds",
+    503: "Loading or shutting down; retry after `Retry-After` seconds",
+}
+GENERATION_RESPONSES = {
+    200: {"description": "The completion (JSON), or with `stream: true` server-sent events ending in "
+                         "`data: [DONE]`", "content": {"text/event-stream": {}}},
+    **{code: {"model": ErrorResponse, "description": text} for code, text in _ERRORS.items()},
+}
+
+
+def _openapi_without_422(app: FastAPI):
+    """The schema FastAPI builds, minus its 422 responses: validation errors are 400s here."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for ops in schema.get("paths", {}).values():
+                for op in ops.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+    return openapi
+
+
 def _v1_router(serving: OpenAIServing) -> APIRouter:
     router = APIRouter(prefix="/v1")
 
-    @router.post("/completions")
+    @router.post("/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _require_ready(serving.engine)
         result = await serving.completions(body, request)
         return result if isinstance(result, Response) else _json(result)
 
-    @router.post("/chat/completions")
+    @router.post("/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _require_ready(serving.engine)
         result = await serving.chat(body, request)

@@ -194,7 +194,11 @@ class _SamplingFields(_Request):
 
 # ---------------------------------------------------------------------------- completions
 class CompletionRequest(_SamplingFields):
-    prompt: Any
+    # validated by _check_prompt (clear messages); the schema says what that accepts
+    prompt: Any = Field(..., json_schema_extra={"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}}}]})
     echo: bool = False
     logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
     suffix: Optional[str] = None

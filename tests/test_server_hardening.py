@@ -207,3 +207,19 @@ def test_sigterm_finishes_what_it_can_and_ends_the_rest_cleanly():
     assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
     status, retry_after, body = results["plain"]
     assert status == 503 and retry_after == "1" and body["error"]["code"] == "server_shutting_down"
+
+
+def test_the_openapi_schema_describes_what_the_server_does(srv):
+    spec = httpx.get(srv.url + "/openapi.json").json()
+    assert all("422" not in op.get("responses", {}) for ops in spec["paths"].values() for op in ops.values())
+    assert "HTTPValidationError" not in spec["components"]["schemas"]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = spec["paths"][path]["post"]["responses"]
+        assert "422" not in responses
+        assert {"200", "400", "404", "413", "429", "503"} <= set(responses)
+        assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+        assert "text/event-stream" in responses["200"]["content"]
+    prompt = spec["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
+    assert {"type": "null"} not in prompt["anyOf"] and {"type": "string"} in prompt["anyOf"]
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": None})  # what the schema now forbids
+    assert r.status_code == 400 and error_of(r)["param"] == "prompt"
