@@ -286,14 +286,22 @@ def running(s) -> float:
     return scrape(s)["mcsd:num_requests_running"]
 
 
+def fill_the_queue(s):
+    """One stream running and one queued on a server with ``max_batch=1, max_queue=1``: the next
+    request finds the queue full.  Returns both streams."""
+    oai = client(s)
+    first = oai.completions.create(model=MODEL, prompt="hello", max_tokens=40, stream=True)
+    next(iter(first))
+    wait_until(lambda: running(s) == 1)
+    second = oai.completions.create(model=MODEL, prompt="hello", max_tokens=3, stream=True)
+    return first, second
+
+
 def test_queue_full_is_429_and_spares_admitted_requests():
     core = FakeCore(max_batch=1, step_delay=0.02)
     with serve(core, max_queue=1) as s:
         oai = client(s)
-        first = oai.completions.create(model=MODEL, prompt="hello", max_tokens=40, stream=True)
-        next(iter(first))
-        wait_until(lambda: running(s) == 1)
-        second = oai.completions.create(model=MODEL, prompt="hello", max_tokens=3, stream=True)
+        first, second = fill_the_queue(s)
         with pytest.raises(openai.RateLimitError) as info:
             oai.completions.create(model=MODEL, prompt="hello", max_tokens=3)
         assert info.value.body["code"] == "queue_full" and "overloaded" in info.value.body["message"]

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.fakes import FakeCore
-from tests.test_server import MODEL, client, error_of, running, serve, wait_until
+from tests.test_server import MODEL, client, error_of, fill_the_queue, serve, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +94,7 @@ def test_405_names_the_allowed_methods(srv):
 def test_429_says_when_to_retry():
     core = FakeCore(max_batch=1, step_delay=0.02)
     with serve(core, max_queue=1) as s:
-        oai = client(s)
-        first = oai.completions.create(model=MODEL, prompt="hello", max_tokens=40, stream=True)
-        next(iter(first))
-        wait_until(lambda: running(s) == 1)
-        second = oai.completions.create(model=MODEL, prompt="hello", max_tokens=3, stream=True)
+        first, second = fill_the_queue(s)
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3})
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         for _ in first:

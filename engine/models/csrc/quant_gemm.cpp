@@ -124,17 +124,26 @@ inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
   }
 }
 
+struct KScales {
+  float d1, m1, d2, m2;
+};
+
+// The scales and mins of sub-blocks is and is + 1 of a Q4_K / Q5_K super-block, times d and dmin.
+inline KScales kscales(float d, float dmin, const uint8_t* scales, int is) {
+  int sc1, m1, sc2, m2;
+  scale_min_k4(is, scales, &sc1, &m1);
+  scale_min_k4(is + 1, scales, &sc2, &m2);
+  return {d * static_cast<float>(sc1), dmin * static_cast<float>(m1), d * static_cast<float>(sc2),
+          dmin * static_cast<float>(m2)};
+}
+
 void deq_q4_k(const uint8_t* b, float* y) {  // d, dmin, scales[12], qs[128]
   const float d = fp16_to_f32(rd16(b));
   const float dmin = fp16_to_f32(rd16(b + 2));
   const uint8_t* scales = b + 4;
   const uint8_t* q = b + 16;
   for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
-    int sc, m;
-    scale_min_k4(is, scales, &sc, &m);
-    const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(m);
-    scale_min_k4(is + 1, scales, &sc, &m);
-    const float d2 = d * static_cast<float>(sc), m2 = dmin * static_cast<float>(m);
+    const auto [d1, m1, d2, m2] = kscales(d, dmin, scales, is);
     for (int l = 0; l < 32; ++l) y[j + l] = d1 * static_cast<float>(q[l] & 0x0f) - m1;
     for (int l = 0; l < 32; ++l) y[j + 32 + l] = d2 * static_cast<float>(q[l] >> 4) - m2;
   }
@@ -148,11 +157,7 @@ void deq_q5_k(const uint8_t* b, float* y) {  // d, dmin, scales[12], qh[32], qs[
   const uint8_t* ql = b + 48;
   uint8_t u1 = 1, u2 = 2;
   for (int j = 0, is = 0; j < 256; j += 64, is += 2, ql += 32) {
-    int sc, m;
-    scale_min_k4(is, scales, &sc, &m);
-    const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(m);
-    scale_min_k4(is + 1, scales, &sc, &m);
-    const float d2 = d * static_cast<float>(sc), m2 = dmin * static_cast<float>(m);
+    const auto [d1, m1, d2, m2] = kscales(d, dmin, scales, is);
     for (int l = 0; l < 32; ++l)
       y[j + l] = d1 * static_cast<float>((ql[l] & 0x0f) + ((qh[l] & u1) ? 16 : 0)) - m1;
     for (int l = 0; l < 32; ++l)
@@ -254,11 +259,7 @@ void vdeq_q4_k(const uint8_t* b, float* y) {
   const uint8_t* scales = b + 4;
   const uint8_t* q = b + 16;
   for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
-    int sc, m;
-    scale_min_k4(is, scales, &sc, &m);
-    const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(m);
-    scale_min_k4(is + 1, scales, &sc, &m);
-    const float d2 = d * static_cast<float>(sc), m2 = dmin * static_cast<float>(m);
+    const auto [d1, m1, d2, m2] = kscales(d, dmin, scales, is);
     for (int l = 0; l < 32; l += 8) kquant_run(nib_lo(q + l), d1, m1, y + j + l);
     for (int l = 0; l < 32; l += 8) kquant_run(nib_hi(q + l), d2, m2, y + j + 32 + l);
   }
@@ -272,11 +273,7 @@ void vdeq_q5_k(const uint8_t* b, float* y) {
   const uint8_t* ql = b + 48;
   const __m256i zero = _mm256_setzero_si256(), sixteen = _mm256_set1_epi32(16);
   for (int j = 0, is = 0; j < 256; j += 64, is += 2, ql += 32) {
-    int sc, m;
-    scale_min_k4(is, scales, &sc, &m);
-    const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(m);
-    scale_min_k4(is + 1, scales, &sc, &m);
-    const float d2 = d * static_cast<float>(sc), m2 = dmin * static_cast<float>(m);
+    const auto [d1, m1, d2, m2] = kscales(d, dmin, scales, is);
     const __m256i u1 = _mm256_set1_epi32(1 << is), u2 = _mm256_set1_epi32(2 << is);
     for (int l = 0; l < 32; l += 8) {
       const __m256i h = u8x8i(qh + l);
