@@ -86,7 +86,7 @@ def create_app(settings: Settings, engine: AsyncEngine, metrics: Optional[Server
     app = FastAPI(title="MCSD OpenAI-compatible server", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine, app.state.settings, app.state.metrics = engine, settings, metrics
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, read_timeout=settings.body_read_timeout)
     if settings.api_key:
         app.add_middleware(ApiKeyAuth, api_key=settings.api_key, protected=_protected_paths(settings))
     if settings.cors_origins:  # outermost, so preflight answers come before authentication

@@ -7,6 +7,7 @@ so that ``param`` is the offending field's path (``messages[0].content``), as Op
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from http import HTTPStatus
@@ -24,8 +25,8 @@ log = logging.getLogger(__name__)
 
 ERROR_TYPES = {
     400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-    405: "invalid_request_error", 413: "invalid_request_error", 429: "overloaded_error",
-    500: "server_error", 503: "service_unavailable",
+    405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+    429: "overloaded_error", 500: "server_error", 503: "service_unavailable",
 }
 
 
@@ -105,6 +106,10 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     status = exc.status_code
     if isinstance(exc, _TooLarge):
         return APIError(413, exc.detail, code="request_too_large").to_json_response()
+    if isinstance(exc, _SlowBody):
+        response = APIError(408, exc.detail, code="request_timeout").to_json_response()
+        response.headers["Connection"] = "close"
+        return response
     phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
     detail = exc.detail if isinstance(exc.detail, str) and exc.detail != phrase else ""
     message = f"{phrase}: {request.method} {request.url.path}" + (f" ({detail})" if detail else "")
@@ -149,9 +154,10 @@ class BodySizeLimit:
     upload never reaches the JSON parser.  Pure ASGI, unlike ``@app.middleware``, so streaming
     responses and disconnect detection are untouched."""
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app, max_bytes: int, read_timeout: Optional[float] = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout = read_timeout  # seconds a client may take between two pieces of its body
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -163,12 +169,20 @@ class BodySizeLimit:
             return
         seen = 0
         started = False
+        body_done = False
 
         async def counted_receive():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done or self.read_timeout is None:  # after the body: disconnect polling, no timeout
+                message = await receive()
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), self.read_timeout)
+                except asyncio.TimeoutError:
+                    raise _SlowBody(self.read_timeout) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if seen > self.max_bytes:
                     raise _TooLarge(self.max_bytes)
             return message
@@ -191,6 +205,13 @@ class BodySizeLimit:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+class _SlowBody(StarletteHTTPException):
+    """Raised from inside ``receive`` when a client stalls in the middle of its request body."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(408, f"The request body did not arrive in time (nothing for {timeout:g} s).")
 
 
 class _TooLarge(StarletteHTTPException):

@@ -87,6 +87,8 @@ class Settings(BaseModel):
     served_model_name: Optional[str] = Field(None, description="model id in the API (default: --model)")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest accepted request body")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds in-flight requests get at shutdown")
+    body_read_timeout: float = Field(30.0, gt=0, description="seconds a client may stall in the middle of its "
+                                     "request body before a 408")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
     @field_validator("tree", mode="before")

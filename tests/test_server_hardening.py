@@ -219,3 +219,23 @@ def test_the_openapi_schema_describes_what_the_server_does(srv):
     assert {"type": "null"} not in prompt["anyOf"] and {"type": "string"} in prompt["anyOf"]
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": None})  # what the schema now forbids
     assert r.status_code == 400 and error_of(r)["param"] == "prompt"
+
+
+def test_a_client_stalling_mid_body_gets_a_408_and_long_streams_are_not_cut():
+    import socket
+
+    with serve(FakeCore(step_delay=0.05), body_read_timeout=0.5) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n" + b'{"prompt": ')  # then nothing
+            t0 = time.perf_counter()
+            reply = sock.recv(65536).decode()
+            assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply
+            assert time.perf_counter() - t0 < 5
+        # the timeout covers the body only: a stream that runs for longer is served to the end
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=30,
+                          json={"prompt": "hello", "max_tokens": 40, "stream": True}) as r:
+            t0 = time.perf_counter()
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert time.perf_counter() - t0 > 0.5 and lines[-1] == "data: [DONE]"
