@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from engine.async_engine import AsyncEngine, EngineState, EngineUnavailable
-from server.errors import RETRY_AFTER_S, APIError, BodySizeLimit, install_error_handlers
+from server.errors import APIError, BodySizeLimit, install_error_handlers
 from server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList
 from server.serving import OpenAIServing
@@ -165,9 +165,7 @@ def _ops_router(engine: AsyncEngine, metrics: ServerMetrics) -> APIRouter:
     async def health() -> Response:
         """200 with the engine's queue state when ready; 503 while loading, failed or stopping."""
         if not engine.accepting:
-            response = APIError(503, engine.unavailable_reason(), code="engine_unavailable").to_json_response()
-            response.headers["Retry-After"] = str(RETRY_AFTER_S)
-            return response
+            return APIError(503, engine.unavailable_reason(), code="engine_unavailable").to_json_response()
         g = engine.gauges
         return JSONResponse({"status": "ok", "running": g.num_running, "waiting": g.num_waiting,
                              "unfinished": engine.num_unfinished, "kv_cache_usage": g.kv_cache_usage})

@@ -50,7 +50,9 @@ class APIError(Exception):
                                              code=self.code))
 
     def to_json_response(self) -> JSONResponse:
-        return JSONResponse(self.to_response().model_dump(), status_code=self.status)
+        """The error as a response; a 429 or 503 (queue full, loading, shutting down) says when to retry."""
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else None
+        return JSONResponse(self.to_response().model_dump(), status_code=self.status, headers=headers)
 
 
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
@@ -92,10 +94,7 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
 
 
 async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    response = exc.to_json_response()
-    if exc.status == 503:
-        response.headers["Retry-After"] = str(RETRY_AFTER_S)
-    return response
+    return exc.to_json_response()
 
 
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -121,15 +120,11 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 
 async def _overloaded(_: Request, exc: EngineOverloaded) -> JSONResponse:
-    response = APIError(429, str(exc), code="queue_full").to_json_response()
-    response.headers["Retry-After"] = str(RETRY_AFTER_S)
-    return response
+    return APIError(429, str(exc), code="queue_full").to_json_response()
 
 
 async def _unavailable(_: Request, exc: EngineUnavailable) -> JSONResponse:
-    response = APIError(503, str(exc), code="engine_unavailable").to_json_response()
-    response.headers["Retry-After"] = str(RETRY_AFTER_S)
-    return response
+    return APIError(503, str(exc), code="engine_unavailable").to_json_response()
 
 
 async def _internal(_: Request, exc: Exception) -> JSONResponse:

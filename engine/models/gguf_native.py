@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.models import cpu_kernels
 from engine.models.config import ModelConfig
 from engine.models.qweight import BLOCK_TYPES, QuantLinear, QuantWeight
 
@@ -52,9 +53,7 @@ class StackedWeight:
         return sum(_nbytes(p) for p in self.parts)
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        from engine.models.llama import linear
-
-        y = torch.cat([linear(x, p) for p in self.parts], dim=-1)
+        y = torch.cat([cpu_kernels.linear(x, p) for p in self.parts], dim=-1)
         return y if bias is None else y + bias
 
 

@@ -28,12 +28,7 @@ from engine.models.rope import RotaryTables, apply_rotary
 from engine.models.vocab import OutputVocab
 
 
-def linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for a dense weight, or a packed one that multiplies itself (int8,
-    GGUF blocks: ``engine.models.quant``, ``engine.models.qweight``)."""
-    if not isinstance(weight, torch.Tensor):
-        return weight.linear(x, bias)
-    return cpu_kernels.linear(x, weight, bias)
+linear = cpu_kernels.linear  # dense weights, or packed ones (int8, GGUF blocks) that multiply themselves
 
 
 class RMSNorm(nn.Module):

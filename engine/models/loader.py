@@ -159,15 +159,9 @@ def locate_source(source: str, cache_dir: Path) -> Path:
 
 def gguf_meta(gguf: Path, cache_dir: Path) -> Path:
     """A cached directory with ``gguf``'s config and tokenizer only (kilobytes; built once)."""
-    out = cache_dir / "gguf-meta" / f"{gguf.stem}-{gguf_cache_key(gguf)}"
-    if (out / "mcsd-complete.json").is_file():
-        return out
     from transformers import AutoConfig, AutoTokenizer
 
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    def build(tmp: Path) -> None:
         kw = dict(gguf_file=gguf.name)
         try:
             hf_cfg = AutoConfig.from_pretrained(gguf.parent, **kw)
@@ -177,12 +171,8 @@ def gguf_meta(gguf: Path, cache_dir: Path) -> Path:
             raise ModelLoadError(f"cannot read GGUF file {gguf}: {e}") from e
         hf_cfg.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        (tmp / "mcsd-complete.json").write_text(json.dumps({"source": str(gguf), "key": gguf_cache_key(gguf)}))
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return _cached_dir(cache_dir / "gguf-meta" / f"{gguf.stem}-{gguf_cache_key(gguf)}", gguf, build)
 
 
 def download_from_hub(repo_id: str) -> Path:
@@ -225,14 +215,26 @@ def gguf_cache_key(gguf: Path) -> str:
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     """Dequantizes ``gguf`` into a cached Hugging Face directory (once) and returns it."""
     out = cache_dir / "converted" / f"{gguf.stem}-{gguf_cache_key(gguf)}"
-    if (out / "mcsd-complete.json").is_file():
+    if not _complete(out):
+        log.warning("converting %s once (dequantizing; later loads use %s)", gguf.name, out)
+    return _cached_dir(out, gguf, lambda tmp: _convert_into(gguf, tmp))
+
+
+def _complete(out: Path) -> bool:
+    return (out / "mcsd-complete.json").is_file()
+
+
+def _cached_dir(out: Path, gguf: Path, build) -> Path:
+    """``out``, built once from ``gguf`` by ``build(tmp)`` into a temporary directory that is renamed
+    into place with a completion marker, so an interrupted build is never mistaken for a finished one."""
+    if _complete(out):
         return out
-    log.warning("converting %s once (dequantizing; later loads use %s)", gguf.name, out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _convert_into(gguf, tmp)
+        build(tmp)
+        (tmp / "mcsd-complete.json").write_text(json.dumps({"source": str(gguf), "key": gguf_cache_key(gguf)}))
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     finally:
@@ -258,4 +260,3 @@ def _convert_into(gguf: Path, out: Path) -> None:
     save_file(sd, str(out / "model.safetensors"))
     hf_cfg.save_pretrained(out)
     tok.save_pretrained(out)
-    (out / "mcsd-complete.json").write_text(json.dumps({"source": str(gguf), "key": gguf_cache_key(gguf)}))

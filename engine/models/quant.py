@@ -99,7 +99,7 @@ class Int8Weight:
 
 class Int8Linear(nn.Module):
     """Stands in for ``nn.Linear`` in :class:`~engine.models.llama.LlamaModel`: ``.weight`` is an
-    :class:`Int8Weight`, which ``engine.models.llama.linear`` dispatches on."""
+    :class:`Int8Weight`, which ``engine.models.cpu_kernels.linear`` dispatches on."""
 
     def __init__(self, weight: Int8Weight, bias: Optional[torch.Tensor]) -> None:
         super().__init__()

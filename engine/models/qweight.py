@@ -112,7 +112,7 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantWeight:
 
 class QuantLinear(nn.Module):
     """Stands in for ``nn.Linear`` in a :class:`~engine.models.llama.LlamaModel`: ``.weight`` is a
-    :class:`QuantWeight` (or any weight with a ``linear`` method), which ``engine.models.llama.linear``
+    :class:`QuantWeight` (or any weight with a ``linear`` method), which ``engine.models.cpu_kernels.linear``
     dispatches on."""
 
     def __init__(self, weight, bias: Optional[torch.Tensor] = None) -> None:

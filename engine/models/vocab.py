@@ -52,8 +52,6 @@ class OutputVocab:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] float32 logits, ``-inf`` outside the kept tokens."""
-        if isinstance(self.weight, QuantWeight):
-            return self._scatter(self.weight.linear(hidden).float())
         return self._scatter(linear(hidden, self.weight).float())
 
     def restrict(self, logits: torch.Tensor) -> torch.Tensor:
