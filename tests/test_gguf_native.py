@@ -54,7 +54,9 @@ def test_a_quantized_model_matches_its_dequantized_copy(kind):
     assert weight_bytes(q) < weight_bytes(lm.model)
     ids = [5, 17, 3, 99, 42, 7, 7, 1]
     got, want = logits(q, ids), logits(dequantized_copy(q), ids)
-    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    # the kernels round activations to int8 per 32 (exactness is tests/test_qweight.py's); through a
+    # whole model that stays within 2% of the largest logit, a wiring bug would be of order 1
+    assert (got - want).abs().max() < 2e-2 * want.abs().max()
     # and Q8_0 stays close to the original fp32 weights
     assert (got - logits(lm.model, ids)).abs().max() < 0.05 * want.abs().max()
 
@@ -118,7 +120,11 @@ def test_the_smollm_pack_runs_in_its_own_blocks():
     assert weight_bytes(native.model) < weight_bytes(dense.model) / 4  # Q4_1 / Q8_0 blocks vs fp32
     ids = native.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n", add_special_tokens=False)
     got, want = logits(native.model, ids), logits(dense.model, ids)
-    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+    # int8 activations (per 32, as llama.cpp does) against fp32 math on the same weights: measured 5-8%
+    # relative L2 at worst over these positions, every greedy token the same (tests/test_qweight.py has
+    # the exact per-kernel bounds)
+    assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.12
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
     prompts = [ids, ids[:5]]
     plain = run_engine(native, None, prompts, tree=(), ignore_eos=True, max_tokens=16)[0]
     spec = run_engine(native, native, prompts, tree=(2, 1), ignore_eos=True, max_tokens=16)[0]

@@ -1,5 +1,7 @@
 """GGUF block kernels (engine/models/csrc/quant_gemm.cpp): every block type against the ``gguf``
-package's dequantize + an fp64 matmul, every row count 1..64 batch-invariant, odd shapes refused."""
+package's dequantize + an fp64 matmul of the kernel's rounded activations (exact up to fp32), and
+within the activation rounding of the unrounded product; every row count 1..64 batch-invariant, odd
+shapes refused."""
 
 import numpy as np
 import pytest
@@ -54,19 +56,50 @@ def test_dequantize_matches_the_gguf_package(type_id):
     assert torch.equal(w.dequantize(rows), ours[rows])
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation rounding, in float32 as it does it: per group of 32, dx = max|x| / 127
+    and q = round(x * (1 / dx)), ties to even.  Returns (q [M, K] as float64, dx [M, K/32])."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // 32, 32)
+    d = g.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(g * inv[..., None])
+    return q.reshape(m, k).double(), d.double()
+
+
 @pytest.mark.parametrize("type_id", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
-def test_linear_matches_dequantize_then_matmul(type_id):
+def test_linear_is_the_exact_product_of_the_rounded_activations(type_id):
+    """The kernel computes sum_g dx_g * sum_i q_i w_i; in fp64 from the gguf package's dequantized
+    weights that is the same number up to fp32 rounding (relative 1e-6 of the magnitudes)."""
     w = random_blocks(type_id, 37, 768, seed=type_id)  # N not a multiple of the row tile
     x = torch.randn(5, 768, generator=torch.Generator().manual_seed(1))
-    want = x.double() @ reference(w).double().T
+    q, dx = quantize_activations(x)
+    xq = (q.view(5, -1, 32) * dx[..., None]).view(5, 768)
+    ref = reference(w).double()
+    want = xq @ ref.T
     got = w.linear(x)
     assert got.dtype == torch.float32 and got.shape == (5, 37)
-    # fp32 accumulation over K = 768 of products of size ~1: |err| ~ sqrt(K) * eps * |terms|
-    scale = (x.double().abs() @ reference(w).double().abs().T)
+    scale = xq.abs() @ ref.abs().T
     assert ((got.double() - want).abs() / scale).max() < 1e-6
     bias = torch.randn(37)
     assert torch.equal(w.linear(x, bias), (w.linear(x) + bias))
     assert w.linear(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("type_id", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
+def test_linear_is_within_the_activation_rounding_of_fp32_math(type_id):
+    """Against the unrounded product, the error is at most half a step per activation:
+    |y - x @ W.T| <= sum_k |W_nk| dx_g(k) / 2 (plus fp32 slack).  About 0.3% of sum |W x| here."""
+    w = random_blocks(type_id, 37, 768, seed=type_id)
+    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(1))
+    ref = reference(w).double()
+    _, dx = quantize_activations(x)
+    step = dx.repeat_interleave(32, dim=1)  # [M, K]
+    bound = step @ ref.abs().T / 2
+    scale = x.double().abs() @ ref.abs().T
+    err = (w.linear(x).double() - x.double() @ ref.T).abs()
+    assert (err <= bound + 1e-6 * scale).all()
+    assert (err / scale).max() < 1e-2
 
 
 @pytest.mark.parametrize("type_id", TYPES, ids=lambda t: BLOCK_TYPES[t][0])

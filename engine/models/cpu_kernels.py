@@ -48,10 +48,11 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = (_CSRC / "bf16_gemm.cpp", _CSRC / "quant_gemm.cpp")  # one library: bf16 and GGUF-block kernels
-_CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
+_SOURCES = (_CSRC / "bf16_gemm.cpp", _CSRC / "quant_gemm.cpp", _CSRC / "attention.cpp")  # one library
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 _LDFLAGS = ["-fopenmp"]
 _ENV_SWITCH = "MCSD_CPU_KERNELS"
+_ATTENTION_SWITCH = "MCSD_INVARIANT_ATTENTION"
 _STALE_LOCK_S = 600.0  # a build takes ~10-30 s
 
 # The decision benchmark: a weight of this shape (1.5 MiB, i.e. cache-resident, so that it
@@ -72,7 +73,7 @@ def _cpu_has_avx2_fma() -> bool:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
-                    return {"avx2", "fma"} <= flags
+                    return {"avx2", "fma", "f16c"} <= flags
     except OSError:
         pass
     # No /proc/cpuinfo: torch's own dispatch level (AVX2 implies FMA for torch's build as well).
@@ -258,3 +259,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16) and should_use(weight):
         return _op()(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+@functools.cache
+def _invariant_attention() -> bool:
+    """Whether CPU attention takes our batch-invariant kernel (default: yes, when the kernels are
+    built); ``MCSD_INVARIANT_ATTENTION=0`` selects torch's SDPA instead.  Decided once per process."""
+    env = os.environ.get(_ATTENTION_SWITCH, "").strip().lower()
+    if env in ("0", "false", "off", "no"):
+        return False
+    if env and env not in ("1", "true", "on", "yes"):
+        log.warning("ignoring %s=%r (expected 0 or 1)", _ATTENTION_SWITCH, env)
+    return available()
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Grouped-query attention, ``F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)``.
+
+    q [B, Hq, T, D], k and v [B, Hkv, L, D], mask bool [B, 1, T, L] (True = attend) or None.  On the
+    CPU (fp32 / bf16) it takes ``csrc/attention.cpp``: each query's output is bitwise the same whatever
+    the other queries, the batch, the padding of L or where a tree's tokens sit in the cache, so a
+    verification forward sees exactly the attention of single-token decoding steps.  A query that may
+    attend to nothing gets zeros.  Elsewhere (GPU, other dtypes, ``MCSD_INVARIANT_ATTENTION=0``) SDPA.
+    """
+    if (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and q.dtype == k.dtype == v.dtype
+            and _invariant_attention()):
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return torch.ops.mcsd_cpu.attention(q, k, v, mask, q.shape[-1] ** -0.5)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)

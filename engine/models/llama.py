@@ -66,9 +66,7 @@ class DecoderLayer(nn.Module):
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=2)
         v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
         keys, values = ctx.store_and_read(layer, k, v)  # [batch, kv_heads, kv_len, head_dim]
-        attn = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=ctx.mask, enable_gqa=True
-        )  # [batch, heads, block, head_dim]
+        attn = cpu_kernels.attention(q.transpose(1, 2), keys, values, ctx.mask)  # [batch, heads, block, head_dim]
         x = x + linear(attn.transpose(1, 2).reshape(b, t, self.q_size), self.o_proj.weight)
         gate, up = linear(self.post_attention_layernorm(x), self.gate_up_proj.weight).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.down_proj.weight)

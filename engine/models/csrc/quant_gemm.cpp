@@ -7,21 +7,9 @@
 // the type's layout (B = 32 for Q4_0, Q4_1, Q5_0, Q8_0; B = 256 for the k-quants Q4_K, Q5_K, Q6_K),
 // exactly as llama.cpp writes them, so a GGUF file is used as it is: no conversion, no copy.
 //
-// How.  A thread owns a range of weight rows and takes them 4 at a time: the 4 rows are dequantized
-// into an fp32 scratch (4 * K floats, in L2), then a register-tiled micro-kernel multiplies them by
-// the activation rows, 3 at a time, over all K (12 accumulators in registers), in panels of 48 rows.
-// The weights are read from memory once per call whatever M is.
-//
-// Numerics (batch invariance).  Every output y[m, n] is the same sequence of float operations
-// whatever M is, whatever the other rows hold and however many threads run: the dequantized value
-// of a weight does not depend on m, accumulator lane l sums k = l, l + 8, ... in increasing order
-// (one FMA each on AVX2; a multiply and an add in the portable build) and the final reduction of the
-// 8 lanes is fixed; the tiling only decides which accumulators share registers.  So greedy
-// speculative decoding (a verification forward of many rows) sees exactly the logits that
-// single-row decoding steps would.  -ffp-contract=off keeps the compiler from fusing elsewhere.
-//
-// The dequantization loops are plain C++ for the vectorizer; the product has an AVX2 + FMA path and
-// a portable one.  Dequantized values follow the `gguf` package's formulas (fp32 d * scale * q - dmin * m).
+// How.  Integer dot products on activations quantized per 32 to int8 (see "the product" below); the
+// dequantizers here serve quant_dequantize (embedding rows, tests).  Dequantized values follow the
+// `gguf` package's formulas (fp32 d * scale * q - dmin * m).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,16 +19,17 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 namespace {
 
-constexpr int kLanes = 8;
-constexpr int kTileRows = 4;  // weight rows dequantized together (RT)
-
 inline float fp16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t mant = h & 0x3ffu;
@@ -64,6 +53,7 @@ inline float fp16_to_f32(uint16_t h) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+#endif
 }
 
 inline uint16_t rd16(const uint8_t* p) {
@@ -347,10 +337,307 @@ const BlockType& check_weight(const at::Tensor& w, int64_t type, int64_t K) {
 }
 
 // ------------------------------------------------------------------------------------ the product
-// A micro-kernel multiplies R dequantized weight rows (fp32, row stride ldw) by C activation rows
-// (fp32, row stride ldx) over all K, with one 8-lane accumulator per (r, c) held in registers:
-// lane l sums k = l, l + 8, l + 16, ... in increasing order (one fused multiply-add each), then the
-// fixed reduce_lanes.  The same sequence for every (R, C) variant, hence batch invariance.
+// Integer dot products, as llama.cpp's ggml-cpu does them (our own code).  Per call:
+//
+//  1. Activations.  Each row of x is quantized per group of 32: scale dx = max|x| / 127 (fp32) and
+//     int8 q = round(x / dx) (nearest, ties to even), plus, per 16, the scaled sum dx * sum(q).
+//  2. Weights.  A thread takes 4 weight rows at a time and unpacks their blocks into a small scratch
+//     (in L1/L2): per weight one byte, unsigned 0..63 (Q8_0: signed -128..127), and per group of 32
+//     an fp32 scale dg and an int16 multiplier per 16 (Q6_K's sub-block scales; 1 elsewhere), and per
+//     16 an fp32 "offset" coefficient mn (Q4_1 / k-quant mins, and the -8 / -16 / -32 zero points of
+//     Q4_0 / Q5_0 / Q6_K, which keep the bytes unsigned).  So a weight is dg * sc * u + mn.
+//  3. The product of weight row r and activation row c is
+//         sum_g (dg * dx_g) * int32(sum_{i in g} sc_i * u_i * q_i)  +  sum_{h of 16} mn_h * (dx * sum q)_h,
+//     the first with maddubs / madd (32 products per instruction pair) into 8 fp32 lanes, the second a
+//     short fp32 dot over K / 16 terms.
+//
+// Numerics (batch invariance).  The integer sums are exact; every float operation of y[m, n] is the
+// same whatever M is, whatever the other rows hold and however many threads run (lane l of the
+// accumulator takes the groups in increasing order, then a fixed reduction), so greedy speculative
+// decoding sees exactly the logits of single-row decoding steps.  Against fp32 math the error is the
+// activation rounding: at most sum_k |w_k| * dx_{g(k)} / 2 (tests/test_qweight.py checks that bound).
+
+constexpr int kGroup = 32;
+constexpr int kTileRows = 4;   // weight rows unpacked together
+constexpr int64_t kPanel = 64;  // activation rows per pass over a tile
+
+inline int64_t pad8(int64_t n) { return (n + 7) / 8 * 8; }
+
+// The quantized activations of M rows, row-major: q [M, K], dx [M, K/32], s16 [M, pad8(K/16)].
+struct QActs {
+  std::vector<int8_t> q;
+  std::vector<float> dx, s16;
+  int64_t K, groups, halves;  // halves = pad8(K / 16), the row stride of s16 (zero tail)
+};
+
+QActs quantize_acts(const float* x, int64_t M, int64_t K) {
+  QActs a;
+  a.K = K;
+  a.groups = K / kGroup;
+  a.halves = pad8(K / 16);
+  a.q.resize(static_cast<size_t>(M * K));
+  a.dx.resize(static_cast<size_t>(M * a.groups));
+  a.s16.assign(static_cast<size_t>(M * a.halves), 0.0f);
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t g = 0; g < a.groups; ++g) {
+        const float* xg = x + m * K + g * kGroup;
+        float amax = 0.0f;
+        for (int i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(xg[i]));
+        const float d = amax / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t* qg = a.q.data() + m * K + g * kGroup;
+        int sum[2] = {0, 0};
+        for (int i = 0; i < kGroup; ++i) {
+          const int v = static_cast<int>(std::nearbyint(xg[i] * id));
+          qg[i] = static_cast<int8_t>(v);
+          sum[i / 16] += v;
+        }
+        a.dx[m * a.groups + g] = d;
+        a.s16[m * a.halves + 2 * g] = d * static_cast<float>(sum[0]);
+        a.s16[m * a.halves + 2 * g + 1] = d * static_cast<float>(sum[1]);
+      }
+    }
+  });
+  return a;
+}
+
+// One weight row, unpacked: u [K] bytes, dg [K/32], sc [K/32] (two int16: first and second 16),
+// mn [pad8(K/16)] (zero tail).
+struct WRow {
+  uint8_t* u;
+  float* dg;
+  uint32_t* sc;
+  float* mn;
+};
+
+constexpr uint32_t kOnes = 0x00010001u;
+
+inline uint32_t sc_pair(int a, int b) {
+  return static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(a))) |
+         (static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(b))) << 16);
+}
+
+// Byte work of the unpackers, AVX2 and portable.
+#if defined(__AVX2__)
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void store32(uint8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+inline __m256i nib_lo32(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+inline __m256i nib_hi32(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
+
+// 32 bytes, 0x10 where bit i of `bits` is set (weight i), else 0.
+inline __m256i bits_to_16s(uint32_t bits) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// Q4_0 / Q4_1 / Q5_0 layout: 16 bytes hold weights j (low nibble) and j + 16 (high nibble).
+inline void nibbles16(const uint8_t* qs, uint8_t* u, uint32_t fifth_bits) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i m = _mm_set1_epi8(0x0f);
+  const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+  store32(u, _mm256_or_si256(q, bits_to_16s(fifth_bits)));
+}
+
+// k-quant layout: 32 bytes hold weights l (low nibble) and l + 32 (high nibble) of a run of 64; the
+// fifth bits (Q5_K) are bits `bit` and `bit + 1` of qh[l].
+inline void nibbles32(const uint8_t* q, const uint8_t* qh, int bit, uint8_t* u) {
+  const __m256i v = load32(q);
+  __m256i lo = nib_lo32(v), hi = nib_hi32(v);
+  if (qh != nullptr) {
+    const __m256i h = load32(qh), b1 = _mm256_set1_epi8(static_cast<char>(1 << bit));
+    const __m256i b2 = _mm256_set1_epi8(static_cast<char>(2 << bit)), x10 = _mm256_set1_epi8(0x10);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b1), b1), x10));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b2), b2), x10));
+  }
+  store32(u, lo);
+  store32(u + 32, hi);
+}
+
+// Q6_K: 128 weights from ql[64] (4 low bits) and qh[32] (2 high bits each, four runs of 32).
+inline void six_bits128(const uint8_t* ql, const uint8_t* qh, uint8_t* o) {
+  const __m256i l0 = load32(ql), l1 = load32(ql + 32), h = load32(qh), x30 = _mm256_set1_epi8(0x30);
+  store32(o, _mm256_or_si256(nib_lo32(l0), _mm256_and_si256(_mm256_slli_epi16(h, 4), x30)));
+  store32(o + 32, _mm256_or_si256(nib_lo32(l1), _mm256_and_si256(_mm256_slli_epi16(h, 2), x30)));
+  store32(o + 64, _mm256_or_si256(nib_hi32(l0), _mm256_and_si256(h, x30)));
+  store32(o + 96, _mm256_or_si256(nib_hi32(l1), _mm256_and_si256(_mm256_srli_epi16(h, 2), x30)));
+}
+#else
+inline void nibbles16(const uint8_t* qs, uint8_t* u, uint32_t fifth_bits) {
+  for (int j = 0; j < 16; ++j) {
+    u[j] = static_cast<uint8_t>((qs[j] & 0x0f) | (((fifth_bits >> j) & 1u) << 4));
+    u[j + 16] = static_cast<uint8_t>((qs[j] >> 4) | (((fifth_bits >> (j + 16)) & 1u) << 4));
+  }
+}
+
+inline void nibbles32(const uint8_t* q, const uint8_t* qh, int bit, uint8_t* u) {
+  for (int l = 0; l < 32; ++l) {
+    const int h = qh != nullptr ? qh[l] >> bit : 0;
+    u[l] = static_cast<uint8_t>((q[l] & 0x0f) | ((h & 1) << 4));
+    u[l + 32] = static_cast<uint8_t>((q[l] >> 4) | (((h >> 1) & 1) << 4));
+  }
+}
+
+inline void six_bits128(const uint8_t* ql, const uint8_t* qh, uint8_t* o) {
+  for (int l = 0; l < 32; ++l) {
+    o[l] = static_cast<uint8_t>((ql[l] & 0x0f) | ((qh[l] & 3) << 4));
+    o[l + 32] = static_cast<uint8_t>((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4));
+    o[l + 64] = static_cast<uint8_t>((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+    o[l + 96] = static_cast<uint8_t>((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+  }
+}
+#endif
+
+// Unpackers: block `b` into weights [0, B) of u, groups [0, B/32) of dg / sc, halves [0, B/16) of mn.
+inline void unpack_q4_0(const uint8_t* b, uint8_t* u, float* dg, uint32_t* sc, float* mn) {
+  const float d = fp16_to_f32(rd16(b));
+  nibbles16(b + 2, u, 0);
+  dg[0] = d;
+  sc[0] = kOnes;
+  mn[0] = mn[1] = -8.0f * d;
+}
+
+inline void unpack_q4_1(const uint8_t* b, uint8_t* u, float* dg, uint32_t* sc, float* mn) {
+  nibbles16(b + 4, u, 0);
+  dg[0] = fp16_to_f32(rd16(b));
+  sc[0] = kOnes;
+  mn[0] = mn[1] = fp16_to_f32(rd16(b + 2));
+}
+
+inline void unpack_q5_0(const uint8_t* b, uint8_t* u, float* dg, uint32_t* sc, float* mn) {
+  const float d = fp16_to_f32(rd16(b));
+  uint32_t qh;
+  std::memcpy(&qh, b + 2, 4);
+  nibbles16(b + 6, u, qh);
+  dg[0] = d;
+  sc[0] = kOnes;
+  mn[0] = mn[1] = -16.0f * d;
+}
+
+inline void unpack_q8_0(const uint8_t* b, uint8_t* u, float* dg, uint32_t* sc, float* mn) {
+  std::memcpy(u, b + 2, 32);  // signed bytes, taken as such by the Q8_0 product
+  dg[0] = fp16_to_f32(rd16(b));
+  sc[0] = kOnes;
+  mn[0] = mn[1] = 0.0f;
+}
+
+// The eight 6-bit scales and mins of a Q4_K / Q5_K super-block (12 bytes), as bytes sc[8], m[8]:
+// sub-blocks 0-3 keep theirs in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7
+// have their low 4 bits in bytes 8-11 (scale: low nibble, min: high nibble) and their top 2 bits in
+// the top 2 bits of bytes 0-3 (scales) and 4-7 (mins).  Four 32-bit words at once.
+inline void kscale_bytes(const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  uint32_t a, b, c;
+  std::memcpy(&a, q, 4);
+  std::memcpy(&b, q + 4, 4);
+  std::memcpy(&c, q + 8, 4);
+  const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, top2 = 0x03030303u;
+  const uint32_t words[4] = {a & low6, (c & low4) | (((a >> 6) & top2) << 4),  // scales 0-3, 4-7
+                             b & low6, ((c >> 4) & low4) | (((b >> 6) & top2) << 4)};  // mins 0-3, 4-7
+  std::memcpy(sc, words, 8);
+  std::memcpy(m, words + 2, 8);
+}
+
+// Q4_K (fifth = false) and Q5_K (fifth = true): d, dmin, scales[12], [qh[32],] qs[128].  Group j's
+// scale is d * sc[j], its offset -(dmin * m[j]) on both halves (the products rounded as kscales does).
+template <bool kFifth>
+inline void unpack_k4(const uint8_t* b, uint8_t* u, float* dg, uint32_t* /*sc: unused, unscaled*/, float* mn) {
+  const float d = fp16_to_f32(rd16(b));
+  const float dmin = fp16_to_f32(rd16(b + 2));
+  alignas(8) uint8_t sc8[8], m8[8];
+  kscale_bytes(b + 4, sc8, m8);
+  const uint8_t* qh = kFifth ? b + 16 : nullptr;
+  const uint8_t* q = b + (kFifth ? 48 : 16);
+  for (int j = 0; j < 4; ++j) nibbles32(q + 32 * j, qh, 2 * j, u + 64 * j);
+#if defined(__AVX2__)
+  const auto widen = [](const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  };
+  _mm256_storeu_ps(dg, _mm256_mul_ps(_mm256_set1_ps(d), widen(sc8)));
+  const __m256 mins = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(dmin), widen(m8)));
+  const __m256 lo = _mm256_unpacklo_ps(mins, mins), hi = _mm256_unpackhi_ps(mins, mins);  // each twice
+  _mm256_storeu_ps(mn, _mm256_permute2f128_ps(lo, hi, 0x20));
+  _mm256_storeu_ps(mn + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+#else
+  for (int j = 0; j < 8; ++j) {
+    dg[j] = d * static_cast<float>(sc8[j]);
+    mn[2 * j] = mn[2 * j + 1] = -(dmin * static_cast<float>(m8[j]));
+  }
+#endif
+}
+
+// Q6_K: ql[128], qh[64], int8 scales[16], d.  Group g (32 weights) has sub-block scales s[2g] and
+// s[2g + 1], so sc[g] is that pair, and half i's offset is -32 d s[i].
+inline void unpack_q6_k(const uint8_t* b, uint8_t* u, float* dg, uint32_t* sc, float* mn) {
+  const int8_t* s = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = fp16_to_f32(rd16(b + 208));
+  six_bits128(b, b + 128, u);
+  six_bits128(b + 64, b + 160, u + 128);
+#if defined(__AVX2__)
+  const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc), _mm256_cvtepi8_epi16(s16));  // int16 pairs
+  _mm256_storeu_ps(dg, _mm256_set1_ps(d));
+  const __m256 off = _mm256_set1_ps(-32.0f * d);
+  _mm256_storeu_ps(mn, _mm256_mul_ps(off, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s16))));
+  _mm256_storeu_ps(mn + 8, _mm256_mul_ps(off, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s16, 8)))));
+#else
+  for (int g = 0; g < 8; ++g) {
+    dg[g] = d;
+    sc[g] = sc_pair(s[2 * g], s[2 * g + 1]);
+  }
+  for (int i = 0; i < 16; ++i) mn[i] = (-32.0f * d) * static_cast<float>(s[i]);
+#endif
+}
+
+using UnpackFn = void (*)(const uint8_t*, uint8_t*, float*, uint32_t*, float*);
+
+// A row of nblocks blocks of B weights (bytes each).
+// A row of nblocks blocks of B weights (kBytes each), prefetching the bytes `ahead` further on (the
+// same row of the thread's next tile) into L2 while it works.
+template <UnpackFn F, int B, int kBytes>
+void unpack_row(const uint8_t* wr, int64_t nblocks, int64_t ahead, const WRow& row) {
+  constexpr int kGroups = B / kGroup;
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const uint8_t* b = wr + blk * kBytes;
+#if defined(__SSE__)
+    for (int off = 0; off < kBytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(b + ahead + off), _MM_HINT_T1);
+#endif
+    F(b, row.u + blk * B, row.dg + blk * kGroups, row.sc + blk * kGroups, row.mn + blk * 2 * kGroups);
+  }
+}
+
+struct Unpacker {
+  int64_t id;
+  void (*row)(const uint8_t*, int64_t, int64_t, const WRow&);
+  bool is_signed, scaled, offsets;  // Q8_0's bytes are signed; Q6_K has sub-scales; all but Q8_0 offsets
+};
+
+constexpr Unpacker kUnpackers[] = {
+    {2, unpack_row<unpack_q4_0, 32, 18>, false, false, true},
+    {3, unpack_row<unpack_q4_1, 32, 20>, false, false, true},
+    {6, unpack_row<unpack_q5_0, 32, 22>, false, false, true},
+    {8, unpack_row<unpack_q8_0, 32, 34>, true, false, false},
+    {12, unpack_row<unpack_k4<false>, 256, 144>, false, false, true},
+    {13, unpack_row<unpack_k4<true>, 256, 176>, false, false, true},
+    {14, unpack_row<unpack_q6_k, 256, 210>, false, true, true},
+};
+
+const Unpacker& unpacker(int64_t id) {
+  for (const auto& t : kUnpackers)
+    if (t.id == id) return t;
+  TORCH_CHECK(false, "quant_linear: no unpacker for type ", id);
+}
+
+// A tile: 4 unpacked weight rows (a short tile is padded with zero rows) and their group scales
+// interleaved, dg4[4 g + r], so that one load gives the 4 rows' scales of group g.
+struct WTile {
+  WRow row[kTileRows];
+  const float* dg4;
+};
+
+// The offset term of one (weight row, activation row) pair: a fixed-order dot over pad8(K / 16).
 #if defined(__AVX2__) && defined(__FMA__)
 inline float reduce_lanes(__m256 v) {  // ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))
   __m128 lo = _mm256_castps256_ps128(v);
@@ -361,52 +648,112 @@ inline float reduce_lanes(__m256 v) {  // ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))
   return _mm_cvtss_f32(lo);
 }
 
-template <int R, int C>
-void micro(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t K, float* y, int64_t ldy) {
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += kLanes) {
-    __m256 xv[C];
-    for (int c = 0; c < C; ++c) xv[c] = _mm256_loadu_ps(x + c * ldx + k);
-    for (int r = 0; r < R; ++r) {
-      const __m256 wv = _mm256_loadu_ps(w + r * ldw + k);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(wv, xv[c], acc[r][c]);
-    }
-  }
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) y[c * ldy + r] = reduce_lanes(acc[r][c]);
-}
-#else  // portable: the same lanes and order, a multiply and an add
-inline float reduce_lanes(const float* a) {
-  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+inline float offset_dot(const float* mn, const float* s16, int64_t halves) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t h = 0; h < halves; h += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(mn + h), _mm256_loadu_ps(s16 + h), acc);
+  return reduce_lanes(acc);
 }
 
-template <int R, int C>
-void micro(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t K, float* y, int64_t ldy) {
-  float acc[R][C][kLanes] = {};
-  for (int64_t k = 0; k < K; k += kLanes)
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c)
-        for (int l = 0; l < kLanes; ++l) acc[r][c][l] += w[r * ldw + k + l] * x[c * ldx + k + l];
+// The int16 multipliers of a group as 16 lanes: the first 8 (first 16 weights) take the low half of
+// `pair`, the last 8 the high half.
+inline __m256i group_scales(uint32_t pair) {
+  const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,  //
+                                        2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  return _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(pair)), pick);
+}
+
+// The tile's 4 weight rows times C quantized activation rows: y[c * ldy + r], r < nrows.
+// Per group g and activation row c, the 4 rows' sums are folded by three hadds into one vector of
+// int32 (lanes r and 4 + r: row r; for weights under 32 the hadds run on int16, exact), converted, scaled by dg4[g] * dx[c, g] and added to
+// one accumulator per c; at the end y[r] = lane r + lane 4 + r.  The same operations for every C.
+template <int C, bool kSigned, bool kScaled, bool kOffsets>
+void micro(const WTile& w, int nrows, const QActs& a, int64_t m, float* y, int64_t ldy) {
+  constexpr bool kNarrow = !kSigned && !kScaled;  // Q4_0, Q4_1, Q5_0, Q4_K, Q5_K: unsigned 4-5 bit weights
+  const int64_t groups = a.groups, K = a.K;
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i wv[kTileRows], scv[kTileRows];
+    for (int r = 0; r < kTileRows; ++r) {
+      wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.row[r].u + g * kGroup));
+      scv[r] = kScaled ? group_scales(w.row[r].sc[g]) : ones;
+    }
+    const __m256 dg = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(w.dg4 + 4 * g));
+    for (int c = 0; c < C; ++c) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m + c) * K + g * kGroup));
+      __m256i p[kTileRows], s;
+      if (kNarrow) {  // weights < 32: a lane of 8 products fits int16 (8 * 31 * 127 < 2^15)
+        for (int r = 0; r < kTileRows; ++r) p[r] = _mm256_maddubs_epi16(wv[r], xv);
+        const __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
+        s = _mm256_madd_epi16(h, ones);
+      } else {
+        for (int r = 0; r < kTileRows; ++r) {
+          const __m256i prod = kSigned ? _mm256_maddubs_epi16(_mm256_sign_epi8(wv[r], wv[r]), _mm256_sign_epi8(xv, wv[r]))
+                                       : _mm256_maddubs_epi16(wv[r], xv);
+          p[r] = _mm256_madd_epi16(prod, scv[r]);
+        }
+        s = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+      }
+      const __m256 scale = _mm256_mul_ps(dg, _mm256_broadcast_ss(a.dx.data() + (m + c) * groups + g));
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[c]);
+    for (int r = 0; r < nrows; ++r) {
+      float v = lanes[r] + lanes[4 + r];
+      if (kOffsets) v += offset_dot(w.row[r].mn, a.s16.data() + (m + c) * a.halves, a.halves);
+      y[c * ldy + r] = v;
+    }
+  }
+}
+#else  // portable: the same sums, one group at a time
+inline float offset_dot(const float* mn, const float* s16, int64_t halves) {
+  float acc = 0.0f;
+  for (int64_t h = 0; h < halves; ++h) acc += mn[h] * s16[h];
+  return acc;
+}
+
+template <int C, bool kSigned, bool kScaled, bool kOffsets>
+void micro(const WTile& w, int nrows, const QActs& a, int64_t m, float* y, int64_t ldy) {
   for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) y[c * ldy + r] = reduce_lanes(acc[r][c]);
+    for (int r = 0; r < nrows; ++r) {
+      const int8_t* x = a.q.data() + (m + c) * a.K;
+      const float* dx = a.dx.data() + (m + c) * a.groups;
+      const WRow& row = w.row[r];
+      float acc = 0.0f;
+      for (int64_t g = 0; g < a.groups; ++g) {
+        int32_t half[2] = {0, 0};
+        for (int i = 0; i < kGroup; ++i) {
+          const int wi = kSigned ? static_cast<int8_t>(row.u[g * kGroup + i]) : row.u[g * kGroup + i];
+          half[i / 16] += wi * x[g * kGroup + i];
+        }
+        const uint32_t s = row.sc[g];
+        const int32_t sum = half[0] * static_cast<int16_t>(s & 0xffffu) + half[1] * static_cast<int16_t>(s >> 16);
+        acc += static_cast<float>(sum) * (w.dg4[4 * g + r] * dx[g]);
+      }
+      if (kOffsets) acc += offset_dot(row.mn, a.s16.data() + (m + c) * a.halves, a.halves);
+      y[c * ldy + r] = acc;
+    }
 }
 #endif
 
-constexpr int kC = 3;          // activation rows per micro-kernel (4 x 3 accumulators + 3 + 1 registers)
-constexpr int64_t kPanel = 48;  // activation rows per pass over a tile (keeps the panel in L2 for K ~ 1.5k)
-
-template <int R>
-void tile_rows(const float* w, int64_t K, const float* x, int64_t m0, int64_t m1, float* y, int64_t N) {
+template <bool kSigned, bool kScaled, bool kOffsets>
+void tile_times_panel(const WTile& w, int nrows, const QActs& a, int64_t m0, int64_t m1, float* y, int64_t N) {
   int64_t m = m0;
-  for (; m + kC <= m1; m += kC) micro<R, kC>(w, K, x + m * K, K, K, y + m * N, N);
-  if (m1 - m == 2) micro<R, 2>(w, K, x + m * K, K, K, y + m * N, N);
-  if (m1 - m == 1) micro<R, 1>(w, K, x + m * K, K, K, y + m * N, N);
+  for (; m + 4 <= m1; m += 4) micro<4, kSigned, kScaled, kOffsets>(w, nrows, a, m, y + m * N, N);
+  if (m1 - m >= 2) {
+    micro<2, kSigned, kScaled, kOffsets>(w, nrows, a, m, y + m * N, N);
+    m += 2;
+  }
+  if (m < m1) micro<1, kSigned, kScaled, kOffsets>(w, nrows, a, m, y + m * N, N);
 }
 
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K) {
   const BlockType& t = check_weight(w, type, K);
+  const Unpacker& up = unpacker(type);
   TORCH_CHECK(x_in.size(-1) == K, "quant_linear: x has ", x_in.size(-1), " columns, the weight K = ", K);
   const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
   const int64_t M = x.size(0), N = w.size(0), nblocks = K / t.block, row_bytes = w.size(1);
@@ -414,27 +761,36 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t typ
   out_shape.back() = N;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y.reshape(out_shape);
-  const float* xp = x.data_ptr<float>();
+  const QActs a = quantize_acts(x.data_ptr<float>(), M, K);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  const int64_t groups = K / kGroup, halves = pad8(K / 16);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> deq(static_cast<size_t>(kTileRows) * K);  // the tile's rows, dequantized
-    for (int64_t tile = t0; tile < t1; ++tile) {
-      const int64_t n0 = tile * kTileRows;
-      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, N - n0));
-      const uint8_t* wt = wp + n0 * row_bytes;
-      for (int r = 0; r < rows; ++r)
-        for (int64_t blk = 0; blk < nblocks; ++blk)
-          t.deq(wt + r * row_bytes + blk * t.bytes, deq.data() + r * K + blk * t.block);
+    std::vector<uint8_t> u(static_cast<size_t>(kTileRows * K), 0);
+    std::vector<float> dg(static_cast<size_t>(kTileRows * groups), 0.0f), dg4(dg.size(), 0.0f);
+    std::vector<uint32_t> sc(static_cast<size_t>(kTileRows * groups), kOnes);
+    std::vector<float> mn(static_cast<size_t>(kTileRows * halves), 0.0f);
+    WTile tile{{}, dg4.data()};
+    for (int r = 0; r < kTileRows; ++r)
+      tile.row[r] = {u.data() + r * K, dg.data() + r * groups, sc.data() + r * groups, mn.data() + r * halves};
+    for (int64_t ti = t0; ti < t1; ++ti) {
+      const int64_t n0 = ti * kTileRows;
+      const int nrows = static_cast<int>(std::min<int64_t>(kTileRows, N - n0));
+      const int64_t ahead = ti + 1 < t1 ? kTileRows * row_bytes : 0;  // the next tile, if this thread has one
+      for (int r = 0; r < nrows; ++r) up.row(wp + (n0 + r) * row_bytes, nblocks, ahead, tile.row[r]);
+      for (int r = nrows; r < kTileRows; ++r) std::fill(tile.row[r].dg, tile.row[r].dg + groups, 0.0f);  // zero rows
+      for (int64_t g = 0; g < groups; ++g)
+        for (int r = 0; r < kTileRows; ++r) dg4[4 * g + r] = tile.row[r].dg[g];
       for (int64_t m0 = 0; m0 < M; m0 += kPanel) {
         const int64_t m1 = std::min(M, m0 + kPanel);
-        switch (rows) {
-          case 4: tile_rows<4>(deq.data(), K, xp, m0, m1, yp + n0, N); break;
-          case 3: tile_rows<3>(deq.data(), K, xp, m0, m1, yp + n0, N); break;
-          case 2: tile_rows<2>(deq.data(), K, xp, m0, m1, yp + n0, N); break;
-          default: tile_rows<1>(deq.data(), K, xp, m0, m1, yp + n0, N); break;
-        }
+        float* yt = yp + n0;
+        if (up.is_signed)
+          tile_times_panel<true, false, false>(tile, nrows, a, m0, m1, yt, N);
+        else if (up.scaled)
+          tile_times_panel<false, true, true>(tile, nrows, a, m0, m1, yt, N);
+        else
+          tile_times_panel<false, false, true>(tile, nrows, a, m0, m1, yt, N);
       }
     }
   });

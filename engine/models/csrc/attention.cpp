@@ -1,0 +1,252 @@
+// Batch-invariant attention for CPUs:  out[b, h, t] = softmax(scale * q[b, h, t] . K[b, h / g]^T | mask) V
+//
+// Built with the GEMM kernels into one library by engine/models/cpu_kernels.py; registers
+// torch.ops.mcsd_cpu.attention.
+//
+// Why.  torch's CPU scaled_dot_product_attention splits queries and keys into blocks whose sizes depend
+// on the number of queries, so the same query gets last-bit different outputs in a decoding step (one
+// query) and in a verification forward (a tree of them), or next to other sequences.  Quantized
+// activations (int8 per block in the GGUF kernels) turn such last-bit differences into whole rounding
+// steps, and greedy speculative output could then differ from plain decoding.  Here every query is
+// computed alone, by the same sequence of float operations whatever else is in the call:
+//
+//   1. s_j = scale * (q . k_j) for every key j the mask allows: 8 fp32 lanes over the head dimension
+//      in order, a fixed reduction;
+//   2. m = max_j s_j, p_j = exp(s_j - m) (elementwise);
+//   3. l = sum_j p_j and o = sum_j p_j v_j, both in increasing j over the allowed keys only, then o / l.
+//
+// Masked-out keys are skipped, never added as zeros, so padding (a longer kv_len for a batch) and the
+// places a tree puts its tokens in the cache do not matter: only the allowed keys, in their order.
+//
+// Layouts.  q [B, Hq, T, D], k and v [B, Hkv, L, D] (Hq a multiple of Hkv: grouped-query attention),
+// any strides with the head dimension contiguous; mask bool [B, 1, T, L] or absent (attend to all);
+// fp32 or bf16 (computed in fp32, rounded once at the end).  Output [B, Hq, T, D] contiguous.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_f32(T v) {
+  return static_cast<float>(v);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline void to_f32_row(const float* src, float* dst, int64_t D) { std::memcpy(dst, src, D * sizeof(float)); }
+inline void to_f32_row(const c10::BFloat16* src, float* dst, int64_t D) {  // bf16 -> fp32 is a 16-bit shift
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+inline float reduce_lanes(__m256 v) {  // ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))
+  __m128 lo = _mm256_castps256_ps128(v);
+  const __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+
+// exp(x) for x <= 0 (0 below -87): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6 Taylor
+// polynomial (relative error under 2e-7), times 2^n through the exponent bits.
+inline __m256 exp_nonpos(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln2 in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+inline float dot(const float* q, const float* k, int64_t D) {  // two chains (even / odd 8s), then lanes
+  __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
+    acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), acc2);
+  }
+  if (d + 8 <= D) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
+    d += 8;
+  }
+  float s = reduce_lanes(_mm256_add_ps(acc, acc2));
+  for (; d < D; ++d) s += q[d] * k[d];
+  return s;
+}
+
+inline void axpy(float a, const float* v, float* o, int64_t D) {  // o += a v
+  const __m256 av = _mm256_set1_ps(a);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(av, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
+  for (; d < D; ++d) o[d] += a * v[d];
+}
+
+inline void exp_shifted(float* s, int64_t n, float m) {  // s = exp(s - m), s <= m (or -inf)
+  const __m256 mv = _mm256_set1_ps(m);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)));
+  if (j < n) {  // the tail through a padded vector: the same formula as the full ones
+    alignas(32) float buf[8];
+    std::fill(buf, buf + 8, -std::numeric_limits<float>::infinity());
+    std::copy(s + j, s + n, buf);
+    _mm256_store_ps(buf, exp_nonpos(_mm256_sub_ps(_mm256_load_ps(buf), mv)));
+    std::copy(buf, buf + (n - j), s + j);
+  }
+}
+#else  // portable: the same steps, one lane
+template <typename T>
+inline void to_f32_row(const T* src, float* dst, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+inline float dot(const float* q, const float* k, int64_t D) {
+  float s = 0.0f;
+  for (int64_t d = 0; d < D; ++d) s += q[d] * k[d];
+  return s;
+}
+
+inline void axpy(float a, const float* v, float* o, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) o[d] += a * v[d];
+}
+
+inline void exp_shifted(float* s, int64_t n, float m) {
+  for (int64_t j = 0; j < n; ++j) s[j] = std::exp(s[j] - m);
+}
+#endif
+
+// One work item: the `group` query heads that share kv head hk, at query t of sequence b.  They share
+// the mask row, so the allowed keys are listed once, and each key / value row is converted to fp32
+// once for all of them; every query's own arithmetic is the per-query recipe above.
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask, int64_t mask_sb,
+            int64_t mask_st, float scale, at::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), L = k.size(2), group = Hq / Hkv;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const auto qs = q.strides(), ks = k.strides(), vs = v.strides();
+  at::parallel_for(0, B * Hkv * T_, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> qf(static_cast<size_t>(group * D)), o(static_cast<size_t>(group * D));
+    std::vector<float> s(static_cast<size_t>(group * L)), row(static_cast<size_t>(D));
+    std::vector<int64_t> keys(static_cast<size_t>(L));
+    std::vector<float> m(static_cast<size_t>(group)), l(static_cast<size_t>(group));
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / (Hkv * T_), hk = (i / T_) % Hkv, t = i % T_;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qrow = qp + b * qs[0] + (hk * group + g) * qs[1] + t * qs[2];
+        to_f32_row(qrow, qf.data() + g * D, D);
+      }
+      const T* kb = kp + b * ks[0] + hk * ks[1];
+      const T* vb = vp + b * vs[0] + hk * vs[1];
+      const bool* allowed = mask != nullptr ? mask + b * mask_sb + t * mask_st : nullptr;
+      int64_t n = 0;  // allowed keys, in increasing j
+      for (int64_t j = 0; j < L; ++j)
+        if (allowed == nullptr || allowed[j]) keys[n++] = j;
+      if (n == 0) {  // nothing to attend to: zeros (SDPA would give NaN)
+        for (int64_t g = 0; g < group; ++g) {
+          T* orow = op + ((b * Hq + hk * group + g) * T_ + t) * D;
+          for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(0.0f);
+        }
+        continue;
+      }
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      for (int64_t r = 0; r < n; ++r) {
+        const T* krow = kb + keys[r] * ks[2];
+        to_f32_row(krow, row.data(), D);
+        for (int64_t g = 0; g < group; ++g) {
+          const float sc = scale * dot(qf.data() + g * D, row.data(), D);
+          s[g * L + r] = sc;
+          m[g] = std::max(m[g], sc);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) exp_shifted(s.data() + g * L, n, m[g]);
+      std::fill(o.begin(), o.end(), 0.0f);
+      std::fill(l.begin(), l.end(), 0.0f);
+      for (int64_t r = 0; r < n; ++r) {
+        const T* vrow = vb + keys[r] * vs[2];
+        to_f32_row(vrow, row.data(), D);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = s[g * L + r];
+          l[g] += p;
+          axpy(p, row.data(), o.data() + g * D, D);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const float inv = 1.0f / l[g];
+        T* orow = op + ((b * Hq + hk * group + g) * T_ + t) * D;
+        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(o[g * D + d] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
+                     double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attention: q, k, v must be [B, H, T, D]");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attention: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "attention: q, k, v must all be float32 or all bfloat16");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(3) == q.size(3),
+              "attention: k and v must be [B, Hkv, L, D] matching q [B, Hq, T, D]");
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "attention: query heads must be a multiple of kv heads");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "attention: the head dimension must be contiguous");
+  const bool* mp = nullptr;
+  int64_t mask_sb = 0, mask_st = 0;
+  at::Tensor m;
+  if (mask.has_value() && mask->defined()) {
+    m = *mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && m.size(1) == 1 && m.size(2) == q.size(2) &&
+                    m.size(3) == k.size(2) && (m.size(0) == q.size(0) || m.size(0) == 1),
+                "attention: the mask must be bool [B, 1, T, L]");
+    m = m.contiguous();
+    mp = m.data_ptr<bool>();
+    mask_sb = m.size(0) == 1 ? 0 : m.stride(0);
+    mask_st = m.stride(2);
+  }
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out;
+  const float s = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat)
+    attend<float>(q, k, v, mp, mask_sb, mask_st, s, out);
+  else
+    attend<c10::BFloat16>(q, k, v, mp, mask_sb, mask_st, s, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mcsd_cpu, m) {
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mcsd_cpu, CPU, m) { m.impl("attention", &attention); }

@@ -1,0 +1,88 @@
+"""The batch-invariant CPU attention (engine/models/csrc/attention.cpp): SDPA's values, and each query's
+output bitwise independent of the other queries, the batch, kv padding and where its keys sit."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.models import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable on this machine")
+
+ATTN = torch.ops.mcsd_cpu.attention if cpu_kernels.available() else None
+
+
+def inputs(b=2, hq=6, hkv=2, t=5, length=37, d=64, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, t, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, length, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, length, d, generator=g).to(dtype)
+    mask = torch.rand(b, 1, t, length, generator=g) < 0.7
+    mask[..., 0] = True  # every query may attend to something
+    return q, k, v, mask
+
+
+def run(q, k, v, mask):
+    return ATTN(q, k, v, mask, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("d", [64, 20])  # 20: a head dimension with a scalar tail
+def test_matches_sdpa(dtype, tol, d):
+    q, k, v, mask = inputs(dtype=dtype, d=d)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+    got = run(q, k, v, mask)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    no_mask = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    torch.testing.assert_close(run(q, k, v, None).float(), no_mask, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_query_is_computed_alone(dtype):
+    q, k, v, mask = inputs(dtype=dtype)
+    full = run(q, k, v, mask)
+    for b in range(q.shape[0]):
+        for t in range(q.shape[2]):
+            alone = run(q[b:b + 1, :, t:t + 1], k[b:b + 1], v[b:b + 1], mask[b:b + 1, :, t:t + 1])
+            assert torch.equal(alone, full[b:b + 1, :, t:t + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(run(q, k, v, mask), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_padding_and_key_placement_do_not_change_the_result():
+    """A query sees only its allowed keys in order: extra masked keys (a batch's longer kv_len) and
+    the same keys at other cache positions (a tree's tokens before compaction) give the same bits."""
+    q, k, v, _ = inputs(b=1, t=1, length=20)
+    allowed = [0, 1, 2, 3, 7, 12, 13]
+    mask = torch.zeros(1, 1, 1, 20, dtype=torch.bool)
+    mask[..., allowed] = True
+    spread = run(q, k, v, mask)
+    compact = run(q, k[:, :, allowed], v[:, :, allowed], None)
+    assert torch.equal(spread, compact)
+    pad_k = torch.cat([k, torch.randn(1, 2, 9, 64)], dim=2)
+    pad_v = torch.cat([v, torch.randn(1, 2, 9, 64)], dim=2)
+    assert torch.equal(run(q, pad_k, pad_v, torch.cat([mask, torch.zeros(1, 1, 1, 9, dtype=torch.bool)], -1)), spread)
+
+
+def test_strided_inputs_and_a_query_with_nothing_to_attend():
+    q, k, v, mask = inputs()
+    # the engine's layout: the cache is [B, L, H, D], read transposed
+    kt, vt = k.transpose(1, 2).contiguous().transpose(1, 2), v.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not kt.is_contiguous()
+    assert torch.equal(run(q, kt, vt, mask), run(q, k, v, mask))
+    mask[0, 0, 2] = False
+    out = run(q, k, v, mask)
+    assert torch.equal(out[0, :, 2], torch.zeros_like(out[0, :, 2])) and out[0, :, 1].abs().sum() > 0
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        run(q, k[:, :1].expand(-1, 4, -1, -1), v[:, :1].expand(-1, 4, -1, -1), mask)
+
+
+def test_the_wrapper_takes_sdpa_off_the_cpu_kernels_path(monkeypatch):
+    q, k, v, mask = inputs(dtype=torch.float16)  # fp16: not a kernel dtype
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.equal(cpu_kernels.attention(q, k, v, mask), want)
