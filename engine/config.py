@@ -43,7 +43,7 @@ class EngineConfig:
     # the draft's output layer cut to its most frequent tokens (lossless; engine.models.vocab); 0 = whole vocabulary
     draft_vocab: int = 0
     draft_vocab_file: Optional[str] = None  # token ranking (most frequent first) the cut reads
-    draft_int8: bool = False  # the draft's linear weights in int8, per output channel (lossless; CPU; engine.models.quant)
+    draft_int8: bool = False  # the draft's linears in Q8_0 blocks, int8 per 32 weights (lossless; CPU; engine.models.qweight)
 
     def __post_init__(self) -> None:
         self.tree = parse_widths(self.tree)

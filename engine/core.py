@@ -15,8 +15,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.models.loader import LoadedModel
-from engine.models.qweight import QuantLinear
-from engine.models.quant import int8_copy
+from engine.models.qweight import QuantLinear, quantized_copy
 from engine.models.vocab import OutputVocab, frequent_vocab
 from engine.request import GenerationRequest, RequestOutput, RequestRejected
 from engine.runner import ModelRunner, SeqStepResult, record_step
@@ -89,19 +88,18 @@ class EngineCore:
 
     @staticmethod
     def _int8_draft(draft: LoadedModel) -> LoadedModel:
-        """The draft with int8 linear weights (``engine.models.quant``); on other devices than the CPU,
-        where the int8 kernel is not wired up, the draft as it is (logged), so that a CPU preset that
-        asks for it still starts on a GPU."""
+        """The draft with its linears in Q8_0 blocks (int8 per 32 weights, ``engine.models.qweight``);
+        on other devices than the CPU, where those kernels do not run, the draft as it is (logged), so
+        that a CPU preset that asks for it still starts on a GPU."""
         if draft.model.device.type != "cpu":
             log.warning("draft_int8 is implemented for CPU only; the draft stays %s on %s",
                         draft.model.dtype, draft.model.device)
             return draft
         if any(isinstance(m, QuantLinear) for m in draft.model.modules()):
-            log.info("draft %s: weights already in GGUF blocks; draft_int8 has nothing to do", draft.source)
+            log.info("draft %s: weights already in quantized blocks; draft_int8 has nothing to do", draft.source)
             return draft
-        model = int8_copy(draft.model)
-        log.info("draft %s: linear weights in int8 (per output channel)", draft.source)
-        return replace(draft, model=model)
+        log.info("draft %s: linear weights in Q8_0 blocks", draft.source)
+        return replace(draft, model=quantized_copy(draft.model, "q8_0"))
 
     def _maxgram_lengths(self, target: LoadedModel) -> LengthChooser:
         """Max-Gram's load-aware length cap, on the target cost curve (the adaptive policy's when it

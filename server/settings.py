@@ -74,7 +74,7 @@ class Settings(BaseModel):
                                                   "(lossless; 0 = whole vocabulary)")
     draft_vocab_file: Optional[str] = Field(None, description="token ranking the cut reads "
                                                               "(python -m engine.models.vocab)")
-    draft_int8: bool = Field(False, description="draft model's linear weights in int8 per output channel "
+    draft_int8: bool = Field(False, description="draft model's linears in Q8_0 blocks, int8 per 32 weights "
                                                 "(lossless: only the draft changes; CPU only)")
     max_batch: int = Field(8, ge=1, description="sequences decoding together")
     max_queue: int = Field(64, ge=1, description="requests waiting for a slot before 429")

@@ -253,7 +253,7 @@ def should_use(weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear`` drop-in that takes the bf16 kernel when :func:`should_use` says so.  A packed weight
-    (int8, GGUF blocks: ``engine.models.quant``, ``engine.models.qweight``) multiplies itself."""
+    (GGUF blocks, ``engine.models.qweight``) multiplies itself."""
     if not isinstance(weight, torch.Tensor):
         return weight.linear(x, bias)
     if x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16) and should_use(weight):

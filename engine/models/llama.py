@@ -8,8 +8,9 @@ Weights use Hugging Face names so checkpoints load as they are; q/k/v and gate/u
 fused into one matrix each at load time (one GEMM instead of three / two).  Every matrix multiply
 goes through ``cpu_kernels.linear``: on CPUs without native bf16 it takes our batch-invariant bf16
 kernel (a 16-token verification block costs ~2.7x one token instead of ~15x), elsewhere F.linear;
-a draft model copied by ``engine.models.quant.int8_copy`` has int8 weights, which take torch's
-weight-only int8 kernel instead.
+weights in GGUF blocks (``engine.models.qweight``: a GGUF model run natively, ``--quantize``, an
+int8 draft) multiply themselves with our integer kernels.  Attention is ``cpu_kernels.attention``:
+batch-invariant on the CPU, SDPA elsewhere.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Linear weights kept in GGUF's quantized blocks and multiplied in place (``csrc/quant_gemm.cpp``).
 
 A :class:`QuantWeight` holds a GGUF tensor's own bytes, ``uint8 [N, row_bytes]`` (each row ``K / B``
-blocks of its type), and multiplies activations by it without a dequantized copy: the kernel
-dequantizes a few blocks at a time into cache and accumulates in fp32.  Supported block types: the
+blocks of its type), and multiplies activations by it without a dequantized copy: the kernel rounds
+the activations to int8 per 32 and takes integer dot products with the unpacked blocks (as llama.cpp
+does), accumulating in fp32.  Supported block types: the
 ones of the packs the project ships and the other common ones (``BLOCK_TYPES``).  Results are
 batch-invariant (a row's output is bitwise the same whatever the number of rows in the call), see the
 kernel's header.
@@ -12,6 +13,8 @@ CPU only: the kernels are built with the bf16 ones (``engine.models.cpu_kernels`
 
 from __future__ import annotations
 
+import copy
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,6 +22,8 @@ import torch
 from torch import nn
 
 from engine.models import cpu_kernels
+
+log = logging.getLogger(__name__)
 
 #: GGML type id -> (name, weights per block, bytes per block)
 BLOCK_TYPES = {
@@ -125,16 +130,48 @@ QUANTIZERS = {"q8_0": quantize_q8_0}
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+def _quantized(lin: nn.Module, quantize) -> nn.Module:
+    """``lin`` as a :class:`QuantLinear`, or ``lin`` itself when its K is not a whole number of blocks
+    (logged; the product stays exact, just dense)."""
+    if isinstance(lin, QuantLinear):
+        return lin
+    k = lin.weight.shape[1]
+    if k % 32:
+        log.warning("linear of K=%d is not a multiple of 32; it stays %s", k, lin.weight.dtype)
+        return lin
+    return QuantLinear(quantize(lin.weight), lin.bias)
+
+
+def _quantizer(fmt: str):
+    try:
+        return QUANTIZERS[fmt]
+    except KeyError:
+        raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(QUANTIZERS)} or none") from None
+
+
 def quantize_linears(model: nn.Module, fmt: str) -> nn.Module:
     """Replaces the decoder linears and the output layer of a dense :class:`LlamaModel` by ``fmt``
     blocks, in place (``--quantize``); embeddings and norms stay as they are.  Returns the model."""
-    try:
-        quantize = QUANTIZERS[fmt]
-    except KeyError:
-        raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(QUANTIZERS)} or none") from None
+    quantize = _quantizer(fmt)
     for layer in model.layers:
         for name in LINEARS:
-            lin = getattr(layer, name)
-            setattr(layer, name, QuantLinear(quantize(lin.weight), lin.bias))
-    model.lm_head = QuantLinear(quantize(model.lm_head.weight))
+            setattr(layer, name, _quantized(getattr(layer, name), quantize))
+    model.lm_head = _quantized(model.lm_head, quantize)
     return model
+
+
+def quantized_copy(model: nn.Module, fmt: str = "q8_0") -> nn.Module:
+    """A copy of ``model`` whose decoder linears and output layer are ``fmt`` blocks, sharing the
+    embeddings, norms and rotary tables with ``model``, which is left as it is (the engine's
+    ``draft_int8``: a draft reads half its bf16 bytes per token).  CPU only: raises ValueError
+    elsewhere.  A tied output layer gets its own blocks; the embedding stays shared and dense."""
+    if model.device.type != "cpu":
+        raise ValueError(f"quantized weights run on the CPU only, not {model.device}")
+    out = copy.copy(model)
+    out._modules = dict(model._modules)
+    out.layers = nn.ModuleList()
+    for layer in model.layers:
+        twin = copy.copy(layer)
+        twin._modules = dict(layer._modules)
+        out.layers.append(twin)
+    return quantize_linears(out, fmt)
