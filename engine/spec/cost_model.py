@@ -112,25 +112,27 @@ class CostModel:
 
 def measure_curve(model: LlamaModel, cache: KVCache, points: list[tuple[int, int]], reps: int,
                   vocab: Optional[OutputVocab] = None) -> CostCurve:
-    """Times ``reps`` forwards of ``B`` slots x ``T`` tokens for each ``(B, T)`` (after one warm-up),
-    on temporarily allocated cache slots that are freed afterwards."""
+    """Times ``reps`` forwards of ``B`` slots x ``T`` tokens for each ``(B, T)``, on temporarily allocated
+    cache slots that are freed afterwards.  One untimed forward first warms the model up (first touch of
+    the weights, thread pools, lazy initialisation); later shapes need no warm-up of their own."""
     need = max(b for b, _ in points)
     if cache.free_slots < need:
         raise ValueError(f"measuring the cost curve needs {need} free cache slots, {cache.free_slots} are free")
     slots = [cache.allocate() for _ in range(need)]
     samples = []
     try:
-        for b, t in points:
+        for i, (b, t) in enumerate(points):
             ids = torch.zeros(b, t, dtype=torch.long, device=model.device)
             pos = torch.arange(t)[None].expand(b, t)
             rows = torch.arange(t, device=model.device)[None].expand(b, t)
-            for rep in range(reps + 1):
+            warm = 1 if i == 0 else 0
+            for rep in range(reps + warm):
                 t0 = time.perf_counter()
                 model(ids, pos, cache, slots[:b], logits_rows=rows, vocab=vocab)
                 dt = time.perf_counter() - t0
                 for s in slots[:b]:
                     cache.discard(s)
-                if rep:  # the first run warms up
+                if rep >= warm:
                     samples.append((b * t, dt))
     finally:
         for s in slots:
