@@ -44,7 +44,8 @@ class Settings(BaseModel):
     device: str = Field("cpu", description="cpu or cuda[:N]")
     gguf_weights: Literal["dequantize", "native"] = Field(
         "dequantize", description="GGUF models: 'native' keeps the quantized blocks and multiplies them with our "
-        "CPU kernels (about 3.5x less weight memory; slower than bf16 for now), 'dequantize' converts once to dense")
+        "CPU integer kernels (no conversion, about 3.5x less weight memory; the default preset's choice), "
+        "'dequantize' converts once to dense weights")
     quantize: Literal["none", "q8_0"] = Field("none", description="quantize a dense model's linears on load "
                                               "(CPU kernels)")
     threads: Optional[int] = Field(None, ge=1, description="CPU threads for torch (default: torch's choice)")

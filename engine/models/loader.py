@@ -79,7 +79,7 @@ def load_model(source: str, dtype: str | torch.dtype = "bf16", device: str = "cp
 
     ``gguf_weights``: ``"dequantize"`` (the default) converts a GGUF file once into a cached dense
     directory; ``"native"`` keeps its quantized tensors in their blocks (CPU, with the kernels built;
-    about 3.5x less weight memory, but the kernels are not yet faster than bf16: docs/quantized.md).
+    about 3.5x less weight memory, int8 activations as llama.cpp does: docs/quantized.md).
     ``quantize``: ``"q8_0"`` quantizes a dense model's linears on load (``"none"``: as they are)."""
     t0 = time.perf_counter()
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
