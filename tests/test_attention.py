@@ -86,3 +86,43 @@ def test_the_wrapper_takes_sdpa_off_the_cpu_kernels_path(monkeypatch):
     q, k, v, mask = inputs(dtype=torch.float16)  # fp16: not a kernel dtype
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     assert torch.equal(cpu_kernels.attention(q, k, v, mask), want)
+
+
+def test_a_quantized_model_is_batch_invariant_end_to_end():
+    """Every linear in Q8_0 blocks plus this attention: a sequence's logits are bitwise the same decoded
+    token by token, fed as one block, and batched next to a longer sequence (padding, a mask)."""
+    from engine.models.qweight import quantized_copy
+    from tests.tiny import tiny_loaded
+
+    model = quantized_copy(tiny_loaded("qwen2", seed=0).model)
+    seq, other = [5, 17, 33, 8, 9, 41, 2], [90, 2, 41, 7, 7, 12, 60, 3, 3, 11]
+
+    def fresh(n_slots):
+        cache = model.new_cache(n_slots, 32)
+        return cache, [cache.allocate() for _ in range(n_slots)]
+
+    cache, (s,) = fresh(1)  # prompt, then one token at a time
+    model(torch.tensor([seq[:4]]), torch.arange(4)[None], cache, [s])
+    cache.commit(s)
+    steps = []
+    for i in range(4, len(seq)):
+        steps.append(model(torch.tensor([[seq[i]]]), torch.tensor([[i]]), cache, [s]).logits[0, 0])
+        cache.commit(s)
+    steps = torch.stack(steps)
+
+    cache, (s,) = fresh(1)  # the same tokens as one block after the prompt
+    model(torch.tensor([seq[:4]]), torch.arange(4)[None], cache, [s])
+    cache.commit(s)
+    block = model(torch.tensor([seq[4:]]), torch.arange(4, len(seq))[None], cache, [s]).logits[0]
+    assert torch.equal(block, steps)
+
+    cache, (s, o) = fresh(2)  # batched beside a longer sequence
+    model(torch.tensor([seq[:4] + [0] * 6, other]), torch.arange(10)[None].expand(2, 10), cache, [s, o],
+          num_new=[4, 10])
+    cache.commit(s), cache.commit(o)
+    batched = []
+    for i in range(4, len(seq)):
+        out = model(torch.tensor([[seq[i]], [3]]), torch.tensor([[i], [10 + i]]), cache, [s, o]).logits
+        batched.append(out[0, 0])
+        cache.commit(s), cache.commit(o)
+    assert torch.equal(torch.stack(batched), steps)

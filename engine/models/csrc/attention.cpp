@@ -154,7 +154,9 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const T* vp = v.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const auto qs = q.strides(), ks = k.strides(), vs = v.strides();
-  at::parallel_for(0, B * Hkv * T_, 1, [&](int64_t i0, int64_t i1) {
+  // Small calls (tiny models, short contexts) run inline: a parallel region costs more than they do.
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, group * L * D));
+  at::parallel_for(0, B * Hkv * T_, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> qf(static_cast<size_t>(group * D)), o(static_cast<size_t>(group * D));
     std::vector<float> s(static_cast<size_t>(group * L)), row(static_cast<size_t>(D));
     std::vector<int64_t> keys(static_cast<size_t>(L));

@@ -378,7 +378,7 @@ QActs quantize_acts(const float* x, int64_t M, int64_t K) {
   a.q.resize(static_cast<size_t>(M * K));
   a.dx.resize(static_cast<size_t>(M * a.groups));
   a.s16.assign(static_cast<size_t>(M * a.halves), 0.0f);
-  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+  at::parallel_for(0, M, std::max<int64_t>(8, (1 << 16) / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       for (int64_t g = 0; g < a.groups; ++g) {
         const float* xg = x + m * K + g * kGroup;
@@ -766,7 +766,9 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t typ
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   const int64_t groups = K / kGroup, halves = pad8(K / 16);
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+  // Small calls run inline (a parallel region costs more than they do); results do not depend on it.
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, kTileRows * K * M));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     std::vector<uint8_t> u(static_cast<size_t>(kTileRows * K), 0);
     std::vector<float> dg(static_cast<size_t>(kTileRows * groups), 0.0f), dg4(dg.size(), 0.0f);
     std::vector<uint32_t> sc(static_cast<size_t>(kTileRows * groups), kOnes);
