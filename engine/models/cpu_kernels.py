@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (_CSRC / "bf16_gemm.cpp", _CSRC / "quant_gemm.cpp", _CSRC / "attention.cpp")  # one library
+_HEADERS = (_CSRC / "lanes.h",)  # included by the sources: part of the build's hash
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 _LDFLAGS = ["-fopenmp"]
 _ENV_SWITCH = "MCSD_CPU_KERNELS"
@@ -85,7 +86,7 @@ def _cpu_has_avx2_fma() -> bool:
 
 def _extension_name() -> str:
     h = hashlib.sha256()
-    for src in _SOURCES:
+    for src in (*_SOURCES, *_HEADERS):
         h.update(src.read_bytes())
     h.update(repr((_CFLAGS, _LDFLAGS, torch.__version__, platform.machine())).encode())
     return f"mcsd_cpu_kernels_{h.hexdigest()[:12]}"

@@ -30,6 +30,8 @@
 
 #include <immintrin.h>
 
+#include "lanes.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -55,14 +57,7 @@ inline void to_f32_row(const c10::BFloat16* src, float* dst, int64_t D) {  // bf
   for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
 }
 
-inline float reduce_lanes(__m256 v) {  // ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))
-  __m128 lo = _mm256_castps256_ps128(v);
-  const __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
+using mcsd::reduce_lanes;
 
 // exp(x) for x <= 0 (0 below -87): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6 Taylor
 // polynomial (relative error under 2e-7), times 2^n through the exponent bits.

@@ -46,6 +46,8 @@
 
 #include <immintrin.h>
 
+#include "lanes.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -75,15 +77,8 @@ inline uint16_t f32_to_bf16_rne(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-// The one horizontal reduction used for every output element: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
-inline float hsum8(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  const __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
+// The one horizontal reduction used for every output element (lanes.h).
+inline float hsum8(__m256 v) { return mcsd::reduce_lanes(v); }
 
 // One activation row (K bf16) -> fp32 scratch row (nchunks * 16 floats, even/odd layout).
 void convert_row(const uint16_t* src, int64_t K, float* dst, int64_t nchunks) {

@@ -18,6 +18,8 @@
 
 #include <immintrin.h>
 
+#include "lanes.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -639,14 +641,7 @@ struct WTile {
 
 // The offset term of one (weight row, activation row) pair: a fixed-order dot over pad8(K / 16).
 #if defined(__AVX2__) && defined(__FMA__)
-inline float reduce_lanes(__m256 v) {  // ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))
-  __m128 lo = _mm256_castps256_ps128(v);
-  const __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
+using mcsd::reduce_lanes;
 
 inline float offset_dot(const float* mn, const float* s16, int64_t halves) {
   __m256 acc = _mm256_setzero_ps();
