@@ -41,11 +41,6 @@
 
 namespace {
 
-template <typename T>
-inline float to_f32(T v) {
-  return static_cast<float>(v);
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
 inline void to_f32_row(const float* src, float* dst, int64_t D) { std::memcpy(dst, src, D * sizeof(float)); }
 inline void to_f32_row(const c10::BFloat16* src, float* dst, int64_t D) {  // bf16 -> fp32 is a 16-bit shift

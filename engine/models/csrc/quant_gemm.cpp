@@ -105,15 +105,20 @@ void deq_q5_0(const uint8_t* b, float* y) {  // d, qh (32 fifth bits), qs[16]; (
   }
 }
 
-// The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K super-block.
-inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
-  if (j < 4) {
-    *sc = q[j] & 63;
-    *m = q[j + 4] & 63;
-  } else {
-    *sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
-    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
+// The eight 6-bit scales and mins of a Q4_K / Q5_K super-block (12 bytes), as bytes sc[8], m[8]:
+// sub-blocks 0-3 keep theirs in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7
+// have their low 4 bits in bytes 8-11 (scale: low nibble, min: high nibble) and their top 2 bits in
+// the top 2 bits of bytes 0-3 (scales) and 4-7 (mins).  Four 32-bit words at once.
+inline void kscale_bytes(const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  uint32_t a, b, c;
+  std::memcpy(&a, q, 4);
+  std::memcpy(&b, q + 4, 4);
+  std::memcpy(&c, q + 8, 4);
+  const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, top2 = 0x03030303u;
+  const uint32_t words[4] = {a & low6, (c & low4) | (((a >> 6) & top2) << 4),  // scales 0-3, 4-7
+                             b & low6, ((c >> 4) & low4) | (((b >> 6) & top2) << 4)};  // mins 0-3, 4-7
+  std::memcpy(sc, words, 8);
+  std::memcpy(m, words + 2, 8);
 }
 
 struct KScales {
@@ -122,11 +127,10 @@ struct KScales {
 
 // The scales and mins of sub-blocks is and is + 1 of a Q4_K / Q5_K super-block, times d and dmin.
 inline KScales kscales(float d, float dmin, const uint8_t* scales, int is) {
-  int sc1, m1, sc2, m2;
-  scale_min_k4(is, scales, &sc1, &m1);
-  scale_min_k4(is + 1, scales, &sc2, &m2);
-  return {d * static_cast<float>(sc1), dmin * static_cast<float>(m1), d * static_cast<float>(sc2),
-          dmin * static_cast<float>(m2)};
+  uint8_t sc[8], m[8];
+  kscale_bytes(scales, sc, m);
+  return {d * static_cast<float>(sc[is]), dmin * static_cast<float>(m[is]), d * static_cast<float>(sc[is + 1]),
+          dmin * static_cast<float>(m[is + 1])};
 }
 
 void deq_q4_k(const uint8_t* b, float* y) {  // d, dmin, scales[12], qs[128]
@@ -493,53 +497,34 @@ inline void six_bits128(const uint8_t* ql, const uint8_t* qh, uint8_t* o) {
 }
 #endif
 
-// Unpackers: block `b` into weights [0, B) of u, groups [0, B/32) of dg / sc, halves [0, B/16) of mn.
-inline void unpack_q4_0(const uint8_t* b, uint8_t* u, float* dg, uint32_t* sc, float* mn) {
+// Unpackers: block `b` into weights [0, B) of u, groups [0, B/32) of dg, halves [0, B/16) of mn, and
+// for Q6_K (the only type with sub-scales) groups [0, 8) of sc; the others leave sc at its ones.
+inline void unpack_q4_0(const uint8_t* b, uint8_t* u, float* dg, uint32_t* /*sc*/, float* mn) {
   const float d = fp16_to_f32(rd16(b));
   nibbles16(b + 2, u, 0);
   dg[0] = d;
-  sc[0] = kOnes;
   mn[0] = mn[1] = -8.0f * d;
 }
 
-inline void unpack_q4_1(const uint8_t* b, uint8_t* u, float* dg, uint32_t* sc, float* mn) {
+inline void unpack_q4_1(const uint8_t* b, uint8_t* u, float* dg, uint32_t* /*sc*/, float* mn) {
   nibbles16(b + 4, u, 0);
   dg[0] = fp16_to_f32(rd16(b));
-  sc[0] = kOnes;
   mn[0] = mn[1] = fp16_to_f32(rd16(b + 2));
 }
 
-inline void unpack_q5_0(const uint8_t* b, uint8_t* u, float* dg, uint32_t* sc, float* mn) {
+inline void unpack_q5_0(const uint8_t* b, uint8_t* u, float* dg, uint32_t* /*sc*/, float* mn) {
   const float d = fp16_to_f32(rd16(b));
   uint32_t qh;
   std::memcpy(&qh, b + 2, 4);
   nibbles16(b + 6, u, qh);
   dg[0] = d;
-  sc[0] = kOnes;
   mn[0] = mn[1] = -16.0f * d;
 }
 
-inline void unpack_q8_0(const uint8_t* b, uint8_t* u, float* dg, uint32_t* sc, float* mn) {
+inline void unpack_q8_0(const uint8_t* b, uint8_t* u, float* dg, uint32_t* /*sc*/, float* mn) {
   std::memcpy(u, b + 2, 32);  // signed bytes, taken as such by the Q8_0 product
   dg[0] = fp16_to_f32(rd16(b));
-  sc[0] = kOnes;
   mn[0] = mn[1] = 0.0f;
-}
-
-// The eight 6-bit scales and mins of a Q4_K / Q5_K super-block (12 bytes), as bytes sc[8], m[8]:
-// sub-blocks 0-3 keep theirs in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7
-// have their low 4 bits in bytes 8-11 (scale: low nibble, min: high nibble) and their top 2 bits in
-// the top 2 bits of bytes 0-3 (scales) and 4-7 (mins).  Four 32-bit words at once.
-inline void kscale_bytes(const uint8_t* q, uint8_t* sc, uint8_t* m) {
-  uint32_t a, b, c;
-  std::memcpy(&a, q, 4);
-  std::memcpy(&b, q + 4, 4);
-  std::memcpy(&c, q + 8, 4);
-  const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, top2 = 0x03030303u;
-  const uint32_t words[4] = {a & low6, (c & low4) | (((a >> 6) & top2) << 4),  // scales 0-3, 4-7
-                             b & low6, ((c >> 4) & low4) | (((b >> 6) & top2) << 4)};  // mins 0-3, 4-7
-  std::memcpy(sc, words, 8);
-  std::memcpy(m, words + 2, 8);
 }
 
 // Q4_K (fifth = false) and Q5_K (fifth = true): d, dmin, scales[12], [qh[32],] qs[128].  Group j's
