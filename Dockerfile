@@ -22,6 +22,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY engine ./engine
 COPY server ./server
+COPY tools ./tools
 # An editable install keeps configs/ and the Max-Gram corpus next to the packages, where presets find them.
 RUN pip install --no-cache-dir -e .
 COPY configs ./configs
@@ -35,7 +36,7 @@ ENV PYTHONUNBUFFERED=1 \
 VOLUME /cache
 
 ARG PREFETCH=0
-RUN if [ "$PREFETCH" = "1" ]; then python -m engine.models.fetch; fi
+RUN if [ "$PREFETCH" = "1" ]; then python -m tools.fetch; fi
 
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=10m \

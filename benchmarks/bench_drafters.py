@@ -41,7 +41,7 @@ from benchmarks.bench_spec import summarise  # noqa: E402
 from benchmarks.harness import hf_model, machine, print_table, prompt_ids, run_hf, run_ours, write_json  # noqa: E402
 from engine.models.loader import load_model  # noqa: E402
 from engine.request import SpecOptions  # noqa: E402
-from engine.spec.tree import parse_widths  # noqa: E402
+from engine.speculative.tree import parse_widths  # noqa: E402
 
 DEFAULT_CONFIGS = ("plain;tree:2,1;maxgram:8;maxgram:12;mcsd+maxgram:2,1:8:4;cascade:4:4:8;"
                    "hf-plain;hf-prompt-lookup;hf-assisted")

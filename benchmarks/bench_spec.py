@@ -27,7 +27,7 @@ from benchmarks.harness import (  # noqa: E402
 )
 from engine.models.loader import load_model  # noqa: E402
 from engine.request import SpecOptions  # noqa: E402
-from engine.spec.tree import parse_widths  # noqa: E402
+from engine.speculative.tree import parse_widths  # noqa: E402
 
 DEFAULT_CONFIGS = "plain;chain:1,1;chain:1,1,1;chain:1,1,1,1;tree:2,1,1;tree:3,2,1;tree:4,2,2;tree:2,2,1,1;hf-assisted"
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from engine.spec.methods import check_method
-from engine.spec.tree import parse_widths
+from engine.speculative.methods import check_method
+from engine.speculative.tree import parse_widths
 
 
 @dataclass
@@ -17,7 +17,7 @@ class EngineConfig:
     tree: tuple[int, ...] = (4, 2, 2)  # largest draft tree (width per depth); () = no speculation
     prefill_chunk: int = 512  # prompt tokens prefilled per step, so running streams keep flowing
     without_replacement: bool = True  # draw sibling candidates without replacement
-    # adaptive speculation (engine.spec.adaptive): stop drafting when 1 - prod(y_hat) > threshold on
+    # adaptive speculation (engine.speculative.adaptive): stop drafting when 1 - prod(y_hat) > threshold on
     # every branch, within [adaptive_min_depth, adaptive_max_depth]; load-aware tree budget per step
     adaptive: bool = False
     adaptive_threshold: float = 0.5  # h of the SpecDec++ rule, in [0, 1]
@@ -25,7 +25,7 @@ class EngineConfig:
     adaptive_max_depth: Optional[int] = None  # None = the tree's depth
     acceptance_heads: tuple[str, ...] = ()  # acceptance head files (one per temperature); none = online calibration
     load_aware: bool = True  # measure the cost curve at start-up and choose the budget per step
-    # drafters (engine.spec.methods): the method requests get when they do not name one, and its knobs
+    # drafters (engine.speculative.methods): the method requests get when they do not name one, and its knobs
     spec_method: str = "mcsd"
     maxgram_len: int = 8  # most tokens a Max-Gram proposal from the root holds
     maxgram_branches: int = 1  # Max-Gram proposals (distinct first tokens) from the root

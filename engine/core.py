@@ -22,16 +22,16 @@ from engine.runner import ModelRunner, SeqStepResult, record_step
 from engine.sampler import SamplingTensors, token_count_matrix
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.spec.adaptive import AdaptiveSpeculation, SpecPolicy
-from engine.spec.cost_model import measure_curve
-from engine.spec.maxgram import MATCH_CLASSES, BigramTable, LengthChooser, MaxGramDrafter, match_class
-from engine.spec.methods import (
+from engine.speculative.adaptive import AdaptiveSpeculation, SpecPolicy
+from engine.speculative.cost_model import measure_curve
+from engine.speculative.maxgram import MATCH_CLASSES, BigramTable, LengthChooser, MaxGramDrafter, match_class
+from engine.speculative.methods import (
     CASCADE, LOSSY, MAXGRAM, MCSD, MCSD_MAXGRAM, MJSD_LOSSY, NEEDS_DRAFT, TARGET_INIT_LOSSY, DraftPlan,
 )
-from engine.spec.mjsd import LOSSY_NOTE as MJSD_NOTE
-from engine.spec.target_init import LOSSY_NOTE as TARGET_INIT_NOTE
-from engine.spec.proposer import DraftModelProposer
-from engine.spec.tree import SubTree, TreeTopology
+from engine.speculative.mjsd import LOSSY_NOTE as MJSD_NOTE
+from engine.speculative.target_init import LOSSY_NOTE as TARGET_INIT_NOTE
+from engine.speculative.proposer import DraftModelProposer
+from engine.speculative.tree import SubTree, TreeTopology
 from engine.stats import StepStats
 from engine.stop import TextStream
 

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.spec.methods import check_method
+from engine.speculative.methods import check_method
 
 #: a temperature at or below this is treated as greedy (argmax) decoding
 GREEDY_EPS = 1e-5
@@ -108,7 +108,7 @@ class SpecOptions:
     enabled: bool = True
     max_depth: Optional[int] = None  # cap on drafted depth; None = engine default
     tree: Optional[tuple[int, ...]] = None  # width per depth; None = engine default
-    method: Optional[str] = None  # engine.spec.methods; None = the engine's default
+    method: Optional[str] = None  # engine.speculative.methods; None = the engine's default
     adaptive: Optional[bool] = None  # False: this request drafts its whole tree every step (no adaptive
     # depth, load-aware budget or length caps); None = the engine's setting
 

@@ -20,15 +20,15 @@ from engine.models.llama import LlamaModel
 from engine.request import TokenLogprob
 from engine.sampler import compute_probs, process_logits, raw_logprobs
 from engine.sequence import Sequence
-from engine.spec.history import RowHistory
-from engine.spec.cascade import CascadeProposer
-from engine.spec.draft_tree import DEAD, DraftTree
-from engine.spec.maxgram import MaxGramDrafter
-from engine.spec.methods import DraftPlan
-from engine.spec.mjsd import MjsdProposer, verify_joint
-from engine.spec.target_init import draw_candidates, verify_target_init
-from engine.spec.proposer import DraftModelProposer
-from engine.spec.verify import TorchCoins, VerifyResult, residual, verify_greedy, verify_sampled
+from engine.speculative.history import RowHistory
+from engine.speculative.cascade import CascadeProposer
+from engine.speculative.draft_tree import DEAD, DraftTree
+from engine.speculative.maxgram import MaxGramDrafter
+from engine.speculative.methods import DraftPlan
+from engine.speculative.mjsd import MjsdProposer, verify_joint
+from engine.speculative.target_init import draw_candidates, verify_target_init
+from engine.speculative.proposer import DraftModelProposer
+from engine.speculative.verify import TorchCoins, VerifyResult, residual, verify_greedy, verify_sampled
 from engine.stats import StepStats, add_at
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class ModelRunner:
 
     def _trust_maxgram(self, seq: Sequence, plan: DraftPlan) -> DraftPlan:
         """Max-Gram alone for this step when the context ends in a long suffix match (see
-        ``engine.spec.methods``); the plan unchanged otherwise."""
+        ``engine.speculative.methods``); the plan unchanged otherwise."""
         if not plan.trust or self.maxgram is None or not plan.maxgram:
             return plan
         props = self.maxgram.propose(seq, (), plan.maxgram)

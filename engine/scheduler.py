@@ -14,7 +14,7 @@ from typing import Optional
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.sequence import Sequence, SeqStatus
-from engine.spec.methods import NEEDS_DRAFT
+from engine.speculative.methods import NEEDS_DRAFT
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.request import SamplingParams, SpecOptions
-from engine.spec.methods import METHODS
+from engine.speculative.methods import METHODS
 
 MAX_STOP = 16  # OpenAI allows 4; be lenient
 MAX_STOP_CHARS = 1024  # per stop string (matching holds back at most this much text)
@@ -52,7 +52,7 @@ class SpeculativeOptions(_Request):
     """Extension: ``{"speculative": {"enabled": false}}`` turns speculation off for one request;
     ``max_depth`` caps the drafted depth, ``tree`` gives widths per depth (e.g. ``[4, 2, 2]``);
     ``method`` picks the drafter (``mcsd``, ``maxgram``, ``mcsd+maxgram``, ``cascade``, and the lossy
-    ``mjsd-lossy`` / ``target-init-lossy``; see ``engine.spec.methods``), default: the server's
+    ``mjsd-lossy`` / ``target-init-lossy``; see ``engine.speculative.methods``), default: the server's
     ``--spec-method``; ``adaptive: false`` drafts the whole tree every step on an adaptive server
     (fixed speculation length for this request)."""
 

@@ -18,8 +18,8 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from engine.spec.methods import METHODS
-from engine.spec.tree import parse_widths
+from engine.speculative.methods import METHODS
+from engine.speculative.tree import parse_widths
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -74,7 +74,7 @@ class Settings(BaseModel):
     draft_vocab: int = Field(0, ge=0, description="draft output layer cut to this many most frequent tokens "
                                                   "(lossless; 0 = whole vocabulary)")
     draft_vocab_file: Optional[str] = Field(None, description="token ranking the cut reads "
-                                                              "(python -m engine.models.vocab)")
+                                                              "(python -m tools.rank_vocab)")
     draft_int8: bool = Field(False, description="draft model's linears in Q8_0 blocks, int8 per 32 weights "
                                                 "(lossless: only the draft changes; CPU only)")
     max_batch: int = Field(8, ge=1, description="sequences decoding together")

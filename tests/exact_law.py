@@ -6,10 +6,10 @@ acceptance test ``u <= p(x)/q(x)``, a correction or bonus draw.  :func:`enumerat
 function once per sequence of choices (depth first, replaying the prefix), multiplying the
 probabilities of the choices made, so the law of what the step emits is exact up to float64 rounding.
 
-The rule under test is the engine's own code: :func:`engine.spec.verify.verify_sampled` and
+The rule under test is the engine's own code: :func:`engine.speculative.verify.verify_sampled` and
 ``verify_target_init`` walk :class:`DraftTree` events built by the engine's ``add_path`` and Max-Gram's
-``propose`` / ``extend_tree``; the cascade's inner review is ``engine.spec.cascade.review_guess``.  Only
-their random source is replaced (:class:`Replay` implements ``engine.spec.verify.Coins``), and the
+``propose`` / ``extend_tree``; the cascade's inner review is ``engine.speculative.cascade.review_guess``.  Only
+their random source is replaced (:class:`Replay` implements ``engine.speculative.verify.Coins``), and the
 models are the toy tables of ``tests/toy.py`` in float64 (``p`` and ``q`` come from the engine's
 ``compute_probs``, renormalised in float64).
 
@@ -36,16 +36,16 @@ from typing import Callable
 
 import torch
 
-import engine.spec.verify as verify
+import engine.speculative.verify as verify
 from engine.models.vocab import OutputVocab
 from engine.request import GenerationRequest, SamplingParams
 from engine.sampler import SamplingTensors, compute_probs
 from engine.sequence import Sequence
-from engine.spec.cascade import review_guess
-from engine.spec.draft_tree import CASCADE, DEAD, SAMPLED, DraftTree
-from engine.spec.maxgram import BigramTable, MaxGramDrafter
-from engine.spec.target_init import draw_candidates, verify_target_init
-from engine.spec.tree import TreeTopology
+from engine.speculative.cascade import review_guess
+from engine.speculative.draft_tree import CASCADE, DEAD, SAMPLED, DraftTree
+from engine.speculative.maxgram import BigramTable, MaxGramDrafter
+from engine.speculative.target_init import draw_candidates, verify_target_init
+from engine.speculative.tree import TreeTopology
 from tests.toy import random_table
 
 VOCAB = 6
@@ -79,7 +79,7 @@ class Law:
 
 # ----------------------------------------------------------------------------------- enumeration
 class Replay:
-    """:class:`engine.spec.verify.Coins` that makes the choices of a given prefix, then the first
+    """:class:`engine.speculative.verify.Coins` that makes the choices of a given prefix, then the first
     possible one of every later choice, and records each choice with its probabilities."""
 
     def __init__(self, prefix: tuple[int, ...]) -> None:

@@ -21,9 +21,9 @@ from engine.models.loader import LoadedModel
 from engine.models.vocab import save_token_ranking
 from engine.request import GenerationRequest, SamplingParams, SpecOptions
 from engine.sampler import SamplingTensors, compute_probs
-from engine.spec.adaptive import AdaptiveSpeculation, SpecPolicy
-from engine.spec.maxgram import BigramTable
-from engine.spec.tree import TreeTopology
+from engine.speculative.adaptive import AdaptiveSpeculation, SpecPolicy
+from engine.speculative.maxgram import BigramTable
+from engine.speculative.tree import TreeTopology
 from tests.exact_law import BIGRAMS  # noqa: F401  (the cases' bigram table)
 from tests.tiny import tiny_tokenizer
 from tests.toy import ToyModel, random_table
@@ -43,7 +43,7 @@ class Case:
     runs: int = 200_000
     sabotage: str = ""  # a planted bug, see ``apply_sabotage``
     stop: str = ""  # drafting stops early: "random" (RandomStop) or "calibrated" (the engine's adaptive policy)
-    method: str = "mcsd"  # engine.spec.methods
+    method: str = "mcsd"  # engine.speculative.methods
     bigram: tuple[tuple[int, int], ...] = ()  # Max-Gram's bigram table (token -> successor)
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 

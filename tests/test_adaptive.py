@@ -8,12 +8,12 @@ import torch
 
 from engine.config import EngineConfig
 from engine.request import SpecOptions
-from engine.spec.acceptance_head import AcceptanceHead, HeadMeta
-from engine.spec.adaptive import AdaptiveSpeculation, OnlineCalibrator, keep_extending
-from engine.spec.cost_model import BudgetChooser, CostCurve, CostModel, measure_curve
-from engine.spec.features import CHEAP_FEATURES, NodeFeatures
-from engine.spec.draft_tree import DraftTree
-from engine.spec.tree import TreeTopology
+from engine.speculative.acceptance_head import AcceptanceHead, HeadMeta
+from engine.speculative.adaptive import AdaptiveSpeculation, OnlineCalibrator, keep_extending
+from engine.speculative.cost_model import BudgetChooser, CostCurve, CostModel, measure_curve
+from engine.speculative.features import CHEAP_FEATURES, NodeFeatures
+from engine.speculative.draft_tree import DraftTree
+from engine.speculative.tree import TreeTopology
 from tests.engine_utils import run_engine
 from tests.tiny import tiny_loaded
 

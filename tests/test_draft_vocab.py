@@ -9,7 +9,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.models.vocab import OutputVocab, frequent_vocab, load_token_ranking, rank_tokens, save_token_ranking
+from engine.models.vocab import OutputVocab, frequent_vocab, load_token_ranking, save_token_ranking
+from tools.rank_vocab import rank_tokens
 from engine.request import GenerationRequest, SamplingParams, SpecOptions
 from tests.engine_utils import run_engine
 from tests.tiny import VOCAB, tiny_loaded, tiny_tokenizer

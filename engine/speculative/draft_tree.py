@@ -7,7 +7,7 @@ extended tree is the prebuilt slice plus one row per appended node (its parent's
 
 Node ``i`` sits at block row ``i + 1``; row 0 is the step's root.
 
-**Proposals and q.**  Verification (``engine.spec.verify``) tries, at every row, a list of
+**Proposals and q.**  Verification (``engine.speculative.verify``) tries, at every row, a list of
 *proposal events* ``(node, kind)`` in order:
 
 * ``ONEHOT``: a deterministic proposal (a statistical drafter).  Its law is the point mass on the
@@ -36,8 +36,8 @@ from typing import Optional
 
 import torch
 
-from engine.spec.features import NodeFeatures
-from engine.spec.tree import SubTree
+from engine.speculative.features import NodeFeatures
+from engine.speculative.tree import SubTree
 
 #: a draft child slot that could not be filled (its parent's ``q`` had fewer tokens than the width)
 DEAD = -1

@@ -8,7 +8,7 @@ temperature 0), and the new level is run through the draft in one batched forwar
 sequences, attending to its ancestors through rows ``[C_{d-1}:C_d]`` of the prebuilt tree mask.
 The deepest level is never run: its nodes have no children to sample.
 
-An optional :class:`~engine.spec.adaptive.SpecPolicy` is asked after each sampled level whether a
+An optional :class:`~engine.speculative.adaptive.SpecPolicy` is asked after each sampled level whether a
 sequence grows another one; a tree that stops is cut to its depth-``d`` prefix (a cached slice of
 the prebuilt topology), so the target verifies exactly the drafted nodes.
 """
@@ -27,11 +27,11 @@ from engine.sampler import (
     SamplingTensors, draw_uniforms, finish_probs, process_logits, sample_from_probs, sample_k_distinct,
 )
 from engine.sequence import Sequence
-from engine.spec.adaptive import SpecPolicy
-from engine.spec.features import ParentStats, level_features, parent_stats
-from engine.spec.history import RowHistory
-from engine.spec.draft_tree import DEAD, DraftTree
-from engine.spec.tree import SubTree, TreeTopology
+from engine.speculative.adaptive import SpecPolicy
+from engine.speculative.features import ParentStats, level_features, parent_stats
+from engine.speculative.history import RowHistory
+from engine.speculative.draft_tree import DEAD, DraftTree
+from engine.speculative.tree import SubTree, TreeTopology
 
 
 class DraftModelProposer:

@@ -25,10 +25,10 @@ import torch
 from engine.batching import Block
 from engine.sampler import SamplingTensors, apply_logit_bias, compute_probs, sample_tokens
 from engine.sequence import Sequence
-from engine.spec.draft_tree import DraftTree
-from engine.spec.proposer import DraftModelProposer
-from engine.spec.tree import SubTree
-from engine.spec.verify import VerifyResult
+from engine.speculative.draft_tree import DraftTree
+from engine.speculative.proposer import DraftModelProposer
+from engine.speculative.tree import SubTree
+from engine.speculative.verify import VerifyResult
 
 MJSD = "mjsd"  # drafter name in statistics
 LOSSY_NOTE = ("lossy: joint decoding (MJSD) accepts draft tokens by joint likelihood, so the output is not "

@@ -11,7 +11,7 @@ To propose what follows a context it copies the continuation of the **longest su
    trained on: code and chat, disjoint from the benchmark prompts); none is used without a corpus.
 
 Proposals are deterministic functions of the context, so for verification their law is one-hot
-(``engine.spec.draft_tree``).  How many tokens to propose follows the match length: a one-token
+(``engine.speculative.draft_tree``).  How many tokens to propose follows the match length: a one-token
 match predicts little, a long one often predicts many (``proposal_length``).
 
 Every sequence has an n-gram index (n-gram -> positions where its continuation starts), extended
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Optional, Sequence as Seq
 
 from engine.sequence import Sequence
-from engine.spec.draft_tree import BIGRAM, MAXGRAM, DraftTree
+from engine.speculative.draft_tree import BIGRAM, MAXGRAM, DraftTree
 
 
 @dataclass
@@ -189,7 +189,7 @@ def match_class(match: int) -> int:
 
 class LengthChooser:
     """Load-aware cap on Max-Gram's proposal length, like the draft tree's budget
-    (``engine.spec.cost_model``): a proposal costs nothing to draft but every token of it is a row of
+    (``engine.speculative.cost_model``): a proposal costs nothing to draft but every token of it is a row of
     the verification forward, which on a busy batch is no longer free.
 
     A proposal's worth depends on where it comes from: a long suffix match is usually right, a

@@ -33,8 +33,8 @@ from typing import Callable, Protocol
 import torch
 
 from engine.sampler import draw_uniforms, sample_from_probs, sample_k_distinct
-from engine.spec.draft_tree import DEAD, ONEHOT
-from engine.spec.tree import SubTree
+from engine.speculative.draft_tree import DEAD, ONEHOT
+from engine.speculative.tree import SubTree
 
 
 @dataclass

@@ -11,9 +11,9 @@ method                  what drafts the tree                                    
 ``cascade``             CS Drafting: the draft model reviews Max-Gram's guesses (vertical),    yes
                         Max-Gram writes the later depths (horizontal)
 ``mjsd-lossy``          **lossy**: joint decoding (MJSD): the draft's best beam, accepted by   yes
-                        joint likelihood ratio against a threshold (``engine.spec.mjsd``)
+                        joint likelihood ratio against a threshold (``engine.speculative.mjsd``)
 ``target-init-lossy``   **lossy**: k target-sampled candidate roots, each with a draft chain;  yes
-                        the longest-surviving one is kept (``engine.spec.target_init``)
+                        the longest-surviving one is kept (``engine.speculative.target_init``)
 ======================  =====================================================================  =========
 
 All but the ``*-lossy`` methods are lossless: the target's final review is the exact multi-candidate rule.
@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from engine.spec.tree import SubTree
+from engine.speculative.tree import SubTree
 
 MCSD, MAXGRAM, MCSD_MAXGRAM, CASCADE = "mcsd", "maxgram", "mcsd+maxgram", "cascade"
 MJSD_LOSSY, TARGET_INIT_LOSSY = "mjsd-lossy", "target-init-lossy"

@@ -32,11 +32,11 @@ import torch
 from engine.batching import Block
 from engine.sampler import SamplingTensors, compute_probs
 from engine.sequence import Sequence
-from engine.spec.draft_tree import CASCADE, SAMPLED, DraftTree
-from engine.spec.maxgram import MaxGramDrafter
-from engine.spec.proposer import DraftModelProposer
-from engine.spec.tree import SubTree
-from engine.spec.verify import Coins, TorchCoins, onehot_residual
+from engine.speculative.draft_tree import CASCADE, SAMPLED, DraftTree
+from engine.speculative.maxgram import MaxGramDrafter
+from engine.speculative.proposer import DraftModelProposer
+from engine.speculative.tree import SubTree
+from engine.speculative.verify import Coins, TorchCoins, onehot_residual
 
 
 @dataclass

@@ -26,8 +26,8 @@ from typing import Callable
 import torch
 
 from engine.sampler import SamplingTensors
-from engine.spec.draft_tree import DEAD
-from engine.spec.verify import Coins, VerifyResult
+from engine.speculative.draft_tree import DEAD
+from engine.speculative.verify import Coins, VerifyResult
 
 LOSSY_NOTE = ("lossy: target-initialised candidates keep the target-sampled token whose draft continuation "
               "survives longest, which biases the output towards tokens the draft predicts well")

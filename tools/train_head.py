@@ -1,11 +1,11 @@
 """Train an acceptance head for a target/draft pair (ALGORITHMS.md §2).
 
-    python -m engine.spec.train_head --target qwen2.5-coder-1.5b-instruct \\
+    python -m tools.train_head --target qwen2.5-coder-1.5b-instruct \\
         --draft qwen2.5-coder-0.5b-instruct --prompts benchmarks/prompts/train.json \\
         --temperature 0 --out configs/heads/qwen2.5-coder-1.5b-0.5b-t0.safetensors
 
 1. Runs the pair through our engine with a fixed tree (``--tree``) on every prompt, recording for
-   every drafted node its draft-side features (``engine.spec.features``) and its label
+   every drafted node its draft-side features (``engine.speculative.features``) and its label
    ``P(accepted | parent reached)``: at temperature 0 the match indicator (target argmax at the
    parent == token); when sampling, ``prod_{j<i}(1 - a_j) * a_i`` over the node's earlier siblings
    with ``a = min(1, p(x) / q(x))`` on the residual ``p`` / renormalised ``q`` the verifier would
@@ -33,11 +33,11 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.request import GenerationRequest, SamplingParams
 from engine.sampler import compute_probs
-from engine.spec.acceptance_head import AcceptanceHead, HeadMeta
-from engine.spec.adaptive import SpecPolicy
-from engine.spec.features import NodeFeatures
-from engine.spec.tree import parse_widths
-from engine.spec.verify import DEAD, children_of, remove_candidate, residual
+from engine.speculative.acceptance_head import AcceptanceHead, HeadMeta
+from engine.speculative.adaptive import SpecPolicy
+from engine.speculative.features import NodeFeatures
+from engine.speculative.tree import parse_widths
+from engine.speculative.verify import DEAD, children_of, remove_candidate, residual
 
 
 @dataclass
@@ -232,7 +232,7 @@ def print_table(metrics: dict, file=None) -> None:
 
 # ------------------------------------------------------------------ command line
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m engine.spec.train_head", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.train_head", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--draft", required=True)
     ap.add_argument("--prompts", required=True, help="benchmark prompts file (JSON list of {id, messages})")

@@ -3,7 +3,7 @@
 Three hooks (:class:`SpecPolicy`) are all the engine sees:
 
 * ``budget(seqs)``: before drafting, the step's tree budget, a width config inside the configured
-  tree (load awareness, :class:`~engine.spec.cost_model.BudgetChooser`); ``None`` = no cap;
+  tree (load awareness, :class:`~engine.speculative.cost_model.BudgetChooser`); ``None`` = no cap;
 * ``keep_drafting(seqs, trees, d)``: after the draft sampled depth ``d`` of each tree, whether it
   grows another level.  A tree that stops is cut to its depth-``d`` prefix, a slice of the prebuilt
   topology, and the target verifies exactly the nodes that were drafted;
@@ -11,7 +11,7 @@ Three hooks (:class:`SpecPolicy`) are all the engine sees:
 * ``catch_up_pays(seq)``: after ``budget``, whether a sequence whose draft cache lags (its prompt, or
   steps without the draft) may catch up this step: never for its first token (time to first token
   stays that of plain decoding), then only when the expected saving over its remaining tokens exceeds
-  the catch-up's measured cost (``engine.spec.cost_model``); otherwise it decodes without the draft
+  the catch-up's measured cost (``engine.speculative.cost_model``); otherwise it decodes without the draft
   model this step.  Until a few dozen first-level nodes have been verified, the acceptance estimates
   are still the prior, so catch-ups are allowed (a pessimistic prior would otherwise never be tested).
 
@@ -44,16 +44,16 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from engine.spec.acceptance_head import AcceptanceHead
-from engine.spec.cost_model import BudgetChooser, CostModel
-from engine.spec.features import NodeFeatures
-from engine.spec.tree import TreeTopology
+from engine.speculative.acceptance_head import AcceptanceHead
+from engine.speculative.cost_model import BudgetChooser, CostModel
+from engine.speculative.features import NodeFeatures
+from engine.speculative.tree import TreeTopology
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.runner import SeqStepResult
     from engine.sequence import Sequence
-    from engine.spec.draft_tree import DraftTree
+    from engine.speculative.draft_tree import DraftTree
 
 log = logging.getLogger(__name__)
 

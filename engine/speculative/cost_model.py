@@ -35,7 +35,7 @@ import torch
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
 from engine.models.vocab import OutputVocab
-from engine.spec.tree import TreeTopology, count_nodes
+from engine.speculative.tree import TreeTopology, count_nodes
 
 
 @dataclass(frozen=True)

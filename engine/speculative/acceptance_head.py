@@ -1,7 +1,7 @@
 """Acceptance head: predicts, for a drafted node, ``P(accepted | parent reached)`` from draft-side
 features (2409.10644 decision models; SpecDec++ acceptance prediction head).
 
-Input: the cheap features of ``engine.spec.features`` (standardised with statistics stored in the
+Input: the cheap features of ``engine.speculative.features`` (standardised with statistics stored in the
 head), optionally concatenated with a learned projection of the draft's hidden state at the
 parent.  Body: logistic regression (``units == 0``) or a one-hidden-layer MLP.  The head is trained
 with class-weighted BCE (rejections weighted up), which ranks well but biases probabilities low, so
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.spec.features import CHEAP_FEATURES, NodeFeatures
+from engine.speculative.features import CHEAP_FEATURES, NodeFeatures
 
 HEAD_VERSION = 1
 _META_KEY = "mcsd_acceptance_head"
@@ -111,7 +111,7 @@ class AcceptanceHead(nn.Module):
             raise ValueError(f"{path}: acceptance head version {meta.version}, this engine reads {HEAD_VERSION}")
         if meta.features != list(CHEAP_FEATURES):
             raise ValueError(f"{path}: the head was trained on features {meta.features}, this engine computes "
-                             f"{list(CHEAP_FEATURES)}; retrain it with engine.spec.train_head")
+                             f"{list(CHEAP_FEATURES)}; retrain it with tools.train_head")
         head = cls(meta)
         head.load_state_dict(state)
         return head.eval()

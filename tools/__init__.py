@@ -1,0 +1,1 @@
+"""Offline tools: fetching packs, ranking a draft vocabulary, training acceptance heads."""
