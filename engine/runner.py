@@ -18,9 +18,10 @@ from engine.batching import Block, run_blocks
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
 from engine.request import TokenLogprob
-from engine.sampler import compute_probs, process_logits, raw_logprobs
+from engine.device import synchronize
+from engine.sampler import SamplingTensors, compute_probs, process_logits, raw_logprobs
 from engine.sequence import Sequence
-from engine.speculative.history import RowHistory
+from engine.speculative.history import RowHistory, batch_histories
 from engine.speculative.cascade import CascadeProposer
 from engine.speculative.draft_tree import DEAD, DraftTree
 from engine.speculative.maxgram import MaxGramDrafter
@@ -28,7 +29,8 @@ from engine.speculative.methods import DraftPlan
 from engine.speculative.mjsd import MjsdProposer, verify_joint
 from engine.speculative.target_init import draw_candidates, verify_target_init
 from engine.speculative.proposer import DraftModelProposer
-from engine.speculative.verify import TorchCoins, VerifyResult, residual, verify_greedy, verify_sampled
+from engine.speculative.verify import TreeBatch, draw_tables, verify_batch
+from engine.speculative.walk import TorchCoins, VerifyResult, residual, verify_greedy, verify_sampled
 from engine.stats import StepStats, add_at
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,7 @@ class ModelRunner:
         whose own verification failed (with the error): one request's failure is that request's alone."""
         t0 = time.perf_counter()
         trees = self._draft(seqs, plans)
+        synchronize(self.target.device)  # timings measure the device's work, not its queueing
         t1 = time.perf_counter()
         blocks = []
         for seq, tree in zip(seqs, trees):
@@ -88,20 +91,72 @@ class ModelRunner:
             toks = [seq.root] + [t if t != DEAD else 0 for t in tree.tokens]
             pos = block_positions(root_pos, tree.depths())
             blocks.append(Block(seq.slot, toks, pos, list(range(len(toks))), tree.mask()))
-        _, logits = run_blocks(self.target, self.cache, blocks)  # each [1+n, vocab]
-        results, failed = [], []
-        for seq, tree, lg, plan in zip(seqs, trees, logits, plans):
+        out, _ = run_blocks(self.target, self.cache, blocks)
+        results, failed = self._verify_all(seqs, trees, plans, out.logits)  # logits: [B, rows, vocab]
+        kept, plan_of = [], {id(s): p for s, p in zip(seqs, plans)}
+        for res in results:
             try:
-                res = self._verify(seq, tree, lg, plan.init)
-                self._update_caches(seq, tree, res.result, plan.init)
+                self._update_caches(res.seq, res.tree, res.result, plan_of[id(res.seq)].init)
             except Exception as exc:  # noqa: BLE001 - the engine ends this request, the others go on
-                log.exception("verification failed for request %s", seq.request_id)
-                failed.append((seq, exc))
+                log.exception("cache update failed for request %s", res.seq.request_id)
+                failed.append((res.seq, exc))
                 continue
-            results.append(res)
+            kept.append(res)
+        synchronize(self.target.device)
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += time.perf_counter() - t1
-        return results, failed
+        return kept, failed
+
+    def _verify_all(self, seqs: list[Sequence], trees: list[DraftTree], plans: list[DraftPlan],
+                    logits: torch.Tensor) -> tuple[list[SeqStepResult], list[tuple[Sequence, Exception]]]:
+        """Verifies every tree: the lossless methods together (``engine.speculative.verify``), the
+        lossy ones by their own rules.  A failure is isolated to the sequences it belongs to: when the
+        batch fails, each sequence is verified alone.  Results come in the order of ``seqs``."""
+        lossless = [i for i, (t, p) in enumerate(zip(trees, plans)) if not p.init and t.joint_logq is None]
+        done: dict[int, SeqStepResult] = {}
+        failed = []
+        try:
+            done.update(zip(lossless, self._verify_batch([seqs[i] for i in lossless], [trees[i] for i in lossless],
+                                                         _rows_of(logits, lossless))))
+        except Exception:  # noqa: BLE001 - find whose it is: verify each sequence alone
+            log.exception("batched verification failed; verifying the %d sequences one by one", len(lossless))
+            for i in lossless:
+                try:
+                    done[i] = self._verify_batch([seqs[i]], [trees[i]], logits[i: i + 1])[0]
+                except Exception as exc:  # noqa: BLE001 - the engine ends this request, the others go on
+                    log.exception("verification failed for request %s", seqs[i].request_id)
+                    failed.append((seqs[i], exc))
+        for i in sorted(set(range(len(seqs))) - set(lossless)):
+            try:
+                done[i] = self._verify(seqs[i], trees[i], logits[i, : 1 + trees[i].num_nodes], plans[i].init)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("verification failed for request %s", seqs[i].request_id)
+                failed.append((seqs[i], exc))
+        return [done[i] for i in sorted(done)], failed
+
+    def _verify_batch(self, seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor) -> list[SeqStepResult]:
+        """The lossless rule for ``seqs`` at once; logits: [B, rows, vocab'] their raw block logits."""
+        if not seqs:
+            return []
+        dev, v = logits.device, self.vocab_size
+        batch = TreeBatch.build(trees, v, dev)
+        b, r = len(seqs), batch.num_rows
+        raw = logits[:, :r, :v]
+        params = [s.request.sampling for s in seqs]
+        st = SamplingTensors.from_params(params, v, [i for i in range(b) for _ in range(r)], device=dev)
+        x = raw
+        if st.any_bias or st.any_penalty:
+            counts, prompt = batch_histories(seqs, trees, r, v, dev) if st.any_penalty else (None, None)
+            x = process_logits(raw.reshape(b * r, v), st, counts, prompt).view(b, r, v)
+        uniforms = None
+        if not st.all_greedy:
+            gens = [None if p.greedy else s.generator for s, p in zip(seqs, params)]
+            uniforms = draw_tables(gens, batch, dev)
+        without = self.proposer is None or self.proposer.without_replacement
+        outcome = verify_batch(x, st, batch, uniforms, without, raw_logits=raw,
+                               logprobs=[p.logprobs for p in params])
+        return [SeqStepResult(s, res, t, sum(1 for tok in t.tokens if tok != DEAD), lps, raw[i, : 1 + t.num_nodes])
+                for i, (s, t, res, lps) in enumerate(zip(seqs, trees, outcome.results, outcome.logprobs))]
 
     def _draft(self, seqs: list[Sequence], plans: list[DraftPlan]) -> list[DraftTree]:
         """Every drafter that the plans ask for, in cascade order: the draft model's trees and the
@@ -215,6 +270,13 @@ class ModelRunner:
             kept = tree.draft_entries(accepted)
             self.proposer.cache.keep(seq.draft_slot, kept)
             seq.draft_cached += len(kept)
+
+
+def _rows_of(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """``logits[index]`` (no copy when ``index`` is every row in order)."""
+    if index == list(range(logits.shape[0])):
+        return logits
+    return logits[torch.tensor(index, dtype=torch.long, device=logits.device)]
 
 
 def block_positions(root_pos: int, depths: list[int]) -> list[int]:

@@ -2,14 +2,14 @@
 
 Every random decision of a step is a *choice* with known probabilities: a draft child drawn from
 ``q`` (with or without replacement), a random stop, Max-Gram's guess kept by the draft's review, an
-acceptance test ``u <= p(x)/q(x)``, a correction or bonus draw.  :func:`enumerate_law` runs a step
+acceptance test ``u < p(x)/q(x)``, a correction or bonus draw.  :func:`enumerate_law` runs a step
 function once per sequence of choices (depth first, replaying the prefix), multiplying the
 probabilities of the choices made, so the law of what the step emits is exact up to float64 rounding.
 
-The rule under test is the engine's own code: :func:`engine.speculative.verify.verify_sampled` and
+The rule under test is the engine's own code: :func:`engine.speculative.walk.verify_sampled` and
 ``verify_target_init`` walk :class:`DraftTree` events built by the engine's ``add_path`` and Max-Gram's
 ``propose`` / ``extend_tree``; the cascade's inner review is ``engine.speculative.cascade.review_guess``.  Only
-their random source is replaced (:class:`Replay` implements ``engine.speculative.verify.Coins``), and the
+their random source is replaced (:class:`Replay` implements ``engine.speculative.walk.Coins``), and the
 models are the toy tables of ``tests/toy.py`` in float64 (``p`` and ``q`` come from the engine's
 ``compute_probs``, renormalised in float64).
 
@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-import engine.speculative.verify as verify
+import engine.speculative.walk as verify
 from engine.models.vocab import OutputVocab
 from engine.request import GenerationRequest, SamplingParams
 from engine.sampler import SamplingTensors, compute_probs
@@ -79,7 +79,7 @@ class Law:
 
 # ----------------------------------------------------------------------------------- enumeration
 class Replay:
-    """:class:`engine.speculative.verify.Coins` that makes the choices of a given prefix, then the first
+    """:class:`engine.speculative.walk.Coins` that makes the choices of a given prefix, then the first
     possible one of every later choice, and records each choice with its probabilities."""
 
     def __init__(self, prefix: tuple[int, ...]) -> None:
@@ -94,11 +94,11 @@ class Replay:
         self.prob *= weights[pick]
         return pick
 
-    def accept(self, p_x: float, q_x: float) -> bool:
-        a = 1.0 if q_x <= 0 else min(1.0, p_x / q_x)  # P(u * q <= p) for u ~ U(0, 1)
+    def accept(self, p_x: float, q_x: float, row: int = 0, event: int = 0) -> bool:
+        a = float(p_x > 0) if q_x <= 0 else min(1.0, p_x / q_x)  # P(u * q < p) for u ~ U(0, 1)
         return self.choose([a, 1.0 - a]) == 0
 
-    def draw(self, p: torch.Tensor) -> int:
+    def draw(self, p: torch.Tensor, row: int = 0) -> int:
         w = p.tolist()
         total = sum(w)
         return self.choose([x / total for x in w])

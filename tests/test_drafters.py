@@ -12,7 +12,7 @@ from engine.speculative.draft_tree import MAXGRAM, ONEHOT, SAMPLED, DraftTree
 from engine.speculative.maxgram import BigramTable, MaxGramDrafter, NgramIndex
 from engine.speculative.methods import CASCADE, MAXGRAM as M_MAXGRAM, MCSD_MAXGRAM
 from engine.speculative.tree import TreeTopology
-from engine.speculative.verify import residual, verify_sampled
+from engine.speculative.walk import residual, verify_sampled
 from engine.request import GenerationRequest, SamplingParams
 from tests.engine_utils import run_engine
 from tests.exact_law import Replay, enumerate_law
@@ -143,7 +143,7 @@ def test_a_node_proposed_by_two_drafters_keeps_the_target_distribution():
 
 def test_onehot_residual_removes_the_token():
     p = torch.tensor([0.5, 0.3, 0.2])
-    from engine.speculative.verify import remove_candidate
+    from engine.speculative.walk import remove_candidate
     assert torch.allclose(remove_candidate(p, 0), residual(p, torch.tensor([1.0, 0.0, 0.0])))
 
 

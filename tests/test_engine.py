@@ -209,15 +209,16 @@ def test_one_failing_request_ends_alone_and_the_batch_goes_on(stage, monkeypatch
     expected, _ = run_engine(target, draft, prompts, tree=(2, 1), ignore_eos=True, max_tokens=12)
     calls = {"n": 0}
     if stage == "verify":
-        real = runner_mod.ModelRunner._verify
+        real = runner_mod.ModelRunner._verify_batch
 
-        def flaky(self, seq, *args, **kwargs):
-            if seq.request_id == "r1":
-                calls["n"] += 1
-                if calls["n"] == 2:  # its second decode step
+        def flaky(self, seqs, *args, **kwargs):
+            r1 = next((s for s in seqs if s.request_id == "r1"), None)
+            if r1 is not None and r1.num_output >= 1:  # from its second decode step: the batch fails,
+                calls.setdefault("at", r1.num_output)  # then r1 alone when each is verified alone
+                if r1.num_output == calls["at"]:
                     raise RuntimeError("planted verification failure")
-            return real(self, seq, *args, **kwargs)
-        monkeypatch.setattr(runner_mod.ModelRunner, "_verify", flaky)
+            return real(self, seqs, *args, **kwargs)
+        monkeypatch.setattr(runner_mod.ModelRunner, "_verify_batch", flaky)
     else:
         real = core_mod.EngineCore._postprocess
 

@@ -51,7 +51,8 @@ def test_one_step_has_exactly_the_target_law(law):
 @pytest.mark.parametrize("law", planted_laws(), ids=lambda law: law.name)
 def test_planted_rule_bugs_move_the_law(law):
     worst, tv = deviation(law)
-    assert worst > 1e-2 and tv > 5e-2, f"planted bug '{law.name}' moved the law by only {worst:.2e} (TV {tv:.2e})"
+    # nine orders of magnitude above EXACT; the mildest planted bug moves a probability by 8.7e-3
+    assert worst > 1e-3 and tv > 1e-2, f"planted bug '{law.name}' moved the law by only {worst:.2e} (TV {tv:.2e})"
 
 
 @pytest.mark.parametrize("k", [2, pytest.param(3, marks=pytest.mark.slow)])

@@ -1,4 +1,4 @@
-"""Train an acceptance head for a target/draft pair (ALGORITHMS.md §2).
+"""Train an acceptance head for a target/draft pair (docs/algorithms.md §5.2).
 
     python -m tools.train_head --target qwen2.5-coder-1.5b-instruct \\
         --draft qwen2.5-coder-0.5b-instruct --prompts benchmarks/prompts/train.json \\
@@ -37,7 +37,7 @@ from engine.speculative.acceptance_head import AcceptanceHead, HeadMeta
 from engine.speculative.adaptive import SpecPolicy
 from engine.speculative.features import NodeFeatures
 from engine.speculative.tree import parse_widths
-from engine.speculative.verify import DEAD, children_of, remove_candidate, residual
+from engine.speculative.walk import DEAD, children_of, remove_candidate, residual
 
 
 @dataclass

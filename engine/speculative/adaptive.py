@@ -1,4 +1,4 @@
-"""Adaptive speculation: how much to draft, decided per step and per sequence (ALGORITHMS.md §2).
+"""Adaptive speculation: how much to draft, decided per step and per sequence (docs/algorithms.md §5).
 
 Three hooks (:class:`SpecPolicy`) are all the engine sees:
 

@@ -1,4 +1,4 @@
-"""Vertical cascade (CS Drafting, ALGORITHMS.md §3): the draft model *reviews* Max-Gram's proposals
+"""Vertical cascade (CS Drafting, docs/algorithms.md §4.4): the draft model *reviews* Max-Gram's proposals
 instead of writing every token itself.
 
 Per sequence and step the cascade grows one chain of up to ``depth`` tokens in rounds.  Each round
@@ -36,7 +36,7 @@ from engine.speculative.draft_tree import CASCADE, SAMPLED, DraftTree
 from engine.speculative.maxgram import MaxGramDrafter
 from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.tree import SubTree
-from engine.speculative.verify import Coins, TorchCoins, onehot_residual
+from engine.speculative.walk import Coins, TorchCoins, onehot_residual
 
 
 @dataclass

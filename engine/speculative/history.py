@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from engine.device import to_device
 from engine.sequence import Sequence
 
 
@@ -35,12 +36,48 @@ class RowHistory:
         """``parent[i]``: node ``i``'s parent node (-1 = the root)."""
         base = seq.output_counts  # [vocab]
         counts = base.expand(len(rows), -1).clone()
+        at, toks = [], []
         for j, row in enumerate(rows):
-            toks = path_tokens(row, tokens, parent)
-            if toks:
-                counts[j].index_add_(0, torch.tensor(toks), torch.ones(len(toks), dtype=counts.dtype))
+            path = path_tokens(row, tokens, parent)
+            at += [j] * len(path)
+            toks += path
+        if toks:
+            _count(counts, at, toks)
         mask = seq.prompt_mask.expand(len(rows), -1) if seq.prompt_mask is not None else None
         return cls(counts, mask)
 
     def tensors(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         return self.counts, self.prompt_mask
+
+
+def batch_histories(seqs: list[Sequence], trees: list, rows: int, vocab_size: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Penalty inputs for ``rows`` block rows of every sequence's tree (``trees[b]``: a
+    ``DraftTree``), flattened ``b * rows + r``: generated-token counts [B * rows, vocab] int32 and
+    the prompt mask [B * rows, vocab] bool.  Sequences without penalties get zeros (their penalty
+    parameters are neutral, so the rows are unchanged)."""
+    b = len(seqs)
+    base = torch.stack([s.output_counts if s.output_counts is not None
+                        else torch.zeros(vocab_size, dtype=torch.int32, device=device) for s in seqs])
+    counts = base[:, None, :].expand(b, rows, vocab_size).reshape(b * rows, vocab_size).clone()
+    at, toks = [], []
+    for i, (seq, tree) in enumerate(zip(seqs, trees)):
+        if seq.output_counts is None:
+            continue
+        parents = tree.parents()
+        for row in range(1 + tree.num_nodes):
+            path = path_tokens(row, tree.tokens, parents)
+            at += [i * rows + row] * len(path)
+            toks += path
+    if toks:
+        _count(counts, at, toks)
+    masks = torch.stack([s.prompt_mask if s.prompt_mask is not None
+                         else torch.zeros(vocab_size, dtype=torch.bool, device=device) for s in seqs])
+    return counts, masks[:, None, :].expand(b, rows, vocab_size).reshape(b * rows, vocab_size)
+
+
+def _count(counts: torch.Tensor, rows: list[int], tokens: list[int]) -> None:
+    """``counts[rows[i], tokens[i]] += 1`` for every ``i``, indices moved to the counts' device once."""
+    index = to_device(torch.tensor([rows, tokens], dtype=torch.long), counts.device)
+    counts.index_put_((index[0], index[1]), torch.ones(len(tokens), dtype=counts.dtype, device=counts.device),
+                      accumulate=True)

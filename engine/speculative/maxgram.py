@@ -1,4 +1,4 @@
-"""Max-Gram: a drafter with no neural cost (ALGORITHMS.md §3, the bottom of the CS Drafting cascade).
+"""Max-Gram: a drafter with no neural cost (docs/algorithms.md §4.2, the bottom of the CS Drafting cascade).
 
 To propose what follows a context it copies the continuation of the **longest suffix match**:
 

@@ -28,7 +28,7 @@ from engine.sequence import Sequence
 from engine.speculative.draft_tree import DraftTree
 from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.tree import SubTree
-from engine.speculative.verify import VerifyResult
+from engine.speculative.walk import VerifyResult
 
 MJSD = "mjsd"  # drafter name in statistics
 LOSSY_NOTE = ("lossy: joint decoding (MJSD) accepts draft tokens by joint likelihood, so the output is not "

@@ -27,7 +27,7 @@ import torch
 
 from engine.sampler import SamplingTensors
 from engine.speculative.draft_tree import DEAD
-from engine.speculative.verify import Coins, VerifyResult
+from engine.speculative.walk import Coins, VerifyResult
 
 LOSSY_NOTE = ("lossy: target-initialised candidates keep the target-sampled token whose draft continuation "
               "survives longest, which biases the output towards tokens the draft predicts well")

@@ -1,170 +1,275 @@
-"""Lossless verification of a draft tree against the target (multi-candidate speculative sampling).
+"""Batched lossless verification: every sequence's tree of one step, as tensor operations on the
+model's device, with one synchronization at the end.
 
-Vocabulary.  The *root* is block row 0 (the last emitted token); tree node ``i`` is block row
-``i + 1``.  Walking down from the root, at each row the children are tried in sampling order:
+The rule is the multi-candidate one written out in ``engine.speculative.walk`` (and proven in
+``docs/algorithms.md``).  Here it runs for the whole batch at once:
 
-* a child is **accepted** when ``u <= p(x) / q(x)``; the walk descends into it;
-* a child is **rejected** otherwise; the target distribution becomes the residual
-  ``p <- norm((p - q)+)`` and, when children were drawn without replacement, the rejected token is
-  removed from ``q`` (``q[x] <- 0; q <- norm(q)``), exactly the law the next sibling was drawn from;
-* when every child of a row is rejected, a **correction** token ``y ~ p`` (the current residual)
-  is emitted and the step ends;
-* when the walk reaches a row without children (a leaf or the drafted depth), a **bonus** token
-  ``y ~ p_target(. | accepted path)`` is emitted.
+1. **Trees as padded tensors** (:class:`TreeBatch`).  Sequence ``b``'s block row ``r`` (row 0 the
+   root, node ``i`` row ``i + 1``) has its proposal events in verification order: ``node``,
+   ``token`` and ``kind`` (``ONEHOT``: a deterministic proposal, law ``e_x``; ``SAMPLED``: drawn from
+   the draft's ``q`` at that row, stored in ``q`` and pointed to by ``q_index``).  Rows are sorted by
+   their number of events, so the rows that have an ``j``-th event are a prefix of length
+   ``active[j]`` and each round works on a slice.
+2. **Every row at once.**  A row's events are tried in order with the row's own random numbers
+   (``u_accept[b, r, j]``): accepted when ``u * q(x) < p(x)`` (``q = 1`` for a one-hot event), and
+   on a rejection the target law becomes the residual (``norm((p - q)+)``, or ``p`` without ``x``
+   for a one-hot event) and, without replacement, ``x`` leaves ``q``.  Which event a row accepts does
+   not depend on anything but the row, so all rows of all sequences run together, one round per
+   event index.  Greedy rows take the first event whose token is the target's argmax.
+3. **The walk** goes down from the root through each row's accepted child, ``depth`` rounds of
+   ``gather``.  It ends at the first row with nothing accepted: its remaining law gives the final
+   token (a *correction* when the row had events, a *bonus* when it had none), drawn by inverse CDF
+   from ``u_final[b, row]``; greedy rows emit the argmax.
+4. **One sync.**  The accepted paths, final rows and tokens (and the logprobs asked for) come back
+   together through :func:`engine.device.to_host`.
 
-``p`` for the children of row ``j`` is the target's output at row ``j`` (the parent), not at the
-child's row.  One step emits ``len(accepted) + 1`` tokens.  Greedy requests (temperature 0) walk
-the tree taking the child equal to the target's argmax, else emit the argmax.
-
-Target rows are evaluated lazily (``p_of(row)``): a walk touches at most depth + 1 rows, so only
-those are turned into probability vectors.
-
-**Randomness.**  The rule's random decisions go through a :class:`Coins` object: an acceptance test
-``u <= p(x) / q(x)`` and a draw ``y ~ p``.  The engine's :class:`TorchCoins` makes them from the
-request's seeded generator; the tests' exact-law harness (``tests/exact_law.py``) makes every outcome in
-turn, with its probability, and so computes the rule's output law exactly instead of sampling it.
+Random numbers come from each request's seeded generator, ``rows * (events + 1)`` uniforms for its
+own tree, drawn in one call per step (:func:`draw_tables`), so a seeded request draws the same
+numbers whatever shares its batch (its tree itself may still depend on load: adaptive speculation).
+The per-row walk driven by the same table (:class:`TableCoins`) gives identical results
+(``tests/test_verify.py``), which carries the walk's exact-law proofs over to this module.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Optional, Sequence
 
 import torch
 
-from engine.sampler import draw_uniforms, sample_from_probs, sample_k_distinct
-from engine.speculative.draft_tree import DEAD, ONEHOT
-from engine.speculative.tree import SubTree
+from engine.device import tensor as device_tensor
+from engine.device import to_device, to_host
+from engine.request import TokenLogprob
+from engine.sampler import SamplingTensors, finish_probs, raw_logprobs, sample_from_probs
+from engine.speculative.draft_tree import DEAD, SAMPLED, DraftTree
+from engine.speculative.walk import VerifyResult
 
 
 @dataclass
-class VerifyResult:
-    accepted: list[int]  # accepted node indices (within the subtree), root-to-leaf order
-    tokens: list[int]  # emitted tokens: the accepted nodes' tokens, then the final token
-    bonus: bool  # True: the final token is a bonus (no child of the last row was rejected)
-    final_row: int  # block row whose distribution produced the final token
-    rows: list[int]  # block rows that produced each emitted token (for logprobs)
+class TreeBatch:
+    """The step's trees, padded, on the device.  ``K`` rows have events (sorted by their number of
+    events, most first); ``E`` is the most events of a row."""
+
+    num_seqs: int
+    num_rows: int  # R: block rows of the largest tree (1 + nodes)
+    depth: int  # the deepest path: rounds of the walk
+    tokens: torch.Tensor  # [B, R] long: the token of each block row (the root's is unused)
+    num_events: torch.Tensor  # [B, R] long: events per row (0: the walk ends there with a bonus)
+    event_node: torch.Tensor  # [B, R, E] long: node of each event, -1 padding
+    ev_rows: torch.Tensor  # [K] long: flat index ``b * R + r`` of the rows with events
+    ev_token: torch.Tensor  # [K, E] long: the events' tokens (0 padding)
+    ev_sampled: torch.Tensor  # [K, E] bool: SAMPLED (else ONEHOT)
+    active: list[int]  # active[j]: rows with more than j events (a prefix of the K rows)
+    q: torch.Tensor  # [K, V] float32: each row's draft law (zeros where it has no sampled event)
+    shapes: list[tuple[int, int]]  # per sequence: its own rows and most events of a row (host)
+
+    @classmethod
+    def build(cls, trees: Sequence[DraftTree], vocab_size: int, device: torch.device) -> "TreeBatch":
+        b = len(trees)
+        r = max(1 + t.num_nodes for t in trees)
+        depth = max((max(t.depths()) for t in trees if t.num_nodes), default=0)
+        tokens = torch.zeros(b, r, dtype=torch.long)
+        num_events = torch.zeros(b, r, dtype=torch.long)
+        rows: list[tuple[int, int, list[tuple[int, int]]]] = []  # (b, row, live events)
+        shapes = []
+        for i, tree in enumerate(trees):
+            toks = tree.tokens
+            if toks:
+                tokens[i, 1: 1 + len(toks)] = torch.tensor([max(t, 0) for t in toks])
+            for row, evs in enumerate(tree.events()):
+                live = [(c, k) for c, k in evs if toks[c] != DEAD]
+                if live:
+                    num_events[i, row] = len(live)
+                    rows.append((i, row, live))
+            shapes.append((1 + tree.num_nodes, max((len(x[2]) for x in rows if x[0] == i), default=0)))
+        rows.sort(key=lambda x: -len(x[2]))  # stable: ties keep (b, row) order
+        e = max((len(x[2]) for x in rows), default=1)
+        k = len(rows)
+        event_node = torch.full((b, r, e), -1, dtype=torch.long)
+        ev_token = torch.zeros(k, e, dtype=torch.long)
+        ev_sampled = torch.zeros(k, e, dtype=torch.bool)
+        ev_rows = torch.zeros(k, dtype=torch.long)
+        q_parts, q_at = [], []
+        for n, (i, row, live) in enumerate(rows):
+            ev_rows[n] = i * r + row
+            for j, (c, kind) in enumerate(live):
+                event_node[i, row, j] = c
+                ev_token[n, j] = trees[i].tokens[c]
+                ev_sampled[n, j] = kind == SAMPLED
+            law = trees[i].q.get(row)
+            if law is not None and any(kind == SAMPLED for _, kind in live):
+                q_parts.append(law.to(torch.float32))
+                q_at.append(n)
+        q = torch.zeros(k, vocab_size, dtype=torch.float32, device=device)
+        if q_parts:
+            q[device_tensor(q_at, device)] = torch.stack([part[:vocab_size] for part in q_parts]).to(device)
+        active = [sum(1 for x in rows if len(x[2]) > j) for j in range(e)]
+        move = lambda t: to_device(t, device)  # noqa: E731
+        return cls(b, r, depth, move(tokens), move(num_events), move(event_node), move(ev_rows), move(ev_token),
+                   move(ev_sampled), active, q, shapes)
 
 
-class Coins(Protocol):
-    """The two random decisions of the rule."""
+@dataclass
+class Uniforms:
+    """One step's random numbers: ``accept[b, r, j]`` for event ``j`` of row ``r``, ``final[b, r]``
+    for a final token drawn at row ``r``."""
 
-    def accept(self, p_x: float, q_x: float) -> bool:
-        """True with probability ``min(1, p_x / q_x)`` (always when ``q_x == 0``)."""
+    accept: torch.Tensor  # [B, R, E] float32
+    final: torch.Tensor  # [B, R] float32
 
-    def draw(self, p: torch.Tensor) -> int:
-        """A token with probability ``p[y] / sum(p)`` (``p`` non-negative, positive sum)."""
+
+def draw_tables(generators: Sequence[Optional[torch.Generator]], batch: TreeBatch, device: torch.device) -> Uniforms:
+    """Each sequence's uniforms from its own generator, in one call: ``rows * (events + 1)`` for
+    its own tree's rows and events, so what a seeded request draws does not depend on the other
+    trees of the batch.  Greedy sequences (``None``) draw nothing; unused entries are 0.  Moved to
+    ``device`` once."""
+    r, e = batch.num_rows, batch.ev_token.shape[1]
+    accept = torch.zeros(len(generators), r, e, dtype=torch.float32)
+    final = torch.zeros(len(generators), r, dtype=torch.float32)
+    for i, (g, (rows, events)) in enumerate(zip(generators, batch.shapes)):
+        if g is not None:
+            u = torch.rand(rows * (events + 1), generator=g, dtype=torch.float32)
+            accept[i, :rows, :events] = u[: rows * events].view(rows, events)
+            final[i, :rows] = u[rows * events:]
+    return Uniforms(to_device(accept, device), to_device(final, device))
+
+
+@dataclass
+class Outcome:
+    """What verification decided, per sequence, on the host."""
+
+    results: list[VerifyResult]
+    logprobs: list[Optional[list[TokenLogprob]]]
+
+
+class TableCoins:
+    """The walk's coins (``engine.speculative.walk.Coins``) reading one sequence's uniform table,
+    as :func:`verify_batch` does: the oracle of the tests, and a way to replay a step."""
+
+    def __init__(self, accept: torch.Tensor, final: torch.Tensor) -> None:  # [R, E], [R]
+        self.u_accept, self.u_final = accept, final
+
+    def accept(self, p_x: float, q_x: float, row: int = 0, event: int = 0) -> bool:
+        return float(self.u_accept[row, event]) * q_x < p_x
+
+    def draw(self, p: torch.Tensor, row: int = 0) -> int:
+        return int(sample_from_probs(p[None], self.u_final[row: row + 1])[0])
 
     def draw_distinct(self, p: torch.Tensor, k: int) -> list[int]:
-        """Up to ``k`` distinct tokens drawn one after the other without replacement (fewer when ``p``
-        has fewer positive entries)."""
+        raise NotImplementedError("the table holds verification's uniforms only")
 
 
-class TorchCoins:
-    """:class:`Coins` from a torch generator: one uniform per decision, in the order they are made, so a
-    seeded request reproduces."""
+def verify_batch(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, uniforms: Optional[Uniforms],
+                 without_replacement: bool = True, raw_logits: Optional[torch.Tensor] = None,
+                 logprobs: Sequence[Optional[int]] = ()) -> Outcome:
+    """Verifies ``trees`` against the target.
 
-    def __init__(self, generator: torch.Generator) -> None:
-        self.generator = generator
-
-    def accept(self, p_x: float, q_x: float) -> bool:
-        u = float(torch.rand((), generator=self.generator))
-        return u * q_x <= p_x  # u <= p/q without dividing by a tiny q
-
-    def draw(self, p: torch.Tensor) -> int:
-        u = torch.rand(1, generator=self.generator)
-        return int(sample_from_probs(p[None], u)[0])
-
-    def draw_distinct(self, p: torch.Tensor, k: int) -> list[int]:
-        u = draw_uniforms([self.generator], [k])
-        return [t for t in sample_k_distinct(p[None], u)[0].tolist() if t >= 0]
-
-
-def children_of(sub: SubTree) -> list[list[int]]:
-    """``out[row]`` = node indices whose parent is block row ``row``, in sampling (rank) order."""
-    out: list[list[int]] = [[] for _ in range(sub.num_nodes + 1)]
-    for i, p in enumerate(sub.parent.tolist()):
-        out[p + 1].append(i)
-    return out
-
-
-def verify_greedy(argmax_of: Callable[[int], int], tokens: list[int],
-                  events: list[list[tuple[int, int]]]) -> VerifyResult:
-    """Greedy tree walk. ``argmax_of(row)`` is the target's (processed) argmax at block row ``row``;
-    ``tokens[i]`` is node ``i``'s drafted token; ``events[row]`` its proposals (see ``draft_tree``)."""
-    row, accepted, rows = 0, [], []
-    while True:
-        best = argmax_of(row)
-        kids = [c for c, _ in events[row] if tokens[c] != DEAD]
-        nxt = next((c for c in kids if tokens[c] == best), None)
-        rows.append(row)
-        if nxt is None:
-            emitted = [tokens[i] for i in accepted] + [best]
-            return VerifyResult(accepted, emitted, bonus=not kids, final_row=row, rows=rows)
-        accepted.append(nxt)
-        row = nxt + 1
-
-
-def verify_sampled(
-    p_of: Callable[[int], torch.Tensor],  # row -> target probs [vocab] (exact sampling distribution)
-    q_of: Callable[[int], torch.Tensor],  # row -> draft probs [vocab] its children were drawn from
-    tokens: list[int],
-    events: list[list[tuple[int, int]]],
-    coins: Coins,
-    without_replacement: bool = True,
-) -> VerifyResult:
-    """Multi-candidate speculative sampling along the tree (see the module docstring).
-    ``events[row]``: the proposals at ``row`` as ``(node, kind)``; a ``ONEHOT`` proposal has law
-    ``e_x`` (accept with ``p(x)``, residual ``p`` without ``x``), a ``SAMPLED`` one law ``q_of(row)``."""
-    row, accepted, rows = 0, [], []
-    while True:
-        rows.append(row)
-        kids = [(c, k) for c, k in events[row] if tokens[c] != DEAD]
-        p = p_of(row)
-        if not kids:
-            y = coins.draw(p)
-            return VerifyResult(accepted, [tokens[i] for i in accepted] + [y], True, row, rows)
-        q = None
-        taken = None
-        for c, kind in kids:
-            x = tokens[c]
-            if kind == ONEHOT:
-                if coins.accept(float(p[x]), 1.0):
-                    taken = c
-                    break
-                p = onehot_residual(p, x)
-                continue
-            q = q_of(row) if q is None else q
-            if coins.accept(float(p[x]), float(q[x])):
-                taken = c
-                break
-            p = residual(p, q)
-            if without_replacement:
-                q = remove_candidate(q, x)
-        if taken is None:
-            y = coins.draw(p)
-            return VerifyResult(accepted, [tokens[i] for i in accepted] + [y], False, row, rows)
-        accepted.append(taken)
-        row = taken + 1
+    x: [B, R, V] the target's processed logits at every block row (logit_bias and penalties applied,
+    each row with its own path's history: ``engine.sampler.process_logits``); st: the sampling
+    parameters of those ``B * R`` rows; uniforms: the step's random numbers (``None`` when every
+    row is greedy); raw_logits: [B, R, V] the model's logits, for ``logprobs[b]`` top alternatives
+    (``None``: no logprobs for that sequence).
+    """
+    b, r, v = trees.num_seqs, trees.num_rows, x.shape[-1]
+    x = x[:, :r]
+    best = x.argmax(dim=-1)  # [B, R]
+    greedy = st.greedy.view(b, r)
+    flat_best = best.reshape(-1)[trees.ev_rows]  # [K]
+    taken = torch.full((trees.ev_rows.numel(),), -1, dtype=torch.long, device=x.device)  # [K] accepted event
+    probs = None
+    if st.all_greedy:
+        for j, k in enumerate(trees.active):
+            hit = (trees.ev_token[:k, j] == flat_best[:k]) & (taken[:k] < 0)
+            taken[:k] = torch.where(hit, j, taken[:k])
+    else:
+        probs = finish_probs(x.reshape(b * r, v), st)  # [B*R, V]; greedy rows one-hot
+        taken, residual = _try_events(probs, trees, uniforms, greedy.reshape(-1)[trees.ev_rows], flat_best,
+                                      without_replacement)
+        probs.index_copy_(0, trees.ev_rows, residual)  # a row's law once all its events are rejected
+    child = torch.full((b * r,), -1, dtype=torch.long, device=x.device)
+    picked = trees.event_node.view(b * r, -1)[trees.ev_rows].gather(1, taken.clamp(min=0)[:, None])[:, 0]
+    child[trees.ev_rows] = torch.where(taken >= 0, picked, -1)
+    child = child.view(b, r)
+    # the walk: down through accepted children
+    seq = torch.arange(b, device=x.device)
+    row = torch.zeros(b, dtype=torch.long, device=x.device)
+    path = torch.full((b, trees.depth), -1, dtype=torch.long, device=x.device)  # accepted nodes
+    for d in range(trees.depth):
+        nxt = child[seq, row]
+        path[:, d] = nxt
+        row = torch.where(nxt >= 0, nxt + 1, row)
+    final = best[seq, row]
+    if probs is not None:
+        drawn = sample_from_probs(probs.view(b, r, v)[seq, row], uniforms.final[seq, row])
+        final = torch.where(greedy[seq, row], final, drawn)
+    bonus = trees.num_events[seq, row] == 0
+    n = (path >= 0).sum(dim=1, keepdim=True)  # [B, 1] accepted nodes
+    emitted = torch.cat([trees.tokens.gather(1, (path + 1).clamp(min=0)), torch.zeros_like(n)], dim=1)
+    emitted.scatter_(1, n, final[:, None])  # [B, D+1]: the path's tokens, then the final token
+    packed = [torch.cat([path, row[:, None], bonus[:, None].long(), emitted], dim=1)]
+    top_k = max((k for k in logprobs if k is not None), default=-1)
+    if top_k >= 0 and raw_logits is not None:
+        emitted_rows = torch.cat([torch.zeros_like(n), (path + 1).clamp(min=0)], dim=1)  # [B, D+1]
+        lp = raw_logprobs(raw_logits[:, :r][seq[:, None], emitted_rows])  # [B, D+1, V]
+        packed.append(lp.gather(2, emitted[..., None])[..., 0])
+        if top_k > 0:
+            vals, ids = lp.topk(top_k, dim=-1)
+            packed += [ids, vals]
+    host = to_host(*packed)
+    return _unpack(host, trees.depth, logprobs)
 
 
-def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``norm((p - q)+)``; keeps ``p`` when the residual vanishes (only possible when ``p == q``
-    up to rounding, where rejection itself had probability zero)."""
+def _try_events(probs: torch.Tensor, trees: TreeBatch, uniforms: Uniforms, greedy: torch.Tensor,
+                best: torch.Tensor, without_replacement: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rounds over the event index for the ``K`` rows with events: returns the accepted event of
+    each row (-1: all rejected) and each row's law after its rejected events."""
+    rows = trees.ev_rows
+    p = probs[rows]  # [K, V] copies, updated as events are rejected
+    q = trees.q.clone()
+    u = uniforms.accept.reshape(-1, uniforms.accept.shape[-1])[rows]  # [K, E]
+    taken = torch.full((rows.numel(),), -1, dtype=torch.long, device=probs.device)
+    for j, k in enumerate(trees.active):
+        tok, sampled = trees.ev_token[:k, j], trees.ev_sampled[:k, j]
+        pj, qj = p[:k], q[:k]
+        p_x = pj.gather(1, tok[:, None])[:, 0].double()
+        q_x = torch.where(sampled, qj.gather(1, tok[:, None])[:, 0].double(), 1.0)
+        ok = torch.where(greedy[:k], tok == best[:k], u[:k, j].double() * q_x < p_x)  # exact in float64
+        taken[:k] = torch.where(ok & (taken[:k] < 0), j, taken[:k])
+        # the law of the next event and of a final draw: a rejected row's residual (rows that accepted
+        # are never the walk's last row, so updating them too changes nothing)
+        p[:k] = torch.where(sampled[:, None], _residual(pj, qj), _without(pj, tok))
+        if without_replacement:
+            q[:k] = torch.where(sampled[:, None], _without(qj, tok), qj)
+    return taken, p
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Row-wise ``norm((p - q)+)``, ``p`` where it vanishes (as ``walk.residual``)."""
     r = (p - q).clamp_(min=0.0)
-    total = r.sum()
-    return r / total if total > 0 else p
+    total = r.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, r / total, p)
 
 
-def onehot_residual(p: torch.Tensor, x: int) -> torch.Tensor:
-    """``norm((p - e_x)+)`` after a rejected one-hot proposal: ``x`` drops out, the rest renormalised."""
-    return remove_candidate(p, x)
+def _without(p: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    """Row-wise ``p`` with ``tok`` removed, renormalised (as ``walk.remove_candidate``)."""
+    out = p.scatter(1, tok[:, None], 0.0)
+    total = out.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, out / total, out)
 
 
-def remove_candidate(q: torch.Tensor, x: int) -> torch.Tensor:
-    """``q`` of the next sibling when siblings are drawn without replacement: ``x`` removed,
-    renormalised (exactly the law the next candidate was drawn from)."""
-    q = q.clone()
-    q[x] = 0.0
-    total = q.sum()
-    return q / total if total > 0 else q
+def _unpack(host: list[torch.Tensor], depth: int, logprobs: Sequence[Optional[int]]) -> Outcome:
+    results, lps = [], []
+    for i, vals in enumerate(host[0].tolist()):
+        accepted = [node for node in vals[:depth] if node >= 0]
+        final_row, bonus, n = vals[depth], bool(vals[depth + 1]), len(accepted) + 1
+        tokens = vals[depth + 2: depth + 2 + n]
+        results.append(VerifyResult(accepted, tokens, bonus, final_row, [0] + [a + 1 for a in accepted]))
+        k = logprobs[i] if i < len(logprobs) else None
+        if k is None or len(host) < 2:
+            lps.append(None)
+            continue
+        chosen = host[1][i, :n].tolist()
+        top_ids = host[2][i, :n, :k].tolist() if k > 0 else [[]] * n
+        top_vals = host[3][i, :n, :k].tolist() if k > 0 else [[]] * n
+        lps.append([TokenLogprob(tokens[j], chosen[j], list(zip(top_ids[j], top_vals[j]))) for j in range(n)])
+    return Outcome(results, lps)

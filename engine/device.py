@@ -1,0 +1,70 @@
+"""Moving data between the host and the model's device, with the synchronizations made explicit.
+
+A step builds small host-side tensors (token ids, tree shapes, uniforms) and moves them to the
+device; at the end it brings a few results back.  On a GPU every read of device data by the host
+waits for the device to finish what it was given (a *sync point*).  The engine's rule is to pay
+that once where it must, so these helpers are the only places a step moves data:
+
+* :func:`to_device` copies host tensors to the device without waiting for it (through pinned
+  memory on CUDA);
+* :func:`to_host` brings any number of device tensors back behind one synchronization;
+* :func:`synchronize` waits for the device, before a clock is read for a timing.
+
+The test suite's device-check mode (``tests/device_check.py``) counts the sync points of a step
+through :data:`sync_listeners`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+
+#: called with a label at every deliberate sync point (the device-check mode counts them)
+sync_listeners: list[Callable[[str], None]] = []
+#: True while :func:`to_host` copies: the device-check mode lets those reads through uncounted
+transferring = False
+
+
+@contextmanager
+def _transfer() -> Iterator[None]:
+    global transferring
+    transferring = True
+    try:
+        yield
+    finally:
+        transferring = False
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (a host tensor) on ``device``; on CUDA the copy does not make the host wait."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def tensor(data, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``torch.tensor(data)`` built on the host and copied to ``device`` (see :func:`to_device`)."""
+    return to_device(torch.tensor(data, dtype=dtype), device)
+
+
+def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Host copies of ``tensors`` behind a single synchronization with their device."""
+    for listener in sync_listeners:
+        listener("to_host")
+    with _transfer():
+        cuda = [t for t in tensors if t.device.type == "cuda"]
+        if not cuda:
+            return [t.detach().cpu() for t in tensors]
+        out = [t.detach().to("cpu", non_blocking=True) if t.device.type == "cuda" else t for t in tensors]
+        torch.cuda.current_stream(cuda[0].device).synchronize()
+        return out
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for ``device`` to finish its queued work (before reading a clock)."""
+    if device.type == "cuda":
+        for listener in sync_listeners:
+            listener("synchronize")
+        torch.cuda.synchronize(device)

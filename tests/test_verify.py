@@ -1,0 +1,150 @@
+"""The batched verifier (``engine.speculative.verify``) against the per-row walk
+(``engine.speculative.walk``) on the same random numbers: identical accepted paths, tokens, final
+rows and bonus flags for every tree shape, drafter mix, greedy and sampled rows mixed in one batch.
+The walk's output law is proven exactly (``tests/exact_law.py``), so this carries the proof over."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.request import SamplingParams
+from engine.sampler import SamplingTensors, raw_logprobs
+from engine.speculative.draft_tree import DEAD, MAXGRAM, DraftTree
+from engine.speculative.tree import TreeTopology
+from engine.speculative.verify import TableCoins, TreeBatch, draw_tables, verify_batch
+from engine.speculative.walk import verify_greedy, verify_sampled
+
+CPU = torch.device("cpu")
+SHAPES = [(), (1,), (3,), (1, 1, 1), (2, 1), (2, 2), (3, 2, 1), (4, 2, 2)]
+
+
+def random_law(vocab: int, rng: random.Random, zeros: float = 0.3) -> torch.Tensor:
+    w = torch.tensor([0.0 if rng.random() < zeros else rng.random() ** 3 for _ in range(vocab)])
+    if w.sum() == 0:
+        w[rng.randrange(vocab)] = 1.0
+    return w / w.sum()
+
+
+def random_tree(vocab: int, rng: random.Random) -> DraftTree:
+    """A draft-model tree (children drawn without replacement from random laws; some slots DEAD)
+    with Max-Gram-like one-hot chains appended, sharing nodes where tokens coincide."""
+    widths = rng.choice(SHAPES)
+    sub = TreeTopology(widths or (1,)).subtree(widths)
+    parents = sub.parent.tolist()
+    tokens, q = [], {}
+    for i, par in enumerate(parents):
+        row = par + 1
+        if row not in q:
+            q[row] = random_law(vocab, rng)
+        taken = {tokens[j] for j in range(i) if parents[j] == par}
+        dead = tokens and tokens[par] == DEAD if par >= 0 else False
+        left = [t for t in range(vocab) if q[row][t] > 0 and t not in taken]
+        tokens.append(DEAD if dead or not left or rng.random() < 0.1 else rng.choice(left))
+    tree = DraftTree(sub, tokens, q=q)
+    for _ in range(rng.randrange(3)):
+        live = [i for i, t in enumerate(tree.tokens) if t != DEAD]
+        parent = rng.choice([-1] + live)
+        tree.add_path(parent, [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))], MAXGRAM)
+    return tree
+
+
+def batch_case(seed: int, vocab: int = 9, batch: int = 5):
+    rng = random.Random(seed)
+    trees = [random_tree(vocab, rng) for _ in range(batch)]
+    params = [SamplingParams(temperature=0.0 if rng.random() < 0.3 else 1.0, max_tokens=8) for _ in trees]
+    batch_trees = TreeBatch.build(trees, vocab, CPU)
+    r = batch_trees.num_rows
+    logits = torch.randn(batch, r, vocab, generator=torch.Generator().manual_seed(seed)) * 2
+    gens = [None if p.greedy else torch.Generator().manual_seed(seed * 31 + i) for i, p in enumerate(params)]
+    uniforms = draw_tables(gens, batch_trees, CPU)
+    st = SamplingTensors.from_params(params, vocab, [i for i in range(batch) for _ in range(r)])
+    return trees, params, batch_trees, logits, st, uniforms
+
+
+@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.parametrize("without_replacement", [True, False])
+def test_batched_verifier_matches_the_walk(seed: int, without_replacement: bool) -> None:
+    trees, params, batch_trees, logits, st, uniforms = batch_case(seed)
+    logprobs = [seed % 4 if i % 2 else None for i in range(len(trees))]
+    out = verify_batch(logits, st, batch_trees, uniforms, without_replacement, raw_logits=logits, logprobs=logprobs)
+    probs = torch.softmax(logits, dim=-1)
+    for b, (tree, p) in enumerate(zip(trees, params)):
+        n = 1 + tree.num_nodes
+        if p.greedy:
+            best = logits[b, :n].argmax(-1).tolist()
+            want = verify_greedy(lambda row: best[row], tree.tokens, tree.events())
+        else:
+            coins = TableCoins(uniforms.accept[b], uniforms.final[b])
+            want = verify_sampled(lambda row: probs[b, row], lambda row: tree.q[row], tree.tokens, tree.events(),
+                                  coins, without_replacement)
+        got = out.results[b]
+        assert (got.accepted, got.tokens, got.bonus, got.final_row, got.rows) == \
+            (want.accepted, want.tokens, want.bonus, want.final_row, want.rows), f"sequence {b}"
+        if logprobs[b] is None:
+            assert out.logprobs[b] is None
+            continue
+        lp = raw_logprobs(logits[b, want.rows])
+        assert [t.token_id for t in out.logprobs[b]] == want.tokens
+        for j, t in enumerate(out.logprobs[b]):
+            assert t.logprob == pytest.approx(float(lp[j, want.tokens[j]]), abs=1e-6)
+            assert [i for i, _ in t.top] == lp[j].topk(logprobs[b]).indices.tolist()
+
+
+def test_all_greedy_batch_never_builds_probabilities() -> None:
+    trees, _, batch_trees, logits, _, _ = batch_case(7)
+    st = SamplingTensors.from_params([SamplingParams(temperature=0.0, max_tokens=8)], 9,
+                                     [0] * (len(trees) * batch_trees.num_rows))
+    out = verify_batch(logits, st, batch_trees, None)
+    for b, tree in enumerate(trees):
+        best = logits[b, : 1 + tree.num_nodes].argmax(-1).tolist()
+        want = verify_greedy(lambda row: best[row], tree.tokens, tree.events())
+        assert out.results[b].tokens == want.tokens and out.results[b].accepted == want.accepted
+
+
+def test_seeded_tables_reproduce_and_do_not_depend_on_the_batch() -> None:
+    rng = random.Random(3)
+    trees = [random_tree(9, rng) for _ in range(6)]
+    small = min(trees, key=lambda t: t.num_nodes)
+    alone = draw_tables([torch.Generator().manual_seed(5)], TreeBatch.build([small], 9, CPU), CPU)
+    batch = TreeBatch.build([trees[0], small, *trees], 9, CPU)
+    mixed = draw_tables([None, torch.Generator().manual_seed(5)] + [torch.Generator().manual_seed(6)] * 6, batch, CPU)
+    rows, events = alone.accept.shape[1:]
+    assert torch.equal(alone.accept[0], mixed.accept[1, :rows, :events]) and not mixed.accept[1, rows:].any()
+    assert torch.equal(alone.final[0], mixed.final[1, :rows])
+    assert not mixed.accept[0].any() and not mixed.final[0].any()  # greedy: nothing drawn
+
+
+def test_empty_trees_emit_one_token_from_the_root() -> None:
+    sub = TreeTopology((2,)).subtree(())
+    trees = [DraftTree(sub, []), DraftTree(sub, [])]
+    batch = TreeBatch.build(trees, 5, CPU)
+    assert batch.num_rows == 1 and batch.depth == 0 and batch.ev_rows.numel() == 0
+    logits = torch.tensor([[[0.0, 3.0, 0.0, 0.0, 0.0]], [[0.0, 0.0, 0.0, 0.0, 9.0]]])
+    st = SamplingTensors.from_params([SamplingParams(temperature=0.0, max_tokens=4),
+                                      SamplingParams(temperature=1.0, max_tokens=4)], 5)
+    u = draw_tables([None, torch.Generator().manual_seed(0)], batch, CPU)
+    out = verify_batch(logits, st, batch, u)
+    assert out.results[0].tokens == [1] and out.results[0].bonus and out.results[0].accepted == []
+    assert out.results[1].tokens == [4]  # probability 1 - 4e-4 of token 4 at T=1; the seed draws it
+
+
+@pytest.mark.parametrize("nudge", [0, 1])
+def test_acceptance_boundary_is_u_times_q_below_p(nudge: int) -> None:
+    """``u * q(x) == p(x)`` rejects, the next float down accepts: the rule is ``u < p / q`` exactly
+    (strict, so ``u == 0`` never accepts a token the target rules out)."""
+    sub = TreeTopology((1,)).subtree(())
+    tree = DraftTree(sub, [])
+    tree.add_path(-1, [1], MAXGRAM)  # one one-hot proposal at the root (q = 1)
+    batch = TreeBatch.build([tree], 4, CPU)
+    logits = torch.tensor([[[0.0, 0.5, -1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]])
+    p1 = torch.softmax(logits[0, 0], -1)[1]
+    st = SamplingTensors.from_params([SamplingParams(temperature=1.0, max_tokens=4)], 4, [0, 0])
+    u = draw_tables([torch.Generator().manual_seed(1)], batch, CPU)
+    u.accept[0, 0, 0] = torch.nextafter(p1, torch.tensor(0.0)) if nudge else p1
+    got = verify_batch(logits, st, batch, u).results[0]
+    want = verify_sampled(lambda row: torch.softmax(logits[0, row], -1), lambda row: None, tree.tokens,
+                          tree.events(), TableCoins(u.accept[0], u.final[0]))
+    assert got.accepted == want.accepted == ([0] if nudge else [])
