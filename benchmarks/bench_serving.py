@@ -1,7 +1,7 @@
 """Serving benchmark (issue 4, item 8): our own async load generator against the OpenAI-compatible server.
 
 It starts the server itself (``python -m server --config PRESET --port FREE_PORT [server flags]``), waits for
-``GET /health`` to answer 200 (the first start may convert model packs for minutes), runs the load, and stops
+``GET /health`` to answer 200 (the first start fetches model packs and builds the CPU kernels), runs the load, and stops
 the server (SIGINT, then SIGKILL after ``--grace`` seconds).  ``--url`` targets a server that is already running.
 
     .venv/bin/python benchmarks/bench_serving.py                          # Qwen pair, preset `default`
@@ -504,7 +504,7 @@ class ServerProcess:
                 raise RuntimeError(f"server not healthy after {timeout:g} s (--startup-timeout); "
                                    f"log {self.log_path}:\n{self.log_tail()}")
             if now - last_note >= 30:
-                print(f"  ... still waiting for {self.url}/health ({now - t0:.0f} s; models may be converting)",
+                print(f"  ... still waiting for {self.url}/health ({now - t0:.0f} s; models may be loading)",
                       flush=True)
                 last_note = now
             time.sleep(0.25)
@@ -542,7 +542,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    "string (or put them after a bare --)")
     g.add_argument("--python", default=sys.executable, help="interpreter that runs the server (default: this one)")
     g.add_argument("--startup-timeout", type=float, default=1800.0,
-                   help="seconds to wait for /health == 200 (the first start converts models; default %(default)g)")
+                   help="seconds to wait for /health == 200 (the first start fetches models and builds kernels; default %(default)g)")
     g.add_argument("--grace", type=float, default=30.0, help="seconds between SIGINT and SIGKILL at the end")
     g.add_argument("--server-log", type=Path, help="server output (default: a file in the temp directory)")
     g.add_argument("--api-key", help="Bearer key to send (also passed to a started server)")
