@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from engine.config import EngineConfig
+from engine.device import tensor as device_tensor
 from engine.models.loader import LoadedModel
 from engine.models.qweight import QuantLinear, quantized_copy
 from engine.models.vocab import OutputVocab, frequent_vocab
@@ -119,7 +120,7 @@ class EngineCore:
         self._validate(req)
         stream = TextStream.create(self.tokenizer, req.prompt_token_ids, req.sampling, self.eos_token_ids)
         seq = Sequence.create(req, stream)
-        seq.sampling_tensors = SamplingTensors.from_params([req.sampling], self.vocab_size)
+        seq.sampling_tensors = SamplingTensors.from_params([req.sampling], self.vocab_size, device=self.target.model.device)
         if req.spec.method is None:
             req.spec.method = self.config.spec_method
         if req.spec.enabled and req.spec.method in LOSSY and self.runner.proposer:
@@ -131,9 +132,10 @@ class EngineCore:
             seq.spec.note = (f"speculation is off: the server runs without a draft model, which method "
                              f"{req.spec.method!r} needs (method 'maxgram' needs none)")
         if req.sampling.needs_history:
-            seq.output_counts = torch.zeros(self.vocab_size, dtype=torch.int32)
+            dev = self.target.model.device
+            seq.output_counts = torch.zeros(self.vocab_size, dtype=torch.int32, device=dev)
             if req.sampling.repetition_penalty != 1.0:
-                seq.prompt_mask = token_count_matrix([req.prompt_token_ids], self.vocab_size)[0] > 0
+                seq.prompt_mask = token_count_matrix([req.prompt_token_ids], self.vocab_size, dev)[0] > 0
         self.scheduler.add(seq)
 
     def check_request(self, req: GenerationRequest) -> None:
@@ -325,7 +327,8 @@ class EngineCore:
         new = result.tokens[: update.consumed]
         seq.tokens.extend(new)
         if seq.output_counts is not None and new:
-            seq.output_counts.index_add_(0, torch.tensor(new), torch.ones(len(new), dtype=torch.int32))
+            dev = seq.output_counts.device
+            seq.output_counts.index_add_(0, device_tensor(new, dev), torch.ones(len(new), dtype=torch.int32, device=dev))
         if res.next_candidates is not None:
             seq.init_candidates = res.next_candidates
         if res.drafted:

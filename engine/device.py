@@ -62,6 +62,28 @@ def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
         return out
 
 
+class Pending:
+    """Results still on the device: ``tensors`` to bring back, and ``finish`` to turn their host
+    copies into the answer.  Several pendings are read back together by :func:`finish_all`."""
+
+    def __init__(self, tensors: list[torch.Tensor], finish: Callable[[list[torch.Tensor]], object]) -> None:
+        self.tensors = tensors
+        self.finish = finish
+
+    def result(self):
+        return self.finish(to_host(*self.tensors))
+
+
+def finish_all(pendings: list[Pending]) -> list:
+    """Every pending's answer, behind one synchronization for all of them."""
+    host = to_host(*[t for p in pendings for t in p.tensors]) if any(p.tensors for p in pendings) else []
+    out, at = [], 0
+    for p in pendings:
+        out.append(p.finish(host[at: at + len(p.tensors)]))
+        at += len(p.tensors)
+    return out
+
+
 def synchronize(device: torch.device) -> None:
     """Waits for ``device`` to finish its queued work (before reading a clock)."""
     if device.type == "cuda":

@@ -18,7 +18,8 @@ from engine.batching import Block, run_blocks
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
 from engine.request import TokenLogprob
-from engine.device import synchronize
+from engine.device import Pending, finish_all, synchronize, to_host
+from engine.device import tensor as device_tensor
 from engine.sampler import SamplingTensors, compute_probs, process_logits, raw_logprobs
 from engine.sequence import Sequence
 from engine.speculative.history import RowHistory, batch_histories
@@ -26,11 +27,11 @@ from engine.speculative.cascade import CascadeProposer
 from engine.speculative.draft_tree import DEAD, DraftTree
 from engine.speculative.maxgram import MaxGramDrafter
 from engine.speculative.methods import DraftPlan
-from engine.speculative.mjsd import MjsdProposer, verify_joint
+from engine.speculative.mjsd import MjsdProposer, start_joint
 from engine.speculative.target_init import draw_candidates, verify_target_init
 from engine.speculative.proposer import DraftModelProposer
-from engine.speculative.verify import TreeBatch, draw_tables, verify_batch
-from engine.speculative.walk import TorchCoins, VerifyResult, residual, verify_greedy, verify_sampled
+from engine.speculative.verify import TreeBatch, draw_tables, start_verify
+from engine.speculative.walk import TorchCoins, VerifyResult, residual
 from engine.stats import StepStats, add_at
 
 log = logging.getLogger(__name__)
@@ -113,31 +114,47 @@ class ModelRunner:
         lossy ones by their own rules.  A failure is isolated to the sequences it belongs to: when the
         batch fails, each sequence is verified alone.  Results come in the order of ``seqs``."""
         lossless = [i for i, (t, p) in enumerate(zip(trees, plans)) if not p.init and t.joint_logq is None]
+        joint = [i for i, t in enumerate(trees) if t.joint_logq is not None and i not in lossless]
         done: dict[int, SeqStepResult] = {}
-        failed = []
-        try:
-            done.update(zip(lossless, self._verify_batch([seqs[i] for i in lossless], [trees[i] for i in lossless],
-                                                         _rows_of(logits, lossless))))
+        failed: list[tuple[Sequence, Exception]] = []
+
+        def batched(idx: list[int]) -> Pending:
+            return self._verify_batch([seqs[i] for i in idx], [trees[i] for i in idx], _rows_of(logits, idx))
+
+        def joint_rule(idx: list[int]) -> Pending:
+            rows = [logits[i, : 1 + trees[i].num_nodes, : self.vocab_size] for i in idx]
+            pending = start_joint([(lg, trees[i].tokens, trees[i].joint_logq, seqs[i]) for lg, i in zip(rows, idx)],
+                                  self.mjsd_tau)
+            finish = pending.finish
+            pending.finish = lambda host: [self._joint_result(seqs[i], trees[i], res, lg)
+                                           for i, lg, res in zip(idx, rows, finish(host))]
+            return pending
+
+        groups = [(idx, rule) for idx, rule in ((lossless, batched), (joint, joint_rule)) if idx]
+        try:  # every rule decides on the device, then one read for all of them
+            for (idx, _), results in zip(groups, finish_all([rule(idx) for idx, rule in groups])):
+                done.update(zip(idx, results))
         except Exception:  # noqa: BLE001 - find whose it is: verify each sequence alone
-            log.exception("batched verification failed; verifying the %d sequences one by one", len(lossless))
-            for i in lossless:
-                try:
-                    done[i] = self._verify_batch([seqs[i]], [trees[i]], logits[i: i + 1])[0]
-                except Exception as exc:  # noqa: BLE001 - the engine ends this request, the others go on
-                    log.exception("verification failed for request %s", seqs[i].request_id)
-                    failed.append((seqs[i], exc))
-        for i in sorted(set(range(len(seqs))) - set(lossless)):
+            log.exception("verifying the batch failed; verifying its sequences one by one")
+            done.clear()
+            for idx, rule in groups:
+                for i in idx:
+                    try:
+                        done[i] = rule([i]).result()[0]
+                    except Exception as exc:  # noqa: BLE001 - the engine ends this request, the others go on
+                        log.exception("verification failed for request %s", seqs[i].request_id)
+                        failed.append((seqs[i], exc))
+        for i in sorted(set(range(len(seqs))) - set(lossless) - set(joint)):
             try:
-                done[i] = self._verify(seqs[i], trees[i], logits[i, : 1 + trees[i].num_nodes], plans[i].init)
+                done[i] = self._verify_target_init(seqs[i], trees[i], logits[i, : 1 + trees[i].num_nodes])
             except Exception as exc:  # noqa: BLE001
                 log.exception("verification failed for request %s", seqs[i].request_id)
                 failed.append((seqs[i], exc))
         return [done[i] for i in sorted(done)], failed
 
-    def _verify_batch(self, seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor) -> list[SeqStepResult]:
-        """The lossless rule for ``seqs`` at once; logits: [B, rows, vocab'] their raw block logits."""
-        if not seqs:
-            return []
+    def _verify_batch(self, seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
+        """The lossless rule for ``seqs`` at once, decided on the device (the pending reads it back);
+        logits: [B, rows, vocab'] their raw block logits."""
         dev, v = logits.device, self.vocab_size
         batch = TreeBatch.build(trees, v, dev)
         b, r = len(seqs), batch.num_rows
@@ -153,10 +170,15 @@ class ModelRunner:
             gens = [None if p.greedy else s.generator for s, p in zip(seqs, params)]
             uniforms = draw_tables(gens, batch, dev)
         without = self.proposer is None or self.proposer.without_replacement
-        outcome = verify_batch(x, st, batch, uniforms, without, raw_logits=raw,
-                               logprobs=[p.logprobs for p in params])
-        return [SeqStepResult(s, res, t, sum(1 for tok in t.tokens if tok != DEAD), lps, raw[i, : 1 + t.num_nodes])
-                for i, (s, t, res, lps) in enumerate(zip(seqs, trees, outcome.results, outcome.logprobs))]
+        pending = start_verify(x, st, batch, uniforms, without, raw_logits=raw, logprobs=[p.logprobs for p in params])
+        unpack = pending.finish
+
+        def finish(host: list[torch.Tensor]) -> list[SeqStepResult]:
+            outcome = unpack(host)
+            return [SeqStepResult(s, res, t, sum(1 for tok in t.tokens if tok != DEAD), lps, raw[i, : 1 + t.num_nodes])
+                    for i, (s, t, res, lps) in enumerate(zip(seqs, trees, outcome.results, outcome.logprobs))]
+        pending.finish = finish
+        return pending
 
     def _draft(self, seqs: list[Sequence], plans: list[DraftPlan]) -> list[DraftTree]:
         """Every drafter that the plans ask for, in cascade order: the draft model's trees and the
@@ -196,8 +218,9 @@ class ModelRunner:
         empty = self.proposer.topology.subtree(()) if self.proposer is not None else plan.sub
         return DraftPlan(plan.method, empty, maxgram=plan.maxgram, branches=max(plan.branches, 1))
 
-    def _verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor, init: bool = False) -> SeqStepResult:
-        """logits: [1+n, vocab] target logits of the root and the tree nodes."""
+    def _verify_target_init(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> SeqStepResult:
+        """The target-initialised mode's own rule (lossy by design, ``engine.speculative.target_init``),
+        walked row by row.  logits: [1+n, vocab] target logits of the root and the tree nodes."""
         params = seq.request.sampling
         events = tree.events()
         logits = logits[:, : self.vocab_size]
@@ -208,50 +231,42 @@ class ModelRunner:
             hist = RowHistory.for_rows(seq, tree.tokens, parents, [row]) if params.needs_history else None
             return compute_probs(logits[row][None], st, *(hist.tensors() if hist else (None, None)))[0]
 
-        candidates = None
         coins = TorchCoins(seq.generator)
-        if init:  # target-initialised candidates, lossy by design
-            def accept(row: int, node: int) -> bool:
-                x = tree.tokens[node]
-                if params.greedy:
-                    return int(processed(row).argmax()) == x
-                return coins.accept(float(processed(row)[x]), float(tree.q[row][x]))
 
-            result, rejected = verify_target_init(accept, tree.tokens, [[c for c, _ in evs] for evs in events])
-            row = result.final_row
-            hist = RowHistory.for_rows(seq, tree.tokens, parents, [row]) if params.needs_history else None
-            x = process_logits(logits[row][None], st, *(hist.tensors() if hist else (None, None)))[0]
-            probs = processed(row)
-            if rejected and not params.greedy:
-                probs = residual(probs, tree.q[row])
-            candidates = draw_candidates(x, probs, st, self.target_init_k, coins)
-        elif tree.joint_logq is not None:  # MJSD, lossy by design
-            result = verify_joint(logits, tree.tokens, tree.joint_logq, seq, self.mjsd_tau)
-        elif params.greedy:
-            if st.any_bias or params.needs_history:
-                result = verify_greedy(lambda r: int(processed(r).argmax()), tree.tokens, events)
-            else:
-                best = logits.argmax(dim=-1).tolist()
-                result = verify_greedy(lambda r: best[r], tree.tokens, events)
-        else:
-            result = verify_sampled(processed, lambda r: tree.q[r], tree.tokens, events,
-                                    coins, self.proposer is None or self.proposer.without_replacement)
+        def accept(row: int, node: int) -> bool:
+            x = tree.tokens[node]
+            if params.greedy:
+                return int(processed(row).argmax()) == x
+            return coins.accept(float(processed(row)[x]), float(tree.q[row][x]))
+
+        result, rejected = verify_target_init(accept, tree.tokens, [[c for c, _ in evs] for evs in events])
+        row = result.final_row
+        hist = RowHistory.for_rows(seq, tree.tokens, parents, [row]) if params.needs_history else None
+        x = process_logits(logits[row][None], st, *(hist.tensors() if hist else (None, None)))[0]
+        probs = processed(row)
+        if rejected and not params.greedy:
+            probs = residual(probs, tree.q[row])
+        candidates = draw_candidates(x, probs, st, self.target_init_k, coins)
         drafted = sum(1 for t in tree.tokens if t != DEAD)
         lps = self._logprobs(logits, result, params.logprobs) if params.logprobs is not None else None
         return SeqStepResult(seq, result, tree, drafted, lps, logits, candidates)
 
+    def _joint_result(self, seq: Sequence, tree: DraftTree, result: VerifyResult, logits: torch.Tensor) -> SeqStepResult:
+        k = seq.request.sampling.logprobs
+        lps = self._logprobs(logits, result, k) if k is not None else None
+        return SeqStepResult(seq, result, tree, sum(1 for t in tree.tokens if t != DEAD), lps, logits)
+
     @staticmethod
     def _logprobs(logits: torch.Tensor, result: VerifyResult, k: int) -> list[TokenLogprob]:
-        rows = torch.tensor(result.rows)
-        lp = raw_logprobs(logits[rows])  # [emitted, vocab]
-        chosen = torch.tensor(result.tokens)
-        chosen_lp = lp.gather(1, chosen[:, None]).squeeze(1).tolist()
-        top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (None, None)
-        out = []
-        for j, tok in enumerate(result.tokens):
-            top = list(zip(top_ids[j].tolist(), top_vals[j].tolist())) if k > 0 else []
-            out.append(TokenLogprob(tok, chosen_lp[j], top))
-        return out
+        """The emitted tokens' logprobs and ``k`` best alternatives (the lossy rules' walk; the
+        batched verifier computes its own)."""
+        dev = logits.device
+        lp = raw_logprobs(logits[device_tensor(result.rows, dev)])  # [emitted, vocab]
+        chosen = lp.gather(1, device_tensor(result.tokens, dev)[:, None]).squeeze(1)
+        top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (chosen[:, None], chosen[:, None])
+        chosen, top_vals, top_ids = (t.tolist() for t in to_host(chosen, top_vals, top_ids))
+        return [TokenLogprob(tok, chosen[j], list(zip(top_ids[j], top_vals[j])) if k > 0 else [])
+                for j, tok in enumerate(result.tokens)]
 
     def _update_caches(self, seq: Sequence, tree: DraftTree, result: VerifyResult, init: bool = False) -> None:
         """Target keeps root + accepted path; the draft keeps the accepted nodes it ran.  In the

@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from engine.device import to_device
 from engine.request import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -360,7 +361,7 @@ def draw_uniforms(
     for r, (g, n) in enumerate(zip(generators, n_per_row)):
         if n > 0:
             out[r, :n] = torch.rand(n, generator=g, dtype=torch.float32)
-    return out.to(device)
+    return to_device(out, torch.device(device))
 
 
 def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # [rows, vocab], [rows]

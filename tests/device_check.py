@@ -80,6 +80,7 @@ class DeviceCheck(TorchFunctionMode):
         self.syncs: Counter[str] = Counter()
         self.violations: list[str] = []
         self.counting = True
+        self.sync_stacks: list[str] = []  # where each counted read happened (for a failing test's message)
 
     # ------------------------------------------------------------------ use
     def __enter__(self) -> "DeviceCheck":
@@ -93,9 +94,11 @@ class DeviceCheck(TorchFunctionMode):
     def _on_sync(self, label: str) -> None:
         if self.counting:
             self.syncs[label] += 1
+            self.sync_stacks.append(label + ":\n" + "".join(traceback.format_stack(limit=6)[:-2]))
 
     def reset(self) -> None:
         self.syncs.clear()
+        self.sync_stacks.clear()
 
     # ------------------------------------------------------------------ the mode
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: C901 - one dispatch table
@@ -107,6 +110,7 @@ class DeviceCheck(TorchFunctionMode):
         if func in SYNCS:
             if marked and not engine_device.transferring and self.counting:
                 self.syncs[SYNCS[func]] += 1
+                self.sync_stacks.append(SYNCS[func] + ":\n" + "".join(traceback.format_stack(limit=8)[:-1]))
             out = func(*args, **kwargs)
             if func is torch.Tensor.cpu and out is args[0]:
                 out = out.clone()  # a real host copy: not marked

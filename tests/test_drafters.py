@@ -343,3 +343,27 @@ def test_lazy_draft_cache_tracks_the_sequence_under_continuous_batching(models, 
                 assert int(cache.pending[s.draft_slot]) == 0
                 assert int(cache.lens[s.draft_slot]) == s.draft_cached <= len(s.tokens)
     assert cache.free_slots == cache.num_slots
+
+
+def test_batched_cascade_review_matches_the_walk_on_the_same_numbers():
+    """``review_batch`` (every chain of a round at once, one read) against ``review_guess`` driven by
+    the same uniforms: identical kept prefixes and tokens, greedy and sampled, with and without room."""
+    from engine.speculative.cascade import ReviewCoins, review_batch, review_guess
+
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(40):
+        chains = []
+        for _ in range(5):
+            n = int(torch.randint(0, 5, (), generator=gen))
+            probs = torch.rand(n + 1, 7, generator=gen) ** 3
+            probs[torch.rand(n + 1, 7, generator=gen) < 0.3] = 0.0
+            probs[:, 0] += 1e-3
+            probs = probs / probs.sum(-1, keepdim=True)
+            guess = torch.randint(0, 7, (n,), generator=gen).tolist()
+            greedy = bool(torch.rand((), generator=gen) < 0.3)
+            u = None if greedy else torch.rand(n + 1, generator=gen)
+            chains.append((probs, guess, int(torch.randint(1, 6, (), generator=gen)), greedy, u))
+        got = review_batch(*map(list, zip(*chains)))
+        for (probs, guess, room, greedy, u), result in zip(chains, got):
+            want = review_guess(probs, guess, room, greedy, None if greedy else ReviewCoins(u))
+            assert result == want, (trial, guess, room, greedy)

@@ -80,6 +80,7 @@ class ForwardContext:
     cache: KVCache
     slots: torch.Tensor  # [batch] slot ids
     single_slot: Optional[int]  # set when batch == 1: the cache is read as a view, not gathered
+    single_start: int  # with single_slot: where the block is written (host-side, no device read per layer)
     offsets: torch.Tensor  # [batch, block] absolute cache positions of the block
     kv_len: int  # keys read per sequence: max over the batch of (lens + pending + block)
     cos: torch.Tensor  # [batch, block, 1, head_dim]
@@ -90,7 +91,7 @@ class ForwardContext:
         """k, v: [batch, block, kv_heads, head_dim] -> cached + new: [batch, kv_heads, kv_len, head_dim]"""
         cache = self.cache
         if self.single_slot is not None:
-            s, start = self.single_slot, int(self.offsets[0, 0])
+            s, start = self.single_slot, self.single_start
             cache.k[layer, s, start:start + k.shape[1]] = k[0]
             cache.v[layer, s, start:start + v.shape[1]] = v[0]
             keys = cache.k[layer, s, : self.kv_len].unsqueeze(0)
@@ -184,7 +185,7 @@ class LlamaModel(nn.Module):
         cos, sin = self.rope.lookup(positions.to(self.device))
         dev = self.device
         return ForwardContext(
-            cache=cache, slots=slot_t.to(dev), single_slot=slots[0] if b == 1 else None,
+            cache=cache, slots=slot_t.to(dev), single_slot=slots[0] if b == 1 else None, single_start=int(start[0]),
             offsets=offsets.to(dev), kv_len=kv_len, cos=cos, sin=sin,
             mask=None if mask is None else mask.to(dev),
         )

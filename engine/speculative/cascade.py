@@ -30,13 +30,15 @@ from typing import Optional
 import torch
 
 from engine.batching import Block
-from engine.sampler import SamplingTensors, compute_probs
+from engine.device import tensor as device_tensor
+from engine.device import to_device, to_host
+from engine.sampler import SamplingTensors, compute_probs, sample_from_probs
 from engine.sequence import Sequence
 from engine.speculative.draft_tree import CASCADE, SAMPLED, DraftTree
 from engine.speculative.maxgram import MaxGramDrafter
 from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.tree import SubTree
-from engine.speculative.walk import Coins, TorchCoins, onehot_residual
+from engine.speculative.walk import Coins, onehot_residual
 
 
 @dataclass
@@ -71,8 +73,7 @@ class CascadeProposer:
             to_run = [(c, g) for c, g in zip(active, guesses) if g or c.frontier is None]
             outs = self._run(to_run) if to_run else []
             run_out = {id(c): lg for (c, _), lg in zip(to_run, outs)}
-            for c, g in zip(active, guesses):
-                self._review(c, g, run_out.get(id(c)))
+            self._review(active, guesses, [run_out.get(id(c)) for c in active])
         trees = []
         for c, empty in zip(chains, empties):
             assert empty.num_nodes == 0
@@ -106,22 +107,29 @@ class CascadeProposer:
         _, logits = self.draft.forward(blocks)
         return logits
 
-    def _review(self, c: _Chain, guess: list[int], logits: Optional[torch.Tensor]) -> None:
-        """Keeps the guess's prefix the draft accepts, then one corrected (or freshly sampled) token."""
-        if logits is None:  # nothing ran: sample from the known frontier
-            rows = c.frontier[None]
-        elif c.frontier is None:  # the block began with the chain's unrun last token
-            rows = logits
-        else:
-            rows = torch.cat([c.frontier[None], logits])
-        base = c.pending + (1 if logits is not None and c.frontier is None else 0)  # entry of guess[0]
-        # rows[i]: raw logits for the token after chain + guess[:i]; rows[len(guess)] only if the guess ran
-        probs = self._probs(c, guess, rows)
-        c.frontier = None
-        coins = TorchCoins(c.seq.generator)
-        kept, tokens = review_guess(probs, guess, c.depth - len(c.tokens), c.seq.request.sampling.greedy, coins)
-        for i, tok in enumerate(tokens):
-            self._append(c, tok, probs[i], base + i if i < kept else -1)  # a new token was not run yet
+    def _review(self, chains: list[_Chain], guesses: list[list[int]], logits: list[Optional[torch.Tensor]]) -> None:
+        """Keeps each guess's prefix the draft accepts, then one corrected (or freshly sampled) token:
+        every chain of the round at once, one read of the outcome (:func:`review_batch`)."""
+        probs, bases = [], []
+        for c, guess, lg in zip(chains, guesses, logits):
+            if lg is None:  # nothing ran: sample from the known frontier
+                rows = c.frontier[None]
+            elif c.frontier is None:  # the block began with the chain's unrun last token
+                rows = lg
+            else:
+                rows = torch.cat([c.frontier[None], lg])
+            bases.append(c.pending + (1 if lg is not None and c.frontier is None else 0))  # entry of guess[0]
+            # rows[i]: raw logits for the token after chain + guess[:i]
+            probs.append(self._probs(c, guess, rows))
+            c.frontier = None
+        rooms = [c.depth - len(c.tokens) for c in chains]
+        greedy = [c.seq.request.sampling.greedy for c in chains]
+        uniforms = [None if g else torch.rand(len(guess) + 1, generator=c.seq.generator)
+                    for c, guess, g in zip(chains, guesses, greedy)]
+        outcome = review_batch(probs, guesses, rooms, greedy, uniforms)
+        for c, guess, p, base, (kept, tokens) in zip(chains, guesses, probs, bases, outcome):
+            for i, tok in enumerate(tokens):
+                self._append(c, tok, p[i], base + i if i < kept else -1)  # a new token was not run yet
 
     def _append(self, c: _Chain, tok: int, q: torch.Tensor, entry: int) -> None:
         c.tokens.append(tok)
@@ -133,7 +141,7 @@ class CascadeProposer:
         chain's own tokens, as the target's rows will)."""
         rows = self.draft._pad_vocab(rows[: len(guess) + 1]).float()
         seq, params = c.seq, c.seq.request.sampling
-        st = SamplingTensors.from_params([params], self.draft.vocab_size, [0] * rows.shape[0])
+        st = SamplingTensors.from_params([params], self.draft.vocab_size, [0] * rows.shape[0], device=rows.device)
         counts = prompt = None
         if params.needs_history:
             counts = seq.output_counts.expand(rows.shape[0], -1).clone()
@@ -144,6 +152,59 @@ class CascadeProposer:
             if seq.prompt_mask is not None:
                 prompt = seq.prompt_mask.expand(rows.shape[0], -1)
         return compute_probs(rows, st, counts, prompt)
+
+
+def review_batch(probs: list[torch.Tensor], guesses: list[list[int]], rooms: list[int], greedy: list[bool],
+                 uniforms: list[Optional[torch.Tensor]]) -> list[tuple[int, list[int]]]:
+    """:func:`review_guess` for several chains, as tensor operations on the draft's device with one
+    read of the outcome.  ``uniforms[j]`` (host, ``len(guess) + 1``; ``None`` when greedy):
+    ``u[i]`` decides ``guess[i]``, ``u[-1]`` draws the final token.  :func:`review_guess` with
+    :class:`ReviewCoins` over the same numbers gives the same result (``tests/test_drafters.py``)."""
+    if not probs:
+        return []
+    dev = probs[0].device
+    packed = []
+    for p, guess, room, g, u in zip(probs, guesses, rooms, greedy, uniforms):
+        n = len(guess)
+        tok = device_tensor(guess + [0], dev)  # [n + 1]; the pad is never a guess
+        if g:
+            ok = p[:n].argmax(dim=-1) == tok[:n]
+        else:
+            u = to_device(u, dev)
+            ok = u[:n] < p[:n].gather(1, tok[:n, None])[:, 0]  # kept with probability p(g): strict, as the walk
+        lead = ok.long().cumprod(dim=0).sum() if n else torch.zeros((), dtype=torch.long, device=dev)
+        kept = lead.clamp(max=room)
+        law = p[kept]  # [vocab] the law after the kept prefix
+        if g:
+            y = law.argmax()
+        else:
+            x = tok[kept]
+            without = law.scatter(0, x[None], 0.0)
+            total = without.sum()
+            residual = torch.where(total > 0, without / total, without)  # walk.onehot_residual
+            y = sample_from_probs(torch.where(kept < n, residual, law)[None], u[n:])[0]
+        packed.append(torch.stack([kept, y]))
+    host = to_host(torch.stack(packed))[0].tolist()
+    out = []
+    for (kept, y), guess, room in zip(host, guesses, rooms):
+        out.append((kept, guess[:kept] + ([y] if kept < room else [])))
+    return out
+
+
+class ReviewCoins:
+    """:func:`review_guess`'s coins reading a table as :func:`review_batch` does (the tests' oracle)."""
+
+    def __init__(self, u: torch.Tensor) -> None:  # [len(guess) + 1]
+        self.u = u
+
+    def accept(self, p_x: float, q_x: float, row: int = 0, event: int = 0) -> bool:
+        return float(self.u[row]) * q_x < p_x
+
+    def draw(self, p: torch.Tensor, row: int = 0) -> int:
+        return int(sample_from_probs(p[None], self.u[-1:])[0])
+
+    def draw_distinct(self, p: torch.Tensor, k: int) -> list[int]:
+        raise NotImplementedError
 
 
 def review_guess(probs: torch.Tensor, guess: list[int], room: int, greedy: bool, coins: Coins) -> tuple[int, list[int]]:
@@ -161,11 +222,11 @@ def review_guess(probs: torch.Tensor, guess: list[int], room: int, greedy: bool,
     tokens: list[int] = []
     for i, g in enumerate(guess):
         p = probs[i]
-        ok = int(p.argmax()) == g if greedy else coins.accept(float(p[g]), 1.0)
+        ok = int(p.argmax()) == g if greedy else coins.accept(float(p[g]), 1.0, i)
         if not ok:
-            return i, tokens + [int(p.argmax()) if greedy else coins.draw(onehot_residual(p, g))]
+            return i, tokens + [int(p.argmax()) if greedy else coins.draw(onehot_residual(p, g), i)]
         tokens.append(g)
         if len(tokens) == room:
             return i + 1, tokens
     p = probs[len(guess)]
-    return len(guess), tokens + [int(p.argmax()) if greedy else coins.draw(p)]
+    return len(guess), tokens + [int(p.argmax()) if greedy else coins.draw(p, len(guess))]

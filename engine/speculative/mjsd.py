@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.batching import Block
+from engine.device import tensor as device_tensor
+from engine.device import Pending, to_host
 from engine.sampler import SamplingTensors, apply_logit_bias, compute_probs, sample_tokens
 from engine.sequence import Sequence
 from engine.speculative.draft_tree import DraftTree
@@ -39,8 +41,8 @@ def joint_logprobs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     """[rows, vocab] log-probabilities MJSD scores with: logit bias, then the request's temperature
     (1 for greedy requests)."""
     params = seq.request.sampling
-    st = SamplingTensors.from_params([params], logits.shape[-1], [0] * logits.shape[0])
-    x = apply_logit_bias(logits.float(), st)
+    st = SamplingTensors.from_params([params], logits.shape[-1], [0] * logits.shape[0], device=logits.device)
+    x = apply_logit_bias(logits.to(torch.float32, copy=True), st)  # in place: never on the model's output
     return (x / (params.temperature if not params.greedy else 1.0)).log_softmax(dim=-1)
 
 
@@ -67,8 +69,7 @@ class MjsdProposer:
         rows = [lg[None] for lg in logits]  # per sequence: [frontier beams, vocab] raw logits
         for level in range(1, max(depths) + 1):
             active = [j for j, b in enumerate(beams) if b.depth >= level]
-            for j in active:
-                self._expand(beams[j], rows[j])
+            self._expand([beams[j] for j in active], [rows[j] for j in active])
             to_run = [j for j in active if beams[j].depth > level]
             if to_run:
                 for j, lg in zip(to_run, self._run([beams[j] for j in to_run], level)):
@@ -88,25 +89,35 @@ class MjsdProposer:
             trees.append(tree)
         return trees
 
-    def _expand(self, b: _Beams, logits: torch.Tensor) -> None:
-        """The next level: the ``beam`` best one-token extensions of the frontier beams."""
-        lq = joint_logprobs(self.draft._pad_vocab(logits), b.seq)  # [beams, vocab]
-        base = torch.tensor(b.score if b.frontier else [0.0])
-        total = (base[:, None] + lq).flatten()
-        k = min(self.beam, total.numel())
-        top = total.topk(k)
-        vocab = lq.shape[1]
-        parents = b.frontier if b.frontier else [-1]
-        frontier, score = [], []
-        for s, flat in zip(top.values.tolist(), top.indices.tolist()):
-            beam_i, tok = divmod(flat, vocab)
-            b.tokens.append(tok)
-            b.parent.append(parents[beam_i])
-            b.logq.append(float(lq[beam_i, tok]))
-            b.entry.append(-1)
-            frontier.append(len(b.tokens) - 1)
-            score.append(s)
-        b.frontier, b.score = frontier, score
+    def _expand(self, beams: list[_Beams], logits: list[torch.Tensor]) -> None:
+        """The next level of every sequence: the ``beam`` best one-token extensions of its frontier
+        beams, chosen on the device and read back once for all sequences."""
+        picks = []
+        for b, lg in zip(beams, logits):
+            lq = joint_logprobs(self.draft._pad_vocab(lg), b.seq)  # [beams, vocab]
+            base = device_tensor(b.score if b.frontier else [0.0], lq.device, torch.float32)
+            total = (base[:, None] + lq).flatten()
+            top = total.topk(min(self.beam, total.numel()))
+            vocab = lq.shape[1]
+            chosen = lq[top.indices // vocab, top.indices % vocab]
+            picks.append(torch.stack([top.values.double(), top.indices.double(), chosen.double()]))  # exact in float64
+        width = max(p.shape[1] for p in picks)
+        host = to_host(torch.stack([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1.0) for p in picks]))[0]
+        for b, lg, vals in zip(beams, logits, host.tolist()):
+            vocab = self.draft.vocab_size  # q is over the target's vocabulary (_pad_vocab)
+            parents = b.frontier if b.frontier else [-1]
+            frontier, score = [], []
+            for s, flat, lq in zip(*vals):
+                if flat < 0:
+                    break
+                beam_i, tok = divmod(int(flat), vocab)
+                b.tokens.append(tok)
+                b.parent.append(parents[beam_i])
+                b.logq.append(lq)
+                b.entry.append(-1)
+                frontier.append(len(b.tokens) - 1)
+                score.append(s)
+            b.frontier, b.score = frontier, score
 
     def _run(self, beams: list[_Beams], level: int) -> list[torch.Tensor]:
         cache = self.draft.cache
@@ -127,22 +138,38 @@ class MjsdProposer:
         return logits
 
 
-def verify_joint(logits: torch.Tensor, tokens: list[int], logq: list[float], seq: Sequence,
-                 tau: float) -> VerifyResult:
-    """logits: [1+n, vocab] the target's raw logits of the root and the chain."""
+def verify_joint(chains: list[tuple[torch.Tensor, list[int], list[float], Sequence]], tau: float) -> list[VerifyResult]:
+    """Each chain ``(logits, tokens, logq, seq)`` (logits: [1+n, vocab] the target's raw logits of the
+    root and the chain) decided on the device, all read back at once."""
+    return start_joint(chains, tau).result()
+
+
+def start_joint(chains: list[tuple[torch.Tensor, list[int], list[float], Sequence]], tau: float) -> Pending:
+    """:func:`verify_joint` decided on the device; the pending reads it back."""
+    decided = [_decide_joint(*chain, tau) for chain in chains]
+
+    def finish(host: list[torch.Tensor]) -> list[VerifyResult]:
+        out = []
+        for (_, tokens, _, _), (accepted, y) in zip(chains, host[0].tolist() if host else []):
+            out.append(VerifyResult(list(range(accepted)), tokens[:accepted] + [y], bonus=accepted == len(tokens),
+                                    final_row=accepted, rows=list(range(accepted + 1))))
+        return out
+    return Pending([torch.stack(decided)] if decided else [], finish)
+
+
+def _decide_joint(logits: torch.Tensor, tokens: list[int], logq: list[float], seq: Sequence,
+                  tau: float) -> torch.Tensor:
+    """[2] on the device: the accepted prefix length and the final token."""
+    dev, n = logits.device, len(tokens)
     lp = joint_logprobs(logits, seq)
-    total, accepted = 0.0, 0
-    for i, (tok, lq) in enumerate(zip(tokens, logq)):
-        total += float(lp[i, tok]) - lq
-        if total > math.log(tau):
-            accepted = i + 1
-    row = accepted
+    # the longest prefix whose cumulative log ratio clears log(tau), decided on the device
+    ratio = lp[torch.arange(n, device=dev), device_tensor(tokens, dev)].double() - device_tensor(logq, dev, torch.float64)
+    cleared = torch.cat([torch.zeros(1, dtype=torch.bool, device=dev), ratio.cumsum(0) > math.log(tau)])
+    accepted_t = (cleared.long() * torch.arange(n + 1, device=dev)).max()  # the last prefix length that clears
     params = seq.request.sampling
     if params.greedy:
-        y = int(lp[row].argmax())
+        y = lp[accepted_t].argmax()
     else:
-        probs = compute_probs(logits[row][None].float(), seq.sampling_tensors)
-        y = int(sample_tokens(probs, [seq.generator])[0])
-    path = list(range(accepted))
-    return VerifyResult(path, tokens[:accepted] + [y], bonus=accepted == len(tokens), final_row=row,
-                        rows=list(range(accepted + 1)))
+        probs = compute_probs(logits[accepted_t][None].float(), seq.sampling_tensors)
+        y = sample_tokens(probs, [seq.generator])[0]
+    return torch.stack([accepted_t, y])

@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 
 from engine.batching import Block, run_blocks
+from engine.device import tensor as device_tensor
+from engine.device import to_host
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
 from engine.models.vocab import OutputVocab
@@ -147,15 +149,17 @@ class DraftModelProposer:
         parent_rows = [self._parent_rows(t.sub, d) for t in trees]
         row_seq = [j for j, rows in enumerate(parent_rows) for _ in rows]
         x = self._pad_vocab(torch.cat([lg for lg, _ in frontier])).float()  # [rows, vocab]
-        st = SamplingTensors.from_params([s.request.sampling for s in seqs], self.vocab_size, row_seq)
-        counts, prompt = self._histories(seqs, trees, parent_rows)
+        dev = x.device
+        st = SamplingTensors.from_params([s.request.sampling for s in seqs], self.vocab_size, row_seq, device=dev)
+        counts, prompt = self._histories(seqs, trees, parent_rows, dev)
         x = process_logits(x, st, counts, prompt)
         widths = [t.sub.widths[d - 1] for t in trees]
-        chosen = torch.full((x.shape[0], max(widths)), DEAD, dtype=torch.long)
-        greedy = st.greedy.tolist()
+        chosen = torch.full((x.shape[0], max(widths)), DEAD, dtype=torch.long, device=dev)
+        greedy = [seqs[j].request.sampling.greedy for j in row_seq]  # host-side: no read of st.greedy
         g_rows = [r for r in range(len(row_seq)) if greedy[r]]
         if g_rows:
-            chosen[g_rows, : max(widths)] = x[g_rows].topk(max(widths), dim=-1).indices
+            at = device_tensor(g_rows, dev)
+            chosen[at, : max(widths)] = x[at].topk(max(widths), dim=-1).indices
         s_rows = [r for r in range(len(row_seq)) if not greedy[r]]
         first = [0] * len(trees)  # first row of each sequence
         for r in range(len(row_seq) - 1, -1, -1):
@@ -164,11 +168,13 @@ class DraftModelProposer:
         if s_rows:
             probs = finish_probs(x, st)  # [rows, vocab]; greedy rows (one-hot) unused
             gens = [seqs[row_seq[r]].generator for r in s_rows]
-            chosen[s_rows] = self._sample(probs[s_rows], [widths[row_seq[r]] for r in s_rows], gens, max(widths))
+            at = device_tensor(s_rows, dev)
+            chosen[at] = self._sample(probs[at], [widths[row_seq[r]] for r in s_rows], gens, max(widths))
             for r in s_rows:
                 j = row_seq[r]
                 trees[j].q[parent_rows[j][r - first[j]]] = probs[r]
-        self._place(trees, d, parent_rows, chosen.tolist(), first)
+        host = to_host(chosen)[0]  # the level's one sync: the tree's tokens are host data from here
+        self._place(trees, d, parent_rows, host.tolist(), first)
         if self.policy is not None and self.policy.wants_features:
             self._record_features(trees, d, parent_rows, first, frontier, parent_stats(
                 x, probs, st.greedy, chosen, self.policy.wants_full_features))
@@ -193,7 +199,7 @@ class DraftModelProposer:
                 tok = chosen[first[j] + pj][rank] if alive else DEAD
                 tree.tokens[node] = tok if tok >= 0 else DEAD
 
-    def _histories(self, seqs, trees, parent_rows):
+    def _histories(self, seqs, trees, parent_rows, device: torch.device):
         """Penalty histories of every parent row (None when no sequence uses penalties)."""
         if not any(s.request.sampling.needs_history for s in seqs):
             return None, None
@@ -203,10 +209,10 @@ class DraftModelProposer:
                 h = RowHistory.for_rows(s, t.tokens, t.parents(), rows)
                 counts.append(h.counts)
                 prompts.append(h.prompt_mask if h.prompt_mask is not None
-                               else torch.zeros(len(rows), self.vocab_size, dtype=torch.bool))
+                               else torch.zeros(len(rows), self.vocab_size, dtype=torch.bool, device=device))
             else:
-                counts.append(torch.zeros(len(rows), self.vocab_size, dtype=torch.int32))
-                prompts.append(torch.zeros(len(rows), self.vocab_size, dtype=torch.bool))
+                counts.append(torch.zeros(len(rows), self.vocab_size, dtype=torch.int32, device=device))
+                prompts.append(torch.zeros(len(rows), self.vocab_size, dtype=torch.bool, device=device))
         return torch.cat(counts), torch.cat(prompts)
 
     @staticmethod
@@ -220,14 +226,14 @@ class DraftModelProposer:
                 width: int) -> torch.Tensor:
         """probs: [rows, vocab] -> [rows, width] children in sampling order (row r fills widths[r];
         each row draws exactly widths[r] uniforms from its request's generator)."""
-        u = draw_uniforms(generators, widths)
+        u = draw_uniforms(generators, widths, device=probs.device)
         u = torch.nn.functional.pad(u, (0, width - u.shape[1]))
         if self.without_replacement:
             out = sample_k_distinct(probs, u)
         else:
             out = torch.stack([sample_from_probs(probs, u[:, j]) for j in range(width)], dim=1)
-        cols = torch.arange(width)[None, :]
-        return torch.where(cols < torch.tensor(widths)[:, None], out, DEAD)
+        cols = torch.arange(width, device=probs.device)[None, :]
+        return torch.where(cols < device_tensor(widths, probs.device)[:, None], out, DEAD)
 
     def _pad_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary (extra target tokens get -inf: q = 0)."""

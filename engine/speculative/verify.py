@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 import torch
 
 from engine.device import tensor as device_tensor
-from engine.device import to_device, to_host
+from engine.device import Pending, to_device
 from engine.request import TokenLogprob
 from engine.sampler import SamplingTensors, finish_probs, raw_logprobs, sample_from_probs
 from engine.speculative.draft_tree import DEAD, SAMPLED, DraftTree
@@ -162,7 +162,15 @@ class TableCoins:
 def verify_batch(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, uniforms: Optional[Uniforms],
                  without_replacement: bool = True, raw_logits: Optional[torch.Tensor] = None,
                  logprobs: Sequence[Optional[int]] = ()) -> Outcome:
-    """Verifies ``trees`` against the target.
+    """Verifies ``trees`` against the target (:func:`start_verify`, then its one read)."""
+    return start_verify(x, st, trees, uniforms, without_replacement, raw_logits, logprobs).result()
+
+
+def start_verify(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, uniforms: Optional[Uniforms],
+                 without_replacement: bool = True, raw_logits: Optional[torch.Tensor] = None,
+                 logprobs: Sequence[Optional[int]] = ()) -> Pending:
+    """Decides the step on the device; the :class:`~engine.device.Pending` it returns reads the
+    decisions back (alone, or with other rules' in one synchronization) and unpacks the :class:`Outcome`.
 
     x: [B, R, V] the target's processed logits at every block row (logit_bias and penalties applied,
     each row with its own path's history: ``engine.sampler.process_logits``); st: the sampling
@@ -215,8 +223,7 @@ def verify_batch(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, uniform
         if top_k > 0:
             vals, ids = lp.topk(top_k, dim=-1)
             packed += [ids, vals]
-    host = to_host(*packed)
-    return _unpack(host, trees.depth, logprobs)
+    return Pending(packed, lambda host: _unpack(host, trees.depth, logprobs))
 
 
 def _try_events(probs: torch.Tensor, trees: TreeBatch, uniforms: Uniforms, greedy: torch.Tensor,

@@ -1,0 +1,81 @@
+"""The engine under the device-check mode (``tests/device_check.py``): every method, with every
+sampling feature, at batch 1 and 8, must never mix host tensors into device math, and a step's host
+syncs are counted: one for verification plus one per draft level, whatever the batch size."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.request import GenerationRequest, SamplingParams, SpecOptions
+from engine.speculative.methods import METHODS
+from tests.device_check import DeviceCheck, mark_engine
+from tests.tiny import tiny_loaded
+
+#: one request per sampling feature (a batch of 8 mixes them all)
+FEATURES = {
+    "greedy": dict(temperature=0.0),
+    "sampled": dict(temperature=0.9),
+    "top-p": dict(temperature=0.8, top_p=0.7, top_k=20, min_p=0.05),
+    "seed": dict(temperature=1.0, seed=7),
+    "logprobs": dict(temperature=0.7, logprobs=3),
+    "penalties": dict(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2),
+    "logit-bias": dict(temperature=0.0, logit_bias={5: 3.0, 9: -100.0}),
+    "stop": dict(temperature=0.6, stop=["zz"]),
+}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_loaded("llama", seed=0), tiny_loaded("llama", seed=1, layers=1)
+
+
+def run_checked(pair, method: str, features: list[str], tree=(2, 1, 1), max_tokens: int = 10):
+    target, draft = pair
+    core = EngineCore(target, draft, EngineConfig(max_batch=8, max_model_len=128, tree=tree, spec_method=method))
+    mark_engine(core)
+    mode, per_step, errors = DeviceCheck(), [], []
+    with mode:
+        for i, name in enumerate(features):
+            params = dict(FEATURES[name])
+            if method == "mjsd-lossy" and name == "penalties":
+                params = dict(temperature=0.8)  # refused for this method (a 400 at the server)
+            core.add_request(GenerationRequest(f"r{i}", [3 + i, 6, 7, 8, 9, 10],
+                                               SamplingParams(max_tokens=max_tokens, **params), SpecOptions()))
+        while core.has_unfinished():
+            mode.reset()
+            outs = core.step()
+            per_step.append((sum(mode.syncs.values()), dict(mode.syncs), list(mode.sync_stacks)))
+            errors += [o.error for o in outs if o.error]
+    assert not mode.violations, mode.violations[0]
+    assert not errors, errors[0]
+    return core, per_step
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_mixed_batch_of_eight_never_mixes_host_and_device(pair, method):
+    run_checked(pair, method, list(FEATURES))
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("method", METHODS)
+def test_each_feature_alone_never_mixes_host_and_device(pair, method, feature):
+    run_checked(pair, method, [feature], max_tokens=6)
+
+
+@pytest.mark.parametrize("method,bound", [("mcsd", 1 + 3), ("mcsd+maxgram", 1 + 3), ("maxgram", 1),
+                                          ("cascade", 1 + 4), ("mjsd-lossy", 1 + 4)])
+@pytest.mark.parametrize("features", [["greedy"], ["sampled"], ["greedy"] * 8, ["sampled"] * 8, list(FEATURES)],
+                         ids=["greedy-1", "sampled-1", "greedy-8", "sampled-8", "mixed-8"])
+def test_host_syncs_per_step_are_one_per_draft_level_plus_one(pair, method, bound, features):
+    """Tree (2, 1, 1): at most three draft levels, each reading its sampled tokens back once, then one
+    read for verification; nothing else (no per-sequence or per-layer reads), at batch 1 as at 8.
+    The cascade reads once per review round (up to ``cascade_depth`` 4), MJSD once per beam level
+    (``mjsd_depth`` 4).  MJSD's logprobs are read per request, so its mixed batch leaves them out."""
+    if method == "mjsd-lossy":
+        features = [f if f != "logprobs" else "sampled" for f in features]
+    _, steps = run_checked(pair, method, features)
+    for count, kinds, stacks in steps:
+        assert set(kinds) <= {"to_host"} and count <= bound, (kinds, "\n".join(stacks[:2]))
+    assert max(count for count, _, _ in steps) == bound  # the bound is reached: the counter counts
