@@ -25,14 +25,15 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.speculative.adaptive import AdaptiveSpeculation, SpecPolicy
 from engine.speculative.cost_model import measure_curve
-from engine.speculative.maxgram import MATCH_CLASSES, BigramTable, LengthChooser, MaxGramDrafter, match_class
-from engine.speculative.methods import (
-    CASCADE, LOSSY, MAXGRAM, MCSD, MCSD_MAXGRAM, MJSD_LOSSY, NEEDS_DRAFT, TARGET_INIT_LOSSY, DraftPlan,
-)
+from engine.speculative.drafter import DrafterContext, build_drafters
+from engine.speculative.drafter import limits as drafter_limits
+from engine.speculative.maxgram import BigramTable, LengthChooser, MaxGramDrafter
+from engine.speculative.methods import LOSSY, MJSD_LOSSY, NEEDS_DRAFT
 from engine.speculative.mjsd import LOSSY_NOTE as MJSD_NOTE
 from engine.speculative.target_init import LOSSY_NOTE as TARGET_INIT_NOTE
 from engine.speculative.proposer import DraftModelProposer
-from engine.speculative.tree import SubTree, TreeTopology
+from engine.speculative.planner import Planner
+from engine.speculative.tree import TreeTopology
 from engine.stats import StepStats
 from engine.stop import TextStream
 
@@ -53,13 +54,11 @@ class EngineCore:
         self.vocab_size = target.config.vocab_size
         self.topology = TreeTopology(self.config.tree if draft is not None else ())
         cfg = self.config
-        # the largest verification block any method builds, and the most draft-cache entries a step appends
         self.init_topology = TreeTopology((cfg.target_init_k,) + (1,) * (cfg.target_init_depth - 1))
-        max_nodes = max(self.topology.num_nodes + cfg.maxgram_branches * cfg.maxgram_len + cfg.maxgram_tail,
-                        cfg.cascade_depth + cfg.maxgram_tail, cfg.mjsd_depth, self.init_topology.num_nodes)
-        self.cache = target.model.new_cache(cfg.max_batch, self.max_model_len + max_nodes + 1)
-        draft_len = self.max_model_len + max(self.topology.num_nodes, cfg.cascade_depth * (cfg.maxgram_len + 1),
-                                             cfg.mjsd_beam * cfg.mjsd_depth, self.init_topology.num_nodes) + 1
+        # the drafters say how large a verification block and how many draft-cache entries a step may need
+        rows, entries = drafter_limits(cfg, self.topology)
+        self.cache = target.model.new_cache(cfg.max_batch, self.max_model_len + rows + 1)
+        draft_len = self.max_model_len + entries + 1
         bigram = BigramTable.from_corpus(self.tokenizer, cfg.maxgram_corpus) if cfg.maxgram_corpus else None
         self.maxgram = MaxGramDrafter(cfg.maxgram_len, cfg.maxgram_max_ngram, cfg.maxgram_min_ngram, bigram)
         proposer = None
@@ -78,9 +77,11 @@ class EngineCore:
             proposer = DraftModelProposer(draft.model, draft_cache, self.vocab_size, self.config.without_replacement,
                                           self.topology, policy, chunk=self.config.prefill_chunk,
                                           vocab=self.draft_vocab)
-        self.maxgram_lengths = self._maxgram_lengths(target) if cfg.load_aware else None
-        self.runner = ModelRunner(target.model, self.cache, self.vocab_size, proposer, self.maxgram,
-                                  mjsd_beam=cfg.mjsd_beam, mjsd_tau=cfg.mjsd_tau, target_init_k=cfg.target_init_k)
+        lengths = self._maxgram_lengths(target) if cfg.load_aware else None
+        self.planner = Planner(cfg, self.topology, self.init_topology, self.maxgram, self.policy, lengths)
+        drafters = build_drafters(DrafterContext(cfg, self.topology, self.maxgram, proposer))
+        self.runner = ModelRunner(target.model, self.cache, self.vocab_size, proposer, drafters,
+                                  mjsd_tau=cfg.mjsd_tau, target_init_k=cfg.target_init_k)
         self.scheduler = Scheduler(self.config, self.cache, proposer.cache if proposer else None)
         self.eos_token_ids = set(target.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -203,16 +204,13 @@ class EngineCore:
             self.runner.prefill(plan.prefill)
         outputs = []
         if plan.decode:
-            budget = self.policy.budget(plan.decode) if self.policy is not None else None
-            plans = self._cap_maxgram(plan.decode, [self._plan(seq, budget) for seq in plan.decode])
+            plans = self.planner.plan(plan.decode)
             stats.budget = max(p.sub.num_nodes for p in plans)
             results, failed = self.runner.step(plan.decode, plans, stats)
             if failed:
                 kept = {id(r.seq) for r in results}
                 plans = [p for s, p in zip(plan.decode, plans) if id(s) in kept]
-            self._observe_maxgram(results, plans)
-            if self.policy is not None:
-                self.policy.observe(results)
+            self.planner.observe(results, plans)
             for res in results:
                 record_step(stats, res)
                 try:
@@ -232,94 +230,6 @@ class EngineCore:
         return RequestOutput(request_id=seq.request_id, new_token_ids=[], new_text="", finished=True,
                              finish_reason="error", error=f"generation failed: {type(exc).__name__}: {exc}",
                              prompt_tokens=seq.num_prompt, completion_tokens=seq.num_output, spec=seq.spec)
-
-    def _cap_maxgram(self, seqs: list[Sequence], plans: list[DraftPlan]) -> list[DraftPlan]:
-        """Caps Max-Gram's root proposals by the load-aware length chooser, per match class.  A sequence
-        whose match is long enough to be trusted drafts nothing else (``ModelRunner._trust_maxgram``),
-        so its draft tree does not count among the step's other rows."""
-        if self.maxgram_lengths is None:
-            return plans
-        match = [self.maxgram.root_match(s) if p.maxgram and p.branches and s.request.spec.adaptive is not False
-                 else None for s, p in zip(seqs, plans)]
-        if all(m is None for m in match):
-            return plans
-        counts = [0] * MATCH_CLASSES
-        others = 0
-        for m, p in zip(match, plans):
-            if m is None:
-                others += 1 + p.sub.num_nodes + p.cascade + p.tail + p.mjsd + p.maxgram * p.branches
-            else:
-                counts[match_class(m)] += 1
-                if not (p.trust and m >= p.trust):
-                    others += p.sub.num_nodes + p.tail
-        caps = self.maxgram_lengths.choose(counts, others)
-        return [p if m is None else replace(p, maxgram=min(p.maxgram, caps[match_class(m)]),
-                                            maxgram_class=match_class(m))
-                for m, p in zip(match, plans)]
-
-    def _observe_maxgram(self, results: list[SeqStepResult], plans: list[DraftPlan]) -> None:
-        if self.maxgram_lengths is None:
-            return
-        for res, plan in zip(results, plans):
-            tree = res.tree
-            if tree.tokens and not tree.num_sub and tree.draft_index is None and plan.maxgram_class is not None:
-                # Max-Gram alone drafted it (also when trusting it replaced the draft model)
-                self.maxgram_lengths.observe(plan.maxgram_class, max(tree.depths()), len(res.result.accepted),
-                                             plan.maxgram)
-
-    def _plan(self, seq: Sequence, budget: Optional[tuple[int, ...]] = None) -> DraftPlan:
-        """What each drafter of the request's method may draft this step.  The budget caps the draft
-        model's tree (a budget of plain decoding also stops the vertical cascade, which runs the draft
-        model); Max-Gram has no drafting cost and always proposes."""
-        spec, cfg = seq.request.spec, self.config
-        empty = self.topology.subtree(())
-        if spec.adaptive is False:
-            budget = None  # this request asked for its whole tree every step
-        elif budget != () and seq.draft_slot is not None and self.policy is not None \
-                and not self.policy.catch_up_pays(seq):
-            budget = ()  # the draft lags too far behind for this request to gain from catching up (or
-            # this is its first token, which never waits for the draft to read the prompt)
-        room = seq.remaining - 1
-        if spec.max_depth is not None:
-            room = min(room, spec.max_depth)
-        if spec.enabled and spec.method == TARGET_INIT_LOSSY and seq.draft_slot is not None:
-            if seq.init_candidates is None:  # the first step only draws candidates
-                return DraftPlan(TARGET_INIT_LOSSY, empty, init=True)
-            depth = min(cfg.target_init_depth, room + 1)  # the candidate itself, then its chain
-            return DraftPlan(TARGET_INIT_LOSSY, self.init_topology.subtree(self.init_topology.widths[:depth]),
-                             init=True)
-        if not spec.enabled or room <= 0:
-            return DraftPlan(spec.method or MCSD, empty)
-        if spec.method == MAXGRAM:
-            return DraftPlan(MAXGRAM, empty, maxgram=min(cfg.maxgram_len, room), branches=cfg.maxgram_branches)
-        if seq.draft_slot is None:
-            return DraftPlan(spec.method, empty)
-        if spec.method == MJSD_LOSSY:
-            return DraftPlan(MJSD_LOSSY, empty, mjsd=min(cfg.mjsd_depth, room) if budget != () else 0)
-        if spec.method == CASCADE:
-            depth = min(cfg.cascade_depth, room) if budget != () else 0
-            return DraftPlan(CASCADE, empty, maxgram=min(cfg.maxgram_len, room), cascade=depth,
-                             tail=min(cfg.maxgram_tail, room - depth), trust=cfg.maxgram_trust)
-        sub = self._subtree(seq, budget)
-        if spec.method == MCSD_MAXGRAM:
-            return DraftPlan(MCSD_MAXGRAM, sub, maxgram=min(cfg.maxgram_len, room), branches=cfg.maxgram_branches,
-                             tail=min(cfg.maxgram_tail, room - sub.max_depth) if sub.num_nodes else 0,
-                             trust=cfg.maxgram_trust)
-        return DraftPlan(MCSD, sub)
-
-    def _subtree(self, seq: Sequence, budget: Optional[tuple[int, ...]] = None) -> SubTree:
-        """The largest tree this sequence may draft this step: its request's tree (or the engine's),
-        within the step's budget (a width config; ``None`` = no cap), its max_depth and what remains."""
-        spec = seq.request.spec
-        if not spec.enabled or seq.draft_slot is None:
-            return self.topology.subtree(())
-        widths = spec.tree if spec.tree is not None else self.topology.widths
-        if budget is not None:
-            widths = tuple(min(a, b) for a, b in zip(widths, budget))
-        depth = min(len(widths), seq.remaining - 1)
-        if spec.max_depth is not None:
-            depth = min(depth, spec.max_depth)
-        return self.topology.subtree(tuple(widths[: max(depth, 0)]))
 
     def _postprocess(self, res: SeqStepResult, stats: StepStats) -> RequestOutput:
         seq, result = res.seq, res.result

@@ -11,25 +11,25 @@ import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
+from typing import Sequence as Sequence_
 
 import torch
 
 from engine.batching import Block, run_blocks
+from engine.device import Pending, finish_all, synchronize, to_host
+from engine.device import tensor as device_tensor
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
 from engine.request import TokenLogprob
-from engine.device import Pending, finish_all, synchronize, to_host
-from engine.device import tensor as device_tensor
 from engine.sampler import SamplingTensors, compute_probs, process_logits, raw_logprobs
 from engine.sequence import Sequence
-from engine.speculative.history import RowHistory, batch_histories
-from engine.speculative.cascade import CascadeProposer
 from engine.speculative.draft_tree import DEAD, DraftTree
-from engine.speculative.maxgram import MaxGramDrafter
+from engine.speculative.drafter import Drafter
+from engine.speculative.history import RowHistory, batch_histories
 from engine.speculative.methods import DraftPlan
-from engine.speculative.mjsd import MjsdProposer, start_joint
-from engine.speculative.target_init import draw_candidates, verify_target_init
+from engine.speculative.mjsd import start_joint
 from engine.speculative.proposer import DraftModelProposer
+from engine.speculative.target_init import draw_candidates, verify_target_init
 from engine.speculative.verify import TreeBatch, draw_tables, start_verify
 from engine.speculative.walk import TorchCoins, VerifyResult, residual
 from engine.stats import StepStats, add_at
@@ -50,15 +50,15 @@ class SeqStepResult:
 
 class ModelRunner:
     def __init__(self, target: LlamaModel, target_cache: KVCache, vocab_size: int,
-                 proposer: Optional[DraftModelProposer] = None, maxgram: Optional[MaxGramDrafter] = None,
-                 mjsd_beam: int = 4, mjsd_tau: float = 0.5, target_init_k: int = 3) -> None:
+                 proposer: Optional[DraftModelProposer] = None, drafters: Sequence_[Drafter] = (),
+                 mjsd_tau: float = 0.5, target_init_k: int = 3) -> None:
+        """``proposer``: the draft model and its cache (None: no draft model); ``drafters``: what grows
+        the trees, in stage order (``engine.speculative.drafter``)."""
         self.target = target
         self.cache = target_cache
         self.vocab_size = vocab_size
         self.proposer = proposer
-        self.maxgram = maxgram
-        self.cascade = CascadeProposer(proposer, maxgram) if proposer is not None and maxgram is not None else None
-        self.mjsd = MjsdProposer(proposer, mjsd_beam) if proposer is not None else None
+        self.drafters = list(drafters)
         self.mjsd_tau = mjsd_tau
         self.target_init_k = target_init_k
 
@@ -181,42 +181,11 @@ class ModelRunner:
         return pending
 
     def _draft(self, seqs: list[Sequence], plans: list[DraftPlan]) -> list[DraftTree]:
-        """Every drafter that the plans ask for, in cascade order: the draft model's trees and the
-        cascade's chains, then Max-Gram's tails below them and its branches from the root."""
-        plans = [self._trust_maxgram(seq, p) for seq, p in zip(seqs, plans)]
+        """Every drafter in stage order grows the trees its share of the plans asks for."""
         trees = [DraftTree(p.sub, []) for p in plans]
-        idx = [i for i, p in enumerate(plans) if p.sub.num_nodes > 0]
-        if idx and self.proposer is not None:
-            forced = [seqs[i].init_candidates if plans[i].init else None for i in idx]
-            drafted = self.proposer.propose([seqs[i] for i in idx], [plans[i].sub for i in idx], forced)
-            for i, tree in zip(idx, drafted):
-                trees[i] = tree
-        idx = [i for i, p in enumerate(plans) if p.cascade > 0]
-        if idx and self.cascade is not None:
-            chains = self.cascade.propose([seqs[i] for i in idx], [plans[i].cascade for i in idx],
-                                          [plans[i].sub for i in idx])
-            for i, tree in zip(idx, chains):
-                trees[i] = tree
-        idx = [i for i, p in enumerate(plans) if p.mjsd > 0]
-        if idx and self.mjsd is not None:
-            chains = self.mjsd.propose([seqs[i] for i in idx], [plans[i].mjsd for i in idx], [plans[i].sub for i in idx])
-            for i, tree in zip(idx, chains):
-                trees[i] = tree
-        if self.maxgram is not None:
-            for seq, plan, tree in zip(seqs, plans, trees):
-                self.maxgram.extend_tree(seq, tree, plan.tail, plan.maxgram, plan.branches)
+        for drafter in self.drafters:
+            drafter.propose(seqs, plans, trees)
         return trees
-
-    def _trust_maxgram(self, seq: Sequence, plan: DraftPlan) -> DraftPlan:
-        """Max-Gram alone for this step when the context ends in a long suffix match (see
-        ``engine.speculative.methods``); the plan unchanged otherwise."""
-        if not plan.trust or self.maxgram is None or not plan.maxgram:
-            return plan
-        props = self.maxgram.propose(seq, (), plan.maxgram)
-        if not props or props[0].match < plan.trust:
-            return plan
-        empty = self.proposer.topology.subtree(()) if self.proposer is not None else plan.sub
-        return DraftPlan(plan.method, empty, maxgram=plan.maxgram, branches=max(plan.branches, 1))
 
     def _verify_target_init(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> SeqStepResult:
         """The target-initialised mode's own rule (lossy by design, ``engine.speculative.target_init``),

@@ -31,9 +31,10 @@ def pair():
     return tiny_loaded("llama", seed=0), tiny_loaded("llama", seed=1, layers=1)
 
 
-def run_checked(pair, method: str, features: list[str], tree=(2, 1, 1), max_tokens: int = 10):
+def run_checked(pair, method: str, features: list[str], tree=(2, 1, 1), max_tokens: int = 10, **config):
     target, draft = pair
-    core = EngineCore(target, draft, EngineConfig(max_batch=8, max_model_len=128, tree=tree, spec_method=method))
+    core = EngineCore(target, draft, EngineConfig(max_batch=8, max_model_len=128, tree=tree, spec_method=method,
+                                                  **config))
     mark_engine(core)
     mode, per_step, errors = DeviceCheck(), [], []
     with mode:
@@ -79,3 +80,18 @@ def test_host_syncs_per_step_are_one_per_draft_level_plus_one(pair, method, boun
     for count, kinds, stacks in steps:
         assert set(kinds) <= {"to_host"} and count <= bound, (kinds, "\n".join(stacks[:2]))
     assert max(count for count, _, _ in steps) == bound  # the bound is reached: the counter counts
+
+
+@pytest.mark.parametrize("method", ["mcsd", "mcsd+maxgram", "cascade"])
+def test_adaptive_speculation_reads_its_features_with_the_level(pair, method):
+    """The adaptive policy (threshold stopping, calibration, load-aware budget measured at start-up)
+    runs on the host from features read back with each level's tokens: still one read per draft
+    level plus one for verification, no mixing."""
+    core, steps = run_checked(pair, method, list(FEATURES), adaptive=True)
+    policy = core.planner.policy
+    assert policy is not None
+    if method != "cascade":  # the cascade's chains carry no draft-tree features to learn from
+        assert policy.calibrators[False].seen.sum() > 0
+    bound = 1 + (3 if method != "cascade" else 4)
+    for count, kinds, stacks in steps:
+        assert set(kinds) <= {"to_host"} and count <= bound, (kinds, "\n".join(stacks[:2]))

@@ -34,6 +34,8 @@ from engine.device import tensor as device_tensor
 from engine.device import to_device, to_host
 from engine.sampler import SamplingTensors, compute_probs, sample_from_probs
 from engine.sequence import Sequence
+from engine.speculative.drafter import DrafterContext, register
+from engine.speculative.methods import DraftPlan
 from engine.speculative.draft_tree import CASCADE, SAMPLED, DraftTree
 from engine.speculative.maxgram import MaxGramDrafter
 from engine.speculative.proposer import DraftModelProposer
@@ -230,3 +232,30 @@ def review_guess(probs: torch.Tensor, guess: list[int], room: int, greedy: bool,
             return i + 1, tokens
     p = probs[len(guess)]
     return len(guess), tokens + [int(p.argmax()) if greedy else coins.draw(p, len(guess))]
+
+
+@register
+class CascadeDrafter:
+    """The vertical cascade's chains (method ``cascade``; Max-Gram's tail follows at its own stage)."""
+
+    name, stage = "cascade", 20
+
+    def __init__(self, cascade: CascadeProposer) -> None:
+        self.cascade = cascade
+
+    @classmethod
+    def limits(cls, config, topology) -> tuple[int, int]:
+        return config.cascade_depth, config.cascade_depth * (config.maxgram_len + 1)  # a round runs its guess
+
+    @classmethod
+    def build(cls, ctx: DrafterContext) -> Optional["CascadeDrafter"]:
+        return cls(CascadeProposer(ctx.proposer, ctx.maxgram)) if ctx.proposer is not None else None
+
+    def propose(self, seqs: list[Sequence], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
+        idx = [i for i, p in enumerate(plans) if p.cascade > 0]
+        if not idx:
+            return
+        chains = self.cascade.propose([seqs[i] for i in idx], [plans[i].cascade for i in idx],
+                                      [plans[i].sub for i in idx])
+        for i, tree in zip(idx, chains):
+            trees[i] = tree

@@ -32,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from engine.device import synchronize
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
 from engine.models.vocab import OutputVocab
@@ -127,8 +128,10 @@ def measure_curve(model: LlamaModel, cache: KVCache, points: list[tuple[int, int
             rows = torch.arange(t, device=model.device)[None].expand(b, t)
             warm = 1 if i == 0 else 0
             for rep in range(reps + warm):
+                synchronize(model.device)
                 t0 = time.perf_counter()
                 model(ids, pos, cache, slots[:b], logits_rows=rows, vocab=vocab)
+                synchronize(model.device)  # the device's time, not the launch's
                 dt = time.perf_counter() - t0
                 for s in slots[:b]:
                     cache.discard(s)

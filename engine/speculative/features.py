@@ -81,29 +81,24 @@ def parent_stats(logits: torch.Tensor, probs: Optional[torch.Tensor], greedy: to
     logits: [rows, vocab] processed draft logits; probs: [rows, vocab] the sampling law of sampled
     rows (None when every row is greedy); greedy: [rows] bool; chosen: [rows, width] drawn children
     (negative = none).  Greedy rows use softmax(logits) as q.  Only ``full`` touches the whole
-    vocabulary beyond one log-sum-exp per greedy row.  Results are on the CPU, where the policy runs.
+    vocabulary beyond one log-sum-exp per row.  Results stay on the logits' device; the proposer
+    brings them to the host, where the policy runs, with the level's tokens (:meth:`ParentStats.tensors`).
     """
-    dev = logits.device
-    tok, greedy = chosen.clamp(min=0).to(dev), greedy.to(dev)
+    tok = chosen.clamp(min=0)
     if full:
         q = logits.softmax(dim=-1)
         if probs is not None:
             q = torch.where(greedy[:, None], q, probs)
         top = q.topk(min(TOP_K, q.shape[-1]), dim=-1).values
-        top = torch.nn.functional.pad(top, (0, TOP_K - top.shape[-1])).cpu()
-        entropy = torch.special.entr(q).sum(dim=-1).cpu()
+        top = torch.nn.functional.pad(top, (0, TOP_K - top.shape[-1]))
+        entropy = torch.special.entr(q).sum(dim=-1)
         qx = q.gather(1, tok)
     else:
         entropy = top = None
-        qx = torch.zeros(chosen.shape, dtype=torch.float32, device=dev)
-        g = greedy.nonzero().flatten()
-        if g.numel():
-            lse = logits[g].logsumexp(dim=-1, keepdim=True)
-            qx[g] = (logits[g].gather(1, tok[g]) - lse).exp()
-        s = (~greedy).nonzero().flatten()
-        if s.numel():
-            qx[s] = probs[s].gather(1, tok[s])
-    return ParentStats(torch.where(chosen >= 0, qx.cpu(), 0.0), entropy, top)
+        qx = (logits.gather(1, tok) - logits.logsumexp(dim=-1, keepdim=True)).exp()  # greedy rows' q
+        if probs is not None:
+            qx = torch.where(greedy[:, None], qx, probs.gather(1, tok))
+    return ParentStats(torch.where(chosen >= 0, qx, 0.0), entropy, top)
 
 
 def level_features(stats: ParentStats, rows: slice, width: int, depth: int, tokens: list[int],
@@ -120,5 +115,5 @@ def level_features(stats: ParentStats, rows: slice, width: int, depth: int, toke
         q_token=stats.q_children[rows, :width].reshape(-1),
         live=torch.tensor(tokens) >= 0,
         entropy=expand(stats.entropy), top_probs=expand(stats.top_probs),
-        hidden=None if hidden is None else hidden.float().cpu().repeat_interleave(width, dim=0),
+        hidden=None if hidden is None else hidden.float().repeat_interleave(width, dim=0),
     )

@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Optional, Sequence as Seq
 
 from engine.sequence import Sequence
+from engine.speculative.drafter import DrafterContext, register
+from engine.speculative.methods import DraftPlan
 from engine.speculative.draft_tree import BIGRAM, MAXGRAM, DraftTree
 
 
@@ -278,3 +280,26 @@ class LengthChooser:
         self.extend_hits[klass, :proposed] += 1
         self.accept_seen[klass, :min(accepted + 1, proposed)] += 1  # existing tokens whose prefix was accepted
         self.accept_hits[klass, :accepted] += 1
+
+
+@register
+class MaxGramTreeDrafter:
+    """Max-Gram's one-hot proposals: a tail below the deepest drafted path and branches from the root
+    (methods ``maxgram``, ``mcsd+maxgram``, ``cascade``).  No draft model needed."""
+
+    name, stage = "maxgram", 90
+
+    def __init__(self, maxgram: MaxGramDrafter) -> None:
+        self.maxgram = maxgram
+
+    @classmethod
+    def limits(cls, config, topology) -> tuple[int, int]:
+        return config.maxgram_branches * config.maxgram_len + config.maxgram_tail, 0
+
+    @classmethod
+    def build(cls, ctx: DrafterContext) -> "MaxGramTreeDrafter":
+        return cls(ctx.maxgram)
+
+    def propose(self, seqs: list[Sequence], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
+        for seq, plan, tree in zip(seqs, plans, trees):
+            self.maxgram.extend_tree(seq, tree, plan.tail, plan.maxgram, plan.branches)

@@ -38,6 +38,11 @@ MJSD_LOSSY, TARGET_INIT_LOSSY = "mjsd-lossy", "target-init-lossy"
 METHODS = (MCSD, MAXGRAM, MCSD_MAXGRAM, CASCADE, MJSD_LOSSY, TARGET_INIT_LOSSY)
 NEEDS_DRAFT = {MCSD, MCSD_MAXGRAM, CASCADE, MJSD_LOSSY, TARGET_INIT_LOSSY}
 LOSSY = {MJSD_LOSSY, TARGET_INIT_LOSSY}
+#: the drafters (``engine.speculative.drafter``) each method's trees come from
+METHOD_DRAFTERS = {
+    MCSD: ("draft-tree",), MAXGRAM: ("maxgram",), MCSD_MAXGRAM: ("draft-tree", "maxgram"),
+    CASCADE: ("cascade", "maxgram"), MJSD_LOSSY: ("mjsd",), TARGET_INIT_LOSSY: ("draft-tree",),
+}
 
 
 def check_method(method: str) -> str:
@@ -60,3 +65,4 @@ class DraftPlan:
     mjsd: int = 0  # chain tokens MJSD (lossy) drafts by beam search
     init: bool = False  # target-initialised (lossy): ``sub`` is (k, 1, ...) with the candidates as level 1
     maxgram_class: Optional[int] = None  # the root proposal's match class, when the length chooser capped it
+    trusted: bool = False  # Max-Gram alone this step: its suffix match reached ``trust`` (the planner's choice)

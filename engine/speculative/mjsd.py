@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -27,6 +28,8 @@ from engine.device import tensor as device_tensor
 from engine.device import Pending, to_host
 from engine.sampler import SamplingTensors, apply_logit_bias, compute_probs, sample_tokens
 from engine.sequence import Sequence
+from engine.speculative.drafter import DrafterContext, register
+from engine.speculative.methods import DraftPlan
 from engine.speculative.draft_tree import DraftTree
 from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.tree import SubTree
@@ -173,3 +176,29 @@ def _decide_joint(logits: torch.Tensor, tokens: list[int], logq: list[float], se
         probs = compute_probs(logits[accepted_t][None].float(), seq.sampling_tensors)
         y = sample_tokens(probs, [seq.generator])[0]
     return torch.stack([accepted_t, y])
+
+
+@register
+class MjsdDrafter:
+    """MJSD's best beam (method ``mjsd-lossy``; verified by joint likelihood, :func:`verify_joint`)."""
+
+    name, stage = "mjsd", 30
+
+    def __init__(self, mjsd: MjsdProposer) -> None:
+        self.mjsd = mjsd
+
+    @classmethod
+    def limits(cls, config, topology) -> tuple[int, int]:
+        return config.mjsd_depth, config.mjsd_beam * config.mjsd_depth
+
+    @classmethod
+    def build(cls, ctx: DrafterContext) -> Optional["MjsdDrafter"]:
+        return cls(MjsdProposer(ctx.proposer, ctx.config.mjsd_beam)) if ctx.proposer is not None else None
+
+    def propose(self, seqs: list[Sequence], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
+        idx = [i for i, p in enumerate(plans) if p.mjsd > 0]
+        if not idx:
+            return
+        chains = self.mjsd.propose([seqs[i] for i in idx], [plans[i].mjsd for i in idx], [plans[i].sub for i in idx])
+        for i, tree in zip(idx, chains):
+            trees[i] = tree

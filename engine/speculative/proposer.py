@@ -32,6 +32,8 @@ from engine.sequence import Sequence
 from engine.speculative.adaptive import SpecPolicy
 from engine.speculative.features import ParentStats, level_features, parent_stats
 from engine.speculative.history import RowHistory
+from engine.speculative.drafter import DrafterContext, register
+from engine.speculative.methods import DraftPlan
 from engine.speculative.draft_tree import DEAD, DraftTree
 from engine.speculative.tree import SubTree, TreeTopology
 
@@ -173,19 +175,29 @@ class DraftModelProposer:
             for r in s_rows:
                 j = row_seq[r]
                 trees[j].q[parent_rows[j][r - first[j]]] = probs[r]
-        host = to_host(chosen)[0]  # the level's one sync: the tree's tokens are host data from here
-        self._place(trees, d, parent_rows, host.tolist(), first)
-        if self.policy is not None and self.policy.wants_features:
-            self._record_features(trees, d, parent_rows, first, frontier, parent_stats(
-                x, probs, st.greedy, chosen, self.policy.wants_full_features))
+        # the level's one read: its tokens, and what the policy learns from them (it runs on the host)
+        features = self.policy is not None and self.policy.wants_features
+        full = features and self.policy.wants_full_features
+        device_side = [chosen]
+        if features:
+            stats = parent_stats(x, probs, st.greedy, chosen, full)
+            device_side += [stats.q_children] + ([stats.entropy, stats.top_probs] if full else [])
+            device_side += [h for _, h in frontier] if full else []
+        host = to_host(*device_side)
+        self._place(trees, d, parent_rows, host[0].tolist(), first)
+        if features:
+            stats = ParentStats(host[1], host[2] if full else None, host[3] if full else None)
+            hidden = host[4:] if full else [None] * len(trees)
+            self._record_features(trees, d, parent_rows, first, hidden, stats)
 
     def _record_features(self, trees: list[DraftTree], d: int, parent_rows: list[list[int]], first: list[int],
-                         frontier: list[tuple[torch.Tensor, torch.Tensor]], stats: ParentStats) -> None:
-        full = self.policy.wants_full_features
+                         hidden: list[Optional[torch.Tensor]], stats: ParentStats) -> None:
+        """Host-side features of the level (``hidden[j]``: tree j's parents' draft hidden states, when
+        the policy wants them)."""
         for j, tree in enumerate(trees):
             rows = slice(first[j], first[j] + len(parent_rows[j]))
             tree.features.append(level_features(stats, rows, tree.sub.widths[d - 1], d,
-                                                tree.tokens[tree.sub.level(d)], frontier[j][1] if full else None))
+                                                tree.tokens[tree.sub.level(d)], hidden[j]))
 
     @staticmethod
     def _place(trees: list[DraftTree], d: int, parent_rows: list[list[int]], chosen: list[list[int]],
@@ -244,3 +256,31 @@ class DraftModelProposer:
             return logits[..., : self.vocab_size]
         pad = logits.new_full((*logits.shape[:-1], self.vocab_size - v), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
+
+
+@register
+class DraftTreeDrafter:
+    """The draft model's multi-candidate tree (method ``mcsd``, and the target-initialised mode's
+    chains below its candidates: the plan's ``init``)."""
+
+    name, stage = "draft-tree", 10
+
+    def __init__(self, proposer: DraftModelProposer) -> None:
+        self.proposer = proposer
+
+    @classmethod
+    def limits(cls, config, topology: TreeTopology) -> tuple[int, int]:
+        init = config.target_init_k * config.target_init_depth  # the (k, 1, ...) tree of the lossy mode
+        return max(topology.num_nodes, init), max(topology.num_nodes, init)
+
+    @classmethod
+    def build(cls, ctx: DrafterContext) -> Optional["DraftTreeDrafter"]:
+        return cls(ctx.proposer) if ctx.proposer is not None else None
+
+    def propose(self, seqs: list[Sequence], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
+        idx = [i for i, p in enumerate(plans) if p.sub.num_nodes > 0]
+        if not idx:
+            return
+        forced = [seqs[i].init_candidates if plans[i].init else None for i in idx]
+        for i, tree in zip(idx, self.proposer.propose([seqs[i] for i in idx], [plans[i].sub for i in idx], forced)):
+            trees[i] = tree

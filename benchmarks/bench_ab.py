@@ -1,0 +1,110 @@
+"""A/B two revisions of the engine with one benchmark, interleaved.
+
+    .venv/bin/python benchmarks/bench_ab.py --base REV [--rounds 2] -- benchmarks/bench_serving.py --concurrency 1,4
+
+The base revision is checked out into a temporary git worktree; the working tree (committed or not)
+is the other side.  Each round runs the benchmark once in each tree, the order alternating between
+rounds (base, head, then head, base, ...), so slow drift of a noisy machine hits both sides alike.
+Both sides use this interpreter and its packages.  Understood outputs: ``bench_serving.py`` (rows
+per mode and concurrency) and ``bench_spec.py`` (rows per config and temperature).  Prints a
+Markdown table of the means over rounds with head / base ratios and writes JSON
+(``--out``, default ``benchmarks/results/ab.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import machine  # noqa: E402
+
+SERVING = ("output_throughput_tok_s", "ttft_ms.p50", "e2e_ms.mean", "mean_accepted_length")
+SPEC = ("tok_s", "decode_tok_s", "block_eff")
+
+
+def rows_of(result: dict) -> dict[str, dict[str, float]]:
+    """``{row key: {metric: value}}`` for the benchmarks this script understands."""
+    out = {}
+    if "results" in result:  # bench_serving.py
+        for r in result["results"]:
+            key = f"{r['mode']} c={r['concurrency']}"
+            out[key] = {m: _get(r, m) for m in SERVING}
+    elif "rows" in result:  # bench_spec.py
+        for r in result["rows"]:
+            key = f"{r['config']} T={r['temperature']}"
+            out[key] = {m: _get(r, m) for m in SPEC}
+    else:
+        raise ValueError("unknown result format (expected bench_serving.py or bench_spec.py JSON)")
+    return out
+
+
+def _get(row: dict, path: str) -> float:
+    for part in path.split("."):
+        row = row.get(part) if isinstance(row, dict) else None
+    return float(row) if isinstance(row, (int, float)) else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="git revision to compare against (e.g. HEAD~3)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/ab.json")
+    args = ap.parse_args(argv[:split])
+    bench = argv[split + 1:]
+    if not bench:
+        ap.error("give the benchmark after --, e.g. -- benchmarks/bench_serving.py --concurrency 1,4")
+    base_rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout.strip()
+    head_rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip())
+    with tempfile.TemporaryDirectory(prefix="mcsd-ab-") as tmp:
+        tree = Path(tmp) / "base"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), base_rev], cwd=ROOT, check=True,
+                       capture_output=True)
+        try:
+            runs: dict[str, list[dict]] = {"base": [], "head": []}
+            for r in range(args.rounds):
+                order = ("base", "head") if r % 2 == 0 else ("head", "base")
+                for side in order:
+                    out = Path(tmp) / f"{side}-{r}.json"
+                    cwd = tree if side == "base" else ROOT
+                    cmd = [sys.executable, *bench, "--out", str(out)]
+                    print(f"round {r + 1}/{args.rounds}: {side} ({base_rev if side == 'base' else head_rev})",
+                          flush=True)
+                    subprocess.run(cmd, cwd=cwd, check=True)
+                    runs[side].append(rows_of(json.loads(out.read_text())))
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
+    table = []
+    for key in runs["base"][0]:
+        for metric in runs["base"][0][key]:
+            b = statistics.fmean(run[key][metric] for run in runs["base"])
+            h = statistics.fmean(run[key][metric] for run in runs["head"] if key in run)
+            table.append({"row": key, "metric": metric, "base": b, "head": h, "ratio": h / b if b else float("nan"),
+                          "base_runs": [run[key][metric] for run in runs["base"]],
+                          "head_runs": [run[key][metric] for run in runs["head"] if key in run]})
+    head_label = head_rev + ("+dirty" if dirty else "")
+    print(f"\n| row | metric | base {base_rev} | head {head_label} | head / base |\n|---|---|---|---|---|")
+    for t in table:
+        print(f"| {t['row']} | {t['metric']} | {t['base']:.2f} | {t['head']:.2f} | {t['ratio']:.3f} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"benchmark": "ab", "base": base_rev, "head": head_label, "rounds": args.rounds,
+                                    "command": bench, "machine": machine(), "table": table}, indent=2))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The drafter interface, and the registry of drafters by name.
+
+A drafter grows the step's trees.  The runner creates one empty :class:`DraftTree` per decoding
+sequence, then hands the batch to every drafter in stage order; each reads its own share of each
+sequence's :class:`~engine.speculative.methods.DraftPlan` (the planner wrote it) and grows, or
+replaces, the trees it has work for.  Verification does not care who drafted a node: every node
+carries its proposal events (``engine.speculative.draft_tree``), and a drafter whose trees need
+another rule than the lossless one says so with :attr:`Drafter.rule`.
+
+The drafters, in stage order:
+
+==================  ======  =========================================================  ==========
+name                stage   module                                                     rule
+==================  ======  =========================================================  ==========
+``draft-tree``      10      ``proposer``: the draft model's multi-candidate tree        tree
+                            (and the target-initialised mode's chains below its
+                            candidates, whose rule is ``target-init``)
+``cascade``         20      ``cascade``: the draft model reviewing Max-Gram's guesses   tree
+``mjsd``            30      ``mjsd``: beam search, verified by joint likelihood         joint
+``maxgram``         90      ``maxgram``: one-hot tails and root branches                tree
+==================  ======  =========================================================  ==========
+
+A new drafter is one module: a class with this interface, registered with :func:`register`, and a
+method in ``engine.speculative.methods`` naming it so requests can ask for it, plus its tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Protocol
+
+from engine.config import EngineConfig
+from engine.sequence import Sequence
+from engine.speculative.draft_tree import DraftTree
+from engine.speculative.methods import METHOD_DRAFTERS, DraftPlan
+from engine.speculative.tree import TreeTopology
+
+if TYPE_CHECKING:
+    from engine.speculative.maxgram import MaxGramDrafter
+    from engine.speculative.proposer import DraftModelProposer
+
+
+@dataclass
+class DrafterContext:
+    """What drafters are built from."""
+
+    config: EngineConfig
+    topology: TreeTopology  # the largest draft tree
+    maxgram: "MaxGramDrafter"
+    proposer: Optional["DraftModelProposer"] = None  # the draft model with its cache; None: no draft model
+
+
+class Drafter(Protocol):
+    name: str  # the registry key (methods name their drafters by it)
+    stage: int  # drafters run in increasing stage order within a step
+
+    @classmethod
+    def limits(cls, config: EngineConfig, topology: TreeTopology) -> tuple[int, int]:
+        """``(rows, entries)``: the most verification rows it adds to one tree, and the most
+        draft-cache entries it appends for one sequence in one step (the caches are sized from these)."""
+
+    @classmethod
+    def build(cls, ctx: DrafterContext) -> Optional["Drafter"]:
+        """The drafter for this engine, or None when it cannot run here (e.g. no draft model)."""
+
+    def propose(self, seqs: list[Sequence], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
+        """Grows (or replaces) ``trees[i]``, the step's tree of ``seqs[i]``, as ``plans[i]`` allows;
+        sequences whose plan gives this drafter nothing are left alone."""
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register(cls: type) -> type:
+    """Class decorator: registers a drafter under its ``name``."""
+    if cls.name in _REGISTRY:
+        raise ValueError(f"drafter {cls.name!r} is registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def build_drafters(ctx: DrafterContext) -> list[Drafter]:
+    """Every registered drafter this engine can run, in stage order."""
+    _load_builtin()
+    drafters = [d for d in (cls.build(ctx) for cls in _REGISTRY.values()) if d is not None]
+    return sorted(drafters, key=lambda d: d.stage)
+
+
+def limits(config: EngineConfig, topology: TreeTopology) -> tuple[int, int]:
+    """``(rows, entries)`` over every method: the most verification rows one tree may have beyond its
+    root, and the most draft-cache entries one sequence may append in a step (a method's drafters
+    add up: they grow the same tree)."""
+    _load_builtin()
+    rows = entries = 0
+    for stages in METHOD_DRAFTERS.values():
+        r, e = zip(*(_REGISTRY[name].limits(config, topology) for name in stages))
+        rows, entries = max(rows, sum(r)), max(entries, sum(e))
+    return rows, entries
+
+
+def registered() -> list[str]:
+    _load_builtin()
+    return list(_REGISTRY)
+
+
+def _load_builtin() -> None:
+    """Imports the modules whose import registers the built-in drafters."""
+    from engine.speculative import cascade, maxgram, mjsd, proposer  # noqa: F401

@@ -1,0 +1,157 @@
+"""One object decides each step's speculation for the batch: the planner.
+
+For every decoding sequence it writes a :class:`~engine.speculative.methods.DraftPlan`: how much each
+drafter of the request's method may draft this step.  It reads
+
+* the request (method, its own tree, ``max_depth``, ``adaptive``) and what it may still write;
+* the speculation policy's batch budget (``engine.speculative.adaptive``: the load-aware tree
+  budget, and whether a lagging draft cache's catch-up pays), when the engine is adaptive;
+* Max-Gram's suffix match: a match of ``maxgram_trust`` tokens or more makes the step Max-Gram's
+  alone (see ``engine.speculative.methods``), and the load-aware length chooser caps Max-Gram's
+  proposals per match class on the measured cost of verification rows.
+
+After the step, :meth:`Planner.observe` hands the outcome to the policy and to the length chooser,
+in one call.  Nothing else in the engine decides how much to draft: the runner drafts and verifies
+what the plans say, and the draft model's proposer asks the policy whether to grow a level.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Optional
+
+from engine.config import EngineConfig
+from engine.sequence import Sequence
+from engine.speculative.adaptive import SpecPolicy
+from engine.speculative.maxgram import MATCH_CLASSES, LengthChooser, MaxGramDrafter, match_class
+from engine.speculative.methods import (
+    CASCADE, MAXGRAM, MCSD, MCSD_MAXGRAM, MJSD_LOSSY, TARGET_INIT_LOSSY, DraftPlan,
+)
+from engine.speculative.tree import SubTree, TreeTopology
+
+if TYPE_CHECKING:
+    from engine.runner import SeqStepResult
+
+
+class Planner:
+    def __init__(self, config: EngineConfig, topology: TreeTopology, init_topology: TreeTopology,
+                 maxgram: MaxGramDrafter, policy: Optional[SpecPolicy] = None,
+                 lengths: Optional[LengthChooser] = None) -> None:
+        """``topology``: the largest tree; ``init_topology``: the target-initialised mode's (k, 1, ...);
+        ``lengths``: Max-Gram's load-aware length chooser (None: proposals are capped only by the config)."""
+        self.config = config
+        self.topology = topology
+        self.init_topology = init_topology
+        self.maxgram = maxgram
+        self.policy = policy
+        self.lengths = lengths
+
+    def plan(self, seqs: list[Sequence]) -> list[DraftPlan]:
+        """This step's plan of every sequence, in order."""
+        budget = self.policy.budget(seqs) if self.policy is not None else None
+        plans = [self._trust(seq, self._plan(seq, budget)) for seq in seqs]
+        return self._cap_maxgram(seqs, plans)
+
+    def observe(self, results: list["SeqStepResult"], plans: list[DraftPlan]) -> None:
+        """Learns from the step: ``results`` and the plans they followed, in the same order."""
+        self._observe_maxgram(results, plans)
+        if self.policy is not None:
+            self.policy.observe(results)
+
+    def _trust(self, seq: Sequence, plan: DraftPlan) -> DraftPlan:
+        """Max-Gram alone for this step when the context ends in a long suffix match; the choice reads
+        only the context, so it cannot bias the output."""
+        if not plan.trust or not plan.maxgram:
+            return plan
+        match = self.maxgram.root_match(seq)
+        if match is None or match < plan.trust:
+            return plan
+        return DraftPlan(plan.method, self.topology.subtree(()), maxgram=plan.maxgram,
+                         branches=max(plan.branches, 1), trusted=True)
+
+    def _cap_maxgram(self, seqs: list[Sequence], plans: list[DraftPlan]) -> list[DraftPlan]:
+        """Caps Max-Gram's root proposals by the load-aware length chooser, per match class.  A trusted
+        sequence drafts nothing else (:meth:`_trust`), so it adds no draft-tree rows; a cap of 0 makes
+        it decode plainly this step, as priced."""
+        if self.lengths is None:
+            return plans
+        match = [self.maxgram.root_match(s) if p.maxgram and p.branches and s.request.spec.adaptive is not False
+                 else None for s, p in zip(seqs, plans)]
+        if all(m is None for m in match):
+            return plans
+        counts = [0] * MATCH_CLASSES
+        others = 0
+        for m, p in zip(match, plans):
+            if m is None:
+                others += 1 + p.sub.num_nodes + p.cascade + p.tail + p.mjsd + p.maxgram * p.branches
+            else:
+                counts[match_class(m)] += 1
+                others += p.sub.num_nodes + p.tail  # zero for a trusted plan
+        caps = self.lengths.choose(counts, others)
+        return [p if m is None else replace(p, maxgram=min(p.maxgram, caps[match_class(m)]),
+                                            maxgram_class=match_class(m))
+                for m, p in zip(match, plans)]
+
+    def _observe_maxgram(self, results: list[SeqStepResult], plans: list[DraftPlan]) -> None:
+        if self.lengths is None:
+            return
+        for res, plan in zip(results, plans):
+            tree = res.tree
+            if tree.tokens and not tree.num_sub and tree.draft_index is None and plan.maxgram_class is not None:
+                # Max-Gram alone drafted it (also when trusting it replaced the draft model)
+                self.lengths.observe(plan.maxgram_class, max(tree.depths()), len(res.result.accepted),
+                                             plan.maxgram)
+
+    def _plan(self, seq: Sequence, budget: Optional[tuple[int, ...]] = None) -> DraftPlan:
+        """What each drafter of the request's method may draft this step.  The budget caps the draft
+        model's tree (a budget of plain decoding also stops the vertical cascade, which runs the draft
+        model); Max-Gram has no drafting cost and always proposes."""
+        spec, cfg = seq.request.spec, self.config
+        empty = self.topology.subtree(())
+        if spec.adaptive is False:
+            budget = None  # this request asked for its whole tree every step
+        elif budget != () and seq.draft_slot is not None and self.policy is not None \
+                and not self.policy.catch_up_pays(seq):
+            budget = ()  # the draft lags too far behind for this request to gain from catching up (or
+            # this is its first token, which never waits for the draft to read the prompt)
+        room = seq.remaining - 1
+        if spec.max_depth is not None:
+            room = min(room, spec.max_depth)
+        if spec.enabled and spec.method == TARGET_INIT_LOSSY and seq.draft_slot is not None:
+            if seq.init_candidates is None:  # the first step only draws candidates
+                return DraftPlan(TARGET_INIT_LOSSY, empty, init=True)
+            depth = min(cfg.target_init_depth, room + 1)  # the candidate itself, then its chain
+            return DraftPlan(TARGET_INIT_LOSSY, self.init_topology.subtree(self.init_topology.widths[:depth]),
+                             init=True)
+        if not spec.enabled or room <= 0:
+            return DraftPlan(spec.method or MCSD, empty)
+        if spec.method == MAXGRAM:
+            return DraftPlan(MAXGRAM, empty, maxgram=min(cfg.maxgram_len, room), branches=cfg.maxgram_branches)
+        if seq.draft_slot is None:
+            return DraftPlan(spec.method, empty)
+        if spec.method == MJSD_LOSSY:
+            return DraftPlan(MJSD_LOSSY, empty, mjsd=min(cfg.mjsd_depth, room) if budget != () else 0)
+        if spec.method == CASCADE:
+            depth = min(cfg.cascade_depth, room) if budget != () else 0
+            return DraftPlan(CASCADE, empty, maxgram=min(cfg.maxgram_len, room), cascade=depth,
+                             tail=min(cfg.maxgram_tail, room - depth), trust=cfg.maxgram_trust)
+        sub = self._subtree(seq, budget)
+        if spec.method == MCSD_MAXGRAM:
+            return DraftPlan(MCSD_MAXGRAM, sub, maxgram=min(cfg.maxgram_len, room), branches=cfg.maxgram_branches,
+                             tail=min(cfg.maxgram_tail, room - sub.max_depth) if sub.num_nodes else 0,
+                             trust=cfg.maxgram_trust)
+        return DraftPlan(MCSD, sub)
+
+    def _subtree(self, seq: Sequence, budget: Optional[tuple[int, ...]] = None) -> SubTree:
+        """The largest tree this sequence may draft this step: its request's tree (or the engine's),
+        within the step's budget (a width config; ``None`` = no cap), its max_depth and what remains."""
+        spec = seq.request.spec
+        if not spec.enabled or seq.draft_slot is None:
+            return self.topology.subtree(())
+        widths = spec.tree if spec.tree is not None else self.topology.widths
+        if budget is not None:
+            widths = tuple(min(a, b) for a, b in zip(widths, budget))
+        depth = min(len(widths), seq.remaining - 1)
+        if spec.max_depth is not None:
+            depth = min(depth, spec.max_depth)
+        return self.topology.subtree(tuple(widths[: max(depth, 0)]))
