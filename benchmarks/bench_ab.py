@@ -1,9 +1,9 @@
 """A/B two revisions of the engine with one benchmark, interleaved.
 
-    .venv/bin/python benchmarks/bench_ab.py --base REV [--rounds 2] -- benchmarks/bench_serving.py --concurrency 1,4
+    .venv/bin/python benchmarks/bench_ab.py --base REV [--head HEAD] [--rounds 2] -- benchmarks/bench_serving.py --concurrency 1,4
 
-The base revision is checked out into a temporary git worktree; the working tree (committed or not)
-is the other side.  Each round runs the benchmark once in each tree, the order alternating between
+Both revisions are checked out into temporary git worktrees (so edits in the working tree during a
+long run change nothing).  Each round runs the benchmark once in each tree, the order alternating between
 rounds (base, head, then head, base, ...), so slow drift of a noisy machine hits both sides alike.
 Both sides use this interpreter and its packages.  Understood outputs: ``bench_serving.py`` (rows
 per mode and concurrency) and ``bench_spec.py`` (rows per config and temperature).  Prints a
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, help="git revision to compare against (e.g. HEAD~3)")
+    ap.add_argument("--head", default="HEAD", help="git revision under test (default: HEAD, committed)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/ab.json")
     args = ap.parse_args(argv[:split])
@@ -65,28 +66,28 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give the benchmark after --, e.g. -- benchmarks/bench_serving.py --concurrency 1,4")
     base_rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout.strip()
-    head_rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
+    head_rev = subprocess.run(["git", "rev-parse", "--short", args.head], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip())
     with tempfile.TemporaryDirectory(prefix="mcsd-ab-") as tmp:
-        tree = Path(tmp) / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), base_rev], cwd=ROOT, check=True,
-                       capture_output=True)
+        trees = {"base": Path(tmp) / "base", "head": Path(tmp) / "head"}
+        for side, rev in (("base", base_rev), ("head", head_rev)):
+            subprocess.run(["git", "worktree", "add", "--detach", str(trees[side]), rev], cwd=ROOT, check=True,
+                           capture_output=True)
         try:
             runs: dict[str, list[dict]] = {"base": [], "head": []}
             for r in range(args.rounds):
                 order = ("base", "head") if r % 2 == 0 else ("head", "base")
                 for side in order:
                     out = Path(tmp) / f"{side}-{r}.json"
-                    cwd = tree if side == "base" else ROOT
+                    cwd = trees[side]
                     cmd = [sys.executable, *bench, "--out", str(out)]
                     print(f"round {r + 1}/{args.rounds}: {side} ({base_rev if side == 'base' else head_rev})",
                           flush=True)
                     subprocess.run(cmd, cwd=cwd, check=True)
                     runs[side].append(rows_of(json.loads(out.read_text())))
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
+            for tree in trees.values():
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
     table = []
     for key in runs["base"][0]:
         for metric in runs["base"][0][key]:
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             table.append({"row": key, "metric": metric, "base": b, "head": h, "ratio": h / b if b else float("nan"),
                           "base_runs": [run[key][metric] for run in runs["base"]],
                           "head_runs": [run[key][metric] for run in runs["head"] if key in run]})
-    head_label = head_rev + ("+dirty" if dirty else "")
+    head_label = head_rev
     print(f"\n| row | metric | base {base_rev} | head {head_label} | head / base |\n|---|---|---|---|---|")
     for t in table:
         print(f"| {t['row']} | {t['metric']} | {t['base']:.2f} | {t['head']:.2f} | {t['ratio']:.3f} |")
