@@ -2,48 +2,61 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from engine.speculative.methods import check_method
+from engine.speculative.methods import METHODS, check_method
 from engine.speculative.tree import parse_widths
+
+
+def setting(default, help: str, *, server: bool = True, **bounds):  # noqa: A002 - the field's help text
+    """An :class:`EngineConfig` field with its help text and bounds (``ge``, ``gt``, ``le``, ``lt``,
+    ``choices``): the one declaration the server's settings, flags and environment variables are
+    generated from (``server.settings``).  ``server=False`` keeps a field out of the server's settings."""
+    return field(default=default, metadata={"help": help, "server": server, **bounds})
 
 
 @dataclass
 class EngineConfig:
-    max_batch: int = 8  # sequences decoding together
-    max_model_len: int = 4096  # prompt + output tokens per sequence
-    tree: tuple[int, ...] = (4, 2, 2)  # largest draft tree (width per depth); () = no speculation
-    prefill_chunk: int = 512  # prompt tokens prefilled per step, so running streams keep flowing
-    without_replacement: bool = True  # draw sibling candidates without replacement
-    # adaptive speculation (engine.speculative.adaptive): stop drafting when 1 - prod(y_hat) > threshold on
-    # every branch, within [adaptive_min_depth, adaptive_max_depth]; load-aware tree budget per step
-    adaptive: bool = False
-    adaptive_threshold: float = 0.5  # h of the SpecDec++ rule, in [0, 1]
-    adaptive_min_depth: int = 1
-    adaptive_max_depth: Optional[int] = None  # None = the tree's depth
-    acceptance_heads: tuple[str, ...] = ()  # acceptance head files (one per temperature); none = online calibration
-    load_aware: bool = True  # measure the cost curve at start-up and choose the budget per step
+    """Everything the engine is configured with; each field also is a server setting (``--flag``,
+    ``MCSD_FLAG``, a preset key) unless marked otherwise."""
+
+    max_batch: int = setting(8, "sequences decoding together", ge=1)
+    max_model_len: int = setting(4096, "context length, prompt + output (capped by the model's)", ge=2)
+    tree: tuple[int, ...] = setting((4, 2, 2), "largest draft tree, widths per depth, e.g. 4,2,2 (empty: no "
+                                    "speculation)")
+    prefill_chunk: int = setting(512, "prompt tokens prefilled per step, so running streams keep flowing", ge=1)
+    without_replacement: bool = setting(True, "draw sibling candidates without replacement", server=False)
+    # adaptive speculation (engine.speculative.adaptive)
+    adaptive: bool = setting(False, "adapt tree depth per step (SpecDec++ threshold) and the budget to load")
+    adaptive_threshold: float = setting(0.5, "stop drafting when 1 - prod(p_accept) > h", ge=0.0, le=1.0)
+    adaptive_min_depth: int = setting(1, "adaptive: always draft at least this deep", ge=1)
+    adaptive_max_depth: Optional[int] = setting(None, "adaptive: never deeper than this (default: the tree's)", ge=1)
+    acceptance_heads: tuple[str, ...] = setting((), "trained acceptance head files, comma separated (one per "
+                                                "temperature); none = online calibration")
+    load_aware: bool = setting(True, "measure the cost curve at start-up and choose the budget per step")
     # drafters (engine.speculative.methods): the method requests get when they do not name one, and its knobs
-    spec_method: str = "mcsd"
-    maxgram_len: int = 8  # most tokens a Max-Gram proposal from the root holds
-    maxgram_branches: int = 1  # Max-Gram proposals (distinct first tokens) from the root
-    maxgram_max_ngram: int = 4  # longest suffix tried
-    maxgram_min_ngram: int = 1  # shortest suffix accepted as a match
-    maxgram_corpus: Optional[str] = None  # text / prompts JSON for the bigram fallback; None = no bigrams
-    maxgram_tail: int = 4  # horizontal cascade: Max-Gram tokens after the deepest drafted path
-    cascade_depth: int = 4  # vertical cascade: tokens the draft model writes reviewing Max-Gram's guesses
-    maxgram_trust: int = 3  # a suffix match this long skips the draft model for the step (0 = never)
-    mjsd_beam: int = 4  # MJSD (lossy): draft beam width
-    mjsd_depth: int = 4  # MJSD: tokens per step
-    mjsd_tau: float = 0.5  # MJSD: accept while the cumulative log p/q stays above log tau
-    target_init_k: int = 3  # target-initialised (lossy): candidate roots per step
-    target_init_depth: int = 3  # target-initialised: tokens per candidate, itself included
-    # the draft's output layer cut to its most frequent tokens (lossless; engine.models.vocab); 0 = whole vocabulary
-    draft_vocab: int = 0
-    draft_vocab_file: Optional[str] = None  # token ranking (most frequent first) the cut reads
-    draft_int8: bool = False  # the draft's linears in Q8_0 blocks, int8 per 32 weights (lossless; CPU; engine.models.qweight)
+    spec_method: str = setting("mcsd", "drafter for requests that do not say", choices=METHODS)
+    maxgram_len: int = setting(8, "most tokens per Max-Gram proposal from the root", ge=1, le=64)
+    maxgram_branches: int = setting(1, "Max-Gram proposals (distinct first tokens) per step", ge=1, le=8)
+    maxgram_max_ngram: int = setting(4, "longest suffix Max-Gram tries", ge=1, le=16)
+    maxgram_min_ngram: int = setting(1, "shortest suffix Max-Gram accepts as a match", ge=1, le=16)
+    maxgram_corpus: Optional[str] = setting(None, "text or prompts JSON for Max-Gram's bigram fallback")
+    maxgram_tail: int = setting(4, "Max-Gram tokens after the deepest drafted path (horizontal cascade)", ge=0, le=64)
+    cascade_depth: int = setting(4, "tokens the draft writes reviewing Max-Gram (cascade)", ge=0, le=64)
+    maxgram_trust: int = setting(3, "a suffix match this long skips the draft model for the step (0 = never)",
+                                 ge=0, le=64)
+    mjsd_beam: int = setting(4, "MJSD (lossy, opt-in): draft beam width", ge=1, le=16)
+    mjsd_depth: int = setting(4, "MJSD: tokens drafted per step", ge=1, le=32)
+    mjsd_tau: float = setting(0.5, "MJSD: joint likelihood-ratio threshold", gt=0.0, le=1.0)
+    target_init_k: int = setting(3, "target-initialised (lossy, opt-in): candidate roots", ge=1, le=16)
+    target_init_depth: int = setting(3, "target-initialised: tokens per candidate chain", ge=1, le=32)
+    draft_vocab: int = setting(0, "draft output layer cut to this many most frequent tokens (lossless; 0 = whole "
+                               "vocabulary)", ge=0)
+    draft_vocab_file: Optional[str] = setting(None, "token ranking the cut reads (python -m tools.rank_vocab)")
+    draft_int8: bool = setting(False, "draft model's linears in Q8_0 blocks, int8 per 32 weights (lossless: only "
+                               "the draft changes; CPU only)")
 
     def __post_init__(self) -> None:
         self.tree = parse_widths(self.tree)

@@ -25,7 +25,6 @@ def build_core(settings: Settings):
     """Loads target and draft and builds the :class:`EngineCore` (runs on the engine thread)."""
     import torch
 
-    from engine.config import EngineConfig
     from engine.core import EngineCore
     from engine.models.loader import load_model
 
@@ -38,20 +37,7 @@ def build_core(settings: Settings):
     if settings.draft_model:
         log.info("loading draft %s", settings.draft_model)
         draft = load_model(settings.draft_model, settings.dtype, settings.device, **weights)
-    extra = {"max_model_len": settings.max_model_len} if settings.max_model_len else {}
-    if settings.acceptance_heads:
-        extra["acceptance_heads"] = tuple(h.strip() for h in settings.acceptance_heads.split(",") if h.strip())
-    config = EngineConfig(max_batch=settings.max_batch, tree=settings.tree, prefill_chunk=settings.prefill_chunk,
-                          adaptive=settings.adaptive,
-                          adaptive_threshold=settings.adaptive_threshold, spec_method=settings.spec_method,
-                          maxgram_len=settings.maxgram_len, maxgram_branches=settings.maxgram_branches,
-                          maxgram_corpus=settings.maxgram_corpus, maxgram_tail=settings.maxgram_tail,
-                          cascade_depth=settings.cascade_depth, maxgram_trust=settings.maxgram_trust,
-                          mjsd_beam=settings.mjsd_beam, mjsd_depth=settings.mjsd_depth, mjsd_tau=settings.mjsd_tau,
-                          target_init_k=settings.target_init_k, target_init_depth=settings.target_init_depth,
-                          draft_vocab=settings.draft_vocab, draft_vocab_file=settings.draft_vocab_file,
-                          draft_int8=settings.draft_int8, **extra)
-    # The single place where the server builds the engine core.
+    config = settings.engine_config()
     core = EngineCore(target, draft, config, model_name=settings.model_id)
     log.info("engine ready: context %d tokens, tree %s, default method %s, max batch %d", core.max_model_len,
              list(settings.tree) if draft else "none (no draft model)", settings.spec_method, settings.max_batch)

@@ -10,15 +10,18 @@ with a message naming the field and where the value came from.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+import typing
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
-from engine.speculative.methods import METHODS
+from engine.config import EngineConfig
+
 from engine.speculative.tree import parse_widths
 
 if sys.version_info >= (3, 11):
@@ -35,7 +38,9 @@ class SettingsError(ValueError):
     """Invalid settings; the message is meant for the person starting the server."""
 
 
-class Settings(BaseModel):
+class ServerSettings(BaseModel):
+    """The server's own settings; :data:`Settings` adds every field of ``EngineConfig``."""
+
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
     model: Optional[str] = Field(None, description="target model: pack name, HF directory, GGUF file or hub id")
@@ -51,36 +56,8 @@ class Settings(BaseModel):
     threads: Optional[int] = Field(None, ge=1, description="CPU threads for torch (default: torch's choice)")
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind (0 = any free port)")
-    tree: tuple[int, ...] = Field((4, 2, 2), description="largest draft tree, widths per depth, e.g. 4,2,2")
     spec_enabled: bool = Field(True, description="speculate for requests that do not say")
-    adaptive: bool = Field(False, description="adapt tree depth per step (SpecDec++ threshold) and budget to load")
-    adaptive_threshold: float = Field(0.5, ge=0.0, le=1.0, description="stop drafting when 1 - prod(p_accept) > h")
-    acceptance_heads: Optional[str] = Field(None, description="trained acceptance head files, comma separated")
-    spec_method: Literal[METHODS] = Field("mcsd", description="drafter for requests that do not say: "
-                                          + ", ".join(METHODS))
-    maxgram_len: int = Field(8, ge=1, le=64, description="most tokens per Max-Gram proposal from the root")
-    maxgram_branches: int = Field(1, ge=1, le=8, description="Max-Gram proposals (distinct first tokens) per step")
-    maxgram_corpus: Optional[str] = Field(None, description="text or prompts JSON for Max-Gram's bigram fallback")
-    maxgram_tail: int = Field(4, ge=0, le=64, description="Max-Gram tokens after the deepest drafted path "
-                                                         "(horizontal cascade)")
-    cascade_depth: int = Field(4, ge=0, le=64, description="tokens the draft writes reviewing Max-Gram (cascade)")
-    maxgram_trust: int = Field(3, ge=0, le=64, description="a suffix match this long skips the draft model "
-                                                          "for the step (0 = never)")
-    mjsd_beam: int = Field(4, ge=1, le=16, description="MJSD (lossy, opt-in): draft beam width")
-    mjsd_depth: int = Field(4, ge=1, le=32, description="MJSD: tokens drafted per step")
-    mjsd_tau: float = Field(0.5, gt=0.0, le=1.0, description="MJSD: joint likelihood-ratio threshold")
-    target_init_k: int = Field(3, ge=1, le=16, description="target-initialised (lossy, opt-in): candidate roots")
-    target_init_depth: int = Field(3, ge=1, le=32, description="target-initialised: tokens per candidate chain")
-    draft_vocab: int = Field(0, ge=0, description="draft output layer cut to this many most frequent tokens "
-                                                  "(lossless; 0 = whole vocabulary)")
-    draft_vocab_file: Optional[str] = Field(None, description="token ranking the cut reads "
-                                                              "(python -m tools.rank_vocab)")
-    draft_int8: bool = Field(False, description="draft model's linears in Q8_0 blocks, int8 per 32 weights "
-                                                "(lossless: only the draft changes; CPU only)")
-    max_batch: int = Field(8, ge=1, description="sequences decoding together")
     max_queue: int = Field(64, ge=1, description="requests waiting for a slot before 429")
-    max_model_len: Optional[int] = Field(None, ge=2, description="context length (default: the model's)")
-    prefill_chunk: int = Field(512, ge=1, description="prompt tokens prefilled per step")
     api_key: Optional[str] = Field(None, description="require 'Authorization: Bearer <key>' on /v1/*")
     metrics_auth: bool = Field(False, description="require the API key on /metrics too")
     health_auth: bool = Field(False, description="require the API key on /health too")
@@ -92,25 +69,26 @@ class Settings(BaseModel):
                                      "request body before a 408")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
-    @field_validator("tree", mode="before")
+    @field_validator("tree", mode="before", check_fields=False)
     @classmethod
     def _parse_tree(cls, v: Any) -> tuple[int, ...]:
         return parse_widths(v)
 
-    @field_validator("maxgram_corpus")
+    @field_validator("maxgram_corpus", check_fields=False)
     @classmethod
     def _find_corpus(cls, v: Optional[str]) -> Optional[str]:
         return _shipped(v)
 
-    @field_validator("draft_vocab_file")
+    @field_validator("draft_vocab_file", check_fields=False)
     @classmethod
     def _find_ranking(cls, v: Optional[str]) -> Optional[str]:
         return _shipped(v)
 
-    @field_validator("acceptance_heads")
+    @field_validator("acceptance_heads", mode="before", check_fields=False)
     @classmethod
-    def _find_heads(cls, v: Optional[str]) -> Optional[str]:
-        return ",".join(_shipped(p.strip()) for p in v.split(",") if p.strip()) if v else v
+    def _find_heads(cls, v: Any) -> tuple[str, ...]:
+        paths = v.split(",") if isinstance(v, str) else (v or ())
+        return tuple(_shipped(str(p).strip()) for p in paths if str(p).strip())
 
     @field_validator("cors_origins", mode="before")
     @classmethod
@@ -136,6 +114,30 @@ class Settings(BaseModel):
     def model_id(self) -> str:
         """The name clients must send as ``model``."""
         return self.served_model_name or self.model or "default"
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration: every ``EngineConfig`` field, as these settings say."""
+        return EngineConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)
+                               if f.name in type(self).model_fields})
+
+
+def _engine_fields() -> dict[str, Any]:
+    """Pydantic fields for every server-visible ``EngineConfig`` field, from its declaration
+    (``engine.config.setting``): type, default, help text and bounds."""
+    hints = typing.get_type_hints(EngineConfig)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineConfig):
+        meta = f.metadata
+        if not meta.get("server", True):
+            continue
+        kind = Literal[tuple(meta["choices"])] if "choices" in meta else hints[f.name]
+        bounds = {k: meta[k] for k in ("ge", "gt", "le", "lt") if k in meta}
+        out[f.name] = (kind, Field(f.default, description=meta.get("help", ""), **bounds))
+    return out
+
+
+Settings = create_model("Settings", __base__=ServerSettings, __module__=__name__, **_engine_fields())
+Settings.__doc__ = "Server settings: the server's own (:class:`ServerSettings`) and every ``EngineConfig`` field."
 
 
 def _shipped(path: Optional[str]) -> Optional[str]:

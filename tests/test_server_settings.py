@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from server.__main__ import main
-from server.settings import CONFIG_DIR, SettingsError, load_settings
+from server.settings import CONFIG_DIR, Settings, SettingsError, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,7 +47,7 @@ def test_relative_shipped_files_resolve_from_anywhere(tmp_path, monkeypatch):
                        "--draft-vocab", "32768", "--draft-vocab-file", "configs/draft_vocab/qwen2.5.safetensors"], {})
     assert Path(s.maxgram_corpus) == ROOT / "benchmarks/prompts/train.json"
     assert (s.draft_vocab, Path(s.draft_vocab_file)) == (32768, ROOT / "configs/draft_vocab/qwen2.5.safetensors")
-    assert s.acceptance_heads.split(",") == [str(ROOT / "benchmarks/prompts/bench.json"), "no/such/head.safetensors"]
+    assert s.acceptance_heads == (str(ROOT / "benchmarks/prompts/bench.json"), "no/such/head.safetensors")
 
 
 @pytest.mark.parametrize("argv, env, fragment", [
@@ -122,3 +122,27 @@ def test_cli_exits_1_when_loading_fails(tmp_path):
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 1 and "model loading failed" in proc.stderr
+
+
+def test_engine_settings_come_from_the_engine_config_alone():
+    """Every server-visible EngineConfig field is a setting with its declared default, help and bounds,
+    settable by flag, environment and preset, and ``engine_config()`` hands it over unchanged."""
+    import dataclasses
+
+    from engine.config import EngineConfig
+
+    fields = [f for f in dataclasses.fields(EngineConfig) if f.metadata.get("server", True)]
+    assert {f.name for f in fields} <= set(Settings.model_fields)
+    assert "without_replacement" not in Settings.model_fields  # marked server=False
+    for f in fields:
+        info = Settings.model_fields[f.name]
+        assert info.default == f.default and info.description == f.metadata["help"], f.name
+    s = load_settings(["--maxgram-max-ngram", "3", "--adaptive-min-depth", "2", "--no-load-aware"],
+                      {"MCSD_MJSD_TAU": "0.25"})
+    config = s.engine_config()
+    assert (config.maxgram_max_ngram, config.adaptive_min_depth, config.load_aware, config.mjsd_tau) == (3, 2, False, 0.25)
+    assert config.tree == EngineConfig().tree and config.max_batch == EngineConfig().max_batch
+    with pytest.raises(SettingsError, match="maxgram_branches .*--maxgram-branches.*less than or equal to 8"):
+        load_settings(["--maxgram-branches", "9"], {})
+    with pytest.raises(SettingsError, match="spec_method"):
+        load_settings(["--spec-method", "nope"], {})
