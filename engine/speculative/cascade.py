@@ -161,7 +161,7 @@ def review_batch(probs: list[torch.Tensor], guesses: list[list[int]], rooms: lis
     """:func:`review_guess` for several chains, as tensor operations on the draft's device with one
     read of the outcome.  ``uniforms[j]`` (host, ``len(guess) + 1``; ``None`` when greedy):
     ``u[i]`` decides ``guess[i]``, ``u[-1]`` draws the final token.  :func:`review_guess` with
-    :class:`ReviewCoins` over the same numbers gives the same result (``tests/test_drafters.py``)."""
+    :class:`ReviewCoins` over the same numbers gives the same result (``tests/engine/speculative/test_drafters.py``)."""
     if not probs:
         return []
     dev = probs[0].device

@@ -24,7 +24,7 @@ ordinary speculative-sampling step whose candidate has exactly the stated law gi
 before it (Max-Gram's token is a function of the context; the draft's samples do not depend on it),
 so by induction over the events the emitted token has law ``p``; a second event for a token already
 rejected simply has acceptance probability 0 (``p(x)`` was zeroed by the residual) but still updates
-the residual, as the proof requires.  ``tests/test_drafters.py`` checks this distributionally.
+the residual, as the proof requires.  ``tests/engine/speculative/test_drafters.py`` checks this distributionally.
 Duplicate one-hot proposals of the same token at the same row (two Max-Gram branches with a shared
 prefix) are one event: a deterministic proposal repeated carries no new information.
 """

@@ -12,7 +12,7 @@ residual ``norm((p - q)+)`` when the kept chain ended in a rejected draft token,
 ``k = 1`` the mode is exactly speculative sampling and all of its bias comes from the selection).
 
 Why it is lossy: choosing among target samples by how well the *draft* continues them favours
-tokens the draft likes; the chi-square harness measures the bias (``tests/test_lossless.py``).
+tokens the draft likes; the chi-square harness measures the bias (``tests/engine/speculative/test_lossless.py``).
 
 Bookkeeping: the last emitted token of a step stays out of the target cache (the engine's invariant:
 the root is uncached), so the next block is ``[root, candidates, chains]`` exactly like any tree.  A

@@ -27,7 +27,7 @@ Random numbers come from each request's seeded generator, ``rows * (events + 1)`
 own tree, drawn in one call per step (:func:`draw_tables`), so a seeded request draws the same
 numbers whatever shares its batch (its tree itself may still depend on load: adaptive speculation).
 The per-row walk driven by the same table (:class:`TableCoins`) gives identical results
-(``tests/test_verify.py``), which carries the walk's exact-law proofs over to this module.
+(``tests/engine/speculative/test_verify.py``), which carries the walk's exact-law proofs over to this module.
 """
 
 from __future__ import annotations

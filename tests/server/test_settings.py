@@ -15,8 +15,8 @@ import pytest
 
 from server.__main__ import main
 from server.settings import CONFIG_DIR, Settings, SettingsError, load_settings
+from tests import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_defaults_and_precedence(tmp_path):

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.fakes import FakeCore
-from tests.test_server import MODEL, client, error_of, fill_the_queue, serve, wait_until
+from tests.server.test_app import MODEL, client, error_of, fill_the_queue, serve, wait_until
 
 
 @pytest.fixture(scope="module")

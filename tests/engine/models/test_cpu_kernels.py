@@ -7,7 +7,6 @@ whatever the other rows are and whatever the thread count.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models import cpu_kernels
+from tests import ROOT
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason=f"bf16 CPU kernels unavailable: {cpu_kernels.unavailable_reason()}"
@@ -233,7 +233,7 @@ def test_should_use_and_env_override(monkeypatch):
 def test_second_process_reuses_the_build():
     # The extension was built (or loaded) by this process; a new one must not compile again.
     code = "from engine.models import cpu_kernels as c; import sys; sys.exit(0 if c.available() else 1)"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
     )

@@ -16,7 +16,7 @@ from engine.speculative.walk import residual, verify_sampled
 from engine.request import GenerationRequest, SamplingParams
 from tests.engine_utils import run_engine
 from tests.exact_law import Replay, enumerate_law
-from tests.test_tree import fresh_mask
+from tests.engine.speculative.test_tree import fresh_mask
 from tests.tiny import tiny_loaded
 
 

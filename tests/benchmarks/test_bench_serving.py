@@ -1,5 +1,5 @@
 """The serving benchmark end to end: it starts ``python -m server --config tiny-test`` on tiny random HF
-directories made here (as tests/test_server_settings.py does), runs two concurrency levels in both modes,
+directories made here (as tests/server/test_settings.py does), runs two concurrency levels in both modes,
 stops the server and writes its JSON; plus the pure helpers (percentiles, token attribution, goals)."""
 
 from __future__ import annotations

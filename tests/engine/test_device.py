@@ -11,7 +11,6 @@ from engine.core import EngineCore
 from engine.request import GenerationRequest, SamplingParams, SpecOptions
 from engine.speculative.methods import METHODS
 from tests.device_check import DeviceCheck, mark_engine
-from tests.tiny import tiny_loaded
 
 #: one request per sampling feature (a batch of 8 mixes them all)
 FEATURES = {
@@ -26,9 +25,9 @@ FEATURES = {
 }
 
 
-@pytest.fixture(scope="module")
-def pair():
-    return tiny_loaded("llama", seed=0), tiny_loaded("llama", seed=1, layers=1)
+@pytest.fixture
+def pair(tiny_pair):
+    return tiny_pair
 
 
 def run_checked(pair, method: str, features: list[str], tree=(2, 1, 1), max_tokens: int = 10, **config):

@@ -54,7 +54,7 @@ def test_a_quantized_model_matches_its_dequantized_copy(kind):
     assert weight_bytes(q) < weight_bytes(lm.model)
     ids = [5, 17, 3, 99, 42, 7, 7, 1]
     got, want = logits(q, ids), logits(dequantized_copy(q), ids)
-    # the kernels round activations to int8 per 32 (exactness is tests/test_qweight.py's); through a
+    # the kernels round activations to int8 per 32 (exactness is tests/engine/models/test_qweight.py's); through a
     # whole model that stays within 2% of the largest logit, a wiring bug would be of order 1
     assert (got - want).abs().max() < 2e-2 * want.abs().max()
     # and Q8_0 stays close to the original fp32 weights
@@ -121,7 +121,7 @@ def test_the_smollm_pack_runs_in_its_own_blocks():
     ids = native.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n", add_special_tokens=False)
     got, want = logits(native.model, ids), logits(dense.model, ids)
     # int8 activations (per 32, as llama.cpp does) against fp32 math on the same weights: measured 5-8%
-    # relative L2 at worst over these positions, every greedy token the same (tests/test_qweight.py has
+    # relative L2 at worst over these positions, every greedy token the same (tests/engine/models/test_qweight.py has
     # the exact per-kernel bounds)
     assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.12
     assert torch.equal(got.argmax(-1), want.argmax(-1))

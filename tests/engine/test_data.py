@@ -17,8 +17,9 @@ from engine.data import (
     load_sharegpt_first_turns,
     looks_english,
 )
+from tests import ROOT
 
-PROMPTS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts"
+PROMPTS_DIR = ROOT / "benchmarks" / "prompts"
 
 
 def write_json(path: Path, data: Any) -> Path:
