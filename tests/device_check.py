@@ -74,9 +74,11 @@ class DeviceViolation(RuntimeError):
 
 
 class DeviceCheck(TorchFunctionMode):
-    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+    def __init__(self, device: torch.device = torch.device("cpu"), strict: bool = True) -> None:
+        """``strict=False`` records violations without raising (to survey code that has them)."""
         super().__init__()
         self.device = device
+        self.strict = strict
         self.syncs: Counter[str] = Counter()
         self.violations: list[str] = []
         self.counting = True
@@ -149,7 +151,8 @@ class DeviceCheck(TorchFunctionMode):
         msg = (f"{name} mixes device tensors {[tuple(t.shape) for t in marked][:3]} with host tensors "
                f"{[tuple(t.shape) for t in loose][:3]}\n{where}")
         self.violations.append(msg)
-        raise DeviceViolation(msg)
+        if self.strict:
+            raise DeviceViolation(msg)
 
 
 def mark_engine(core) -> None:
