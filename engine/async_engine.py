@@ -177,6 +177,7 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._entries: dict[str, _Entry] = {}  # every submitted, unfinished request
         self._core_waiting = 0  # core.num_waiting after the last admission / step
+        self._core_free = 0  # core.free_batch_slots then: waiting requests that will still run at once
         self._accepting = True
         self._stop_now = False
         self._ready = threading.Event()
@@ -203,8 +204,10 @@ class AsyncEngine:
             raise EngineUnavailable(self.unavailable_reason())
         loop, queue, now = asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter()
         with self._cond:
-            waiting = len(self._pending) + self._core_waiting
-            if waiting + len(reqs) > self.max_queue:
+            # what will wait: everything queued that the running batch cannot take at the next step
+            # (so up to max_batch + max_queue requests are in flight)
+            waiting = max(len(self._pending) + self._core_waiting - self._core_free, 0)
+            if max(len(self._pending) + self._core_waiting + len(reqs) - self._core_free, 0) > self.max_queue:
                 raise EngineOverloaded(
                     f"The server is overloaded: {waiting} requests are already waiting "
                     f"(max_queue={self.max_queue}). Retry later.")
@@ -269,6 +272,7 @@ class AsyncEngine:
             self.state = EngineState.FAILED
             self._ready.set()
             return
+        self._core_free = self.core.free_batch_slots
         self.state = EngineState.READY
         self._ready.set()
         try:
@@ -295,7 +299,7 @@ class AsyncEngine:
             self._apply_aborts(aborts)
             self._admit(pending)
             with self._cond:
-                self._core_waiting = self.core.num_waiting
+                self._core_waiting, self._core_free = self.core.num_waiting, self.core.free_batch_slots
             busy = self.core.has_unfinished()
             if busy:
                 self._step()
@@ -405,6 +409,6 @@ class AsyncEngine:
     def _publish_gauges(self) -> None:
         core = self.core
         with self._cond:
-            self._core_waiting = core.num_waiting
+            self._core_waiting, self._core_free = core.num_waiting, core.free_batch_slots
             queued = len(self._pending)
         self.gauges = EngineGauges(core.num_running, core.num_waiting + queued, float(core.kv_cache_usage))

@@ -187,6 +187,11 @@ class EngineCore:
         return len(self.scheduler.waiting)
 
     @property
+    def free_batch_slots(self) -> int:
+        """Sequences the next step could still admit to the running batch."""
+        return self.scheduler.free_slots
+
+    @property
     def kv_cache_usage(self) -> float:
         return self.cache.usage()
 

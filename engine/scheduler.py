@@ -68,6 +68,14 @@ class Scheduler:
             seq.status = SeqStatus.PREFILLING
             self.running.append(seq)
 
+    @property
+    def free_slots(self) -> int:
+        """Sequences the next step could still admit to the running batch."""
+        free = min(self.config.max_batch - len(self.running), self.cache.free_slots)
+        if self.draft_cache is not None:
+            free = min(free, self.draft_cache.free_slots)
+        return max(free, 0)
+
     def finish(self, seq: Sequence) -> None:
         """Frees the sequence's slots at once (finished or aborted)."""
         if seq in self.running:

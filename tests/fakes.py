@@ -143,6 +143,10 @@ class FakeCore:
         return len(self._waiting)
 
     @property
+    def free_batch_slots(self) -> int:
+        return max(self.max_batch - len(self._running), 0)
+
+    @property
     def kv_cache_usage(self) -> float:
         return len(self._running) / self.max_batch
 

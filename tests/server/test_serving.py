@@ -87,6 +87,26 @@ def test_queue_bound_is_all_or_nothing_and_spares_admitted_requests():
         assert outs[-1].finish_reason == "length"
 
 
+def test_in_flight_capacity_is_max_batch_plus_max_queue():
+    """An idle engine takes ``max_batch + max_queue`` requests at once: the ones that will run at the
+    next step are not counted as waiting (they were, and the capacity was ``max_queue``)."""
+    async def main():
+        core = FakeCore(max_batch=2, step_delay=0.05)
+        engine = await started(AsyncEngine(core, max_queue=3))
+        group = engine.submit([req(f"r{i}", max_tokens=20) for i in range(5)])  # 2 to run + 3 to wait
+        with pytest.raises(EngineOverloaded, match="max_queue=3"):
+            engine.submit([req("one-too-many")])
+        await wait_for(lambda: core.num_running == 2)
+        with pytest.raises(EngineOverloaded):
+            engine.submit([req("still-too-many")])
+        outs = await _drain(group)
+        await engine.shutdown()
+        return outs
+
+    outs = asyncio.run(main())
+    assert sum(1 for o in outs if o.finished and o.finish_reason == "length") == 5
+
+
 def test_abort_frees_the_slot_between_steps():
     async def main():
         core, rec = FakeCore(max_batch=1, step_delay=0.01), Recorder()
