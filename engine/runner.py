@@ -16,22 +16,22 @@ from typing import Sequence as Sequence_
 import torch
 
 from engine.batching import Block, run_blocks
-from engine.device import Pending, finish_all, synchronize, to_host
+from engine.device import Pending, finish_all, synchronize, to_device, to_host
 from engine.device import tensor as device_tensor
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
 from engine.request import TokenLogprob
-from engine.sampler import SamplingTensors, compute_probs, process_logits, raw_logprobs
+from engine.sampler import SamplingTensors, process_logits, raw_logprobs
 from engine.sequence import Sequence
 from engine.speculative.draft_tree import DEAD, DraftTree
 from engine.speculative.drafter import Drafter
-from engine.speculative.history import RowHistory, batch_histories
+from engine.speculative.history import batch_histories
 from engine.speculative.methods import DraftPlan
 from engine.speculative.mjsd import start_joint
 from engine.speculative.proposer import DraftModelProposer
-from engine.speculative.target_init import draw_candidates, verify_target_init
+from engine.speculative.target_init import start_target_init
 from engine.speculative.verify import TreeBatch, draw_tables, start_verify
-from engine.speculative.walk import TorchCoins, VerifyResult, residual
+from engine.speculative.walk import VerifyResult
 from engine.stats import StepStats, add_at
 
 log = logging.getLogger(__name__)
@@ -113,8 +113,9 @@ class ModelRunner:
         """Verifies every tree: the lossless methods together (``engine.speculative.verify``), the
         lossy ones by their own rules.  A failure is isolated to the sequences it belongs to: when the
         batch fails, each sequence is verified alone.  Results come in the order of ``seqs``."""
-        lossless = [i for i, (t, p) in enumerate(zip(trees, plans)) if not p.init and t.joint_logq is None]
-        joint = [i for i, t in enumerate(trees) if t.joint_logq is not None and i not in lossless]
+        init = [i for i, p in enumerate(plans) if p.init]
+        joint = [i for i, t in enumerate(trees) if t.joint_logq is not None and i not in init]
+        lossless = [i for i in range(len(seqs)) if i not in init and i not in joint]
         done: dict[int, SeqStepResult] = {}
         failed: list[tuple[Sequence, Exception]] = []
 
@@ -130,7 +131,10 @@ class ModelRunner:
                                            for i, lg, res in zip(idx, rows, finish(host))]
             return pending
 
-        groups = [(idx, rule) for idx, rule in ((lossless, batched), (joint, joint_rule)) if idx]
+        def init_rule(idx: list[int]) -> Pending:
+            return self._verify_target_init([seqs[i] for i in idx], [trees[i] for i in idx], _rows_of(logits, idx))
+
+        groups = [(idx, rule) for idx, rule in ((lossless, batched), (joint, joint_rule), (init, init_rule)) if idx]
         try:  # every rule decides on the device, then one read for all of them
             for (idx, _), results in zip(groups, finish_all([rule(idx) for idx, rule in groups])):
                 done.update(zip(idx, results))
@@ -144,17 +148,11 @@ class ModelRunner:
                     except Exception as exc:  # noqa: BLE001 - the engine ends this request, the others go on
                         log.exception("verification failed for request %s", seqs[i].request_id)
                         failed.append((seqs[i], exc))
-        for i in sorted(set(range(len(seqs))) - set(lossless) - set(joint)):
-            try:
-                done[i] = self._verify_target_init(seqs[i], trees[i], logits[i, : 1 + trees[i].num_nodes])
-            except Exception as exc:  # noqa: BLE001
-                log.exception("verification failed for request %s", seqs[i].request_id)
-                failed.append((seqs[i], exc))
         return [done[i] for i in sorted(done)], failed
 
-    def _verify_batch(self, seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
-        """The lossless rule for ``seqs`` at once, decided on the device (the pending reads it back);
-        logits: [B, rows, vocab'] their raw block logits."""
+    def _target_rows(self, seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor):
+        """The batch's trees as tensors, the raw logits of their rows [B, R, V], the processed ones
+        (logit bias, and penalties with each row's own path) and the rows' sampling parameters."""
         dev, v = logits.device, self.vocab_size
         batch = TreeBatch.build(trees, v, dev)
         b, r = len(seqs), batch.num_rows
@@ -165,6 +163,13 @@ class ModelRunner:
         if st.any_bias or st.any_penalty:
             counts, prompt = batch_histories(seqs, trees, r, v, dev) if st.any_penalty else (None, None)
             x = process_logits(raw.reshape(b * r, v), st, counts, prompt).view(b, r, v)
+        return batch, raw, x, st, params
+
+    def _verify_batch(self, seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
+        """The lossless rule for ``seqs`` at once, decided on the device (the pending reads it back);
+        logits: [B, rows, vocab'] their raw block logits."""
+        dev = logits.device
+        batch, raw, x, st, params = self._target_rows(seqs, trees, logits)
         uniforms = None
         if not st.all_greedy:
             gens = [None if p.greedy else s.generator for s, p in zip(seqs, params)]
@@ -187,38 +192,30 @@ class ModelRunner:
             drafter.propose(seqs, plans, trees)
         return trees
 
-    def _verify_target_init(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> SeqStepResult:
-        """The target-initialised mode's own rule (lossy by design, ``engine.speculative.target_init``),
-        walked row by row.  logits: [1+n, vocab] target logits of the root and the tree nodes."""
-        params = seq.request.sampling
-        events = tree.events()
-        logits = logits[:, : self.vocab_size]
-        st = seq.sampling_tensors
-        parents = tree.parents() if params.needs_history else []
+    def _verify_target_init(self, seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
+        """The target-initialised mode's own rule (lossy by design, ``engine.speculative.target_init``)
+        for ``seqs`` at once, decided on the device."""
+        dev, k = logits.device, self.target_init_k
+        batch, raw, x, st, params = self._target_rows(seqs, trees, logits)
+        u_accept = torch.zeros(len(seqs), batch.num_rows)
+        u_cand = torch.zeros(len(seqs), k)
+        for i, (seq, tree, p) in enumerate(zip(seqs, trees, params)):
+            if not p.greedy:  # its own rows and k, so what a seeded request draws does not depend on the batch
+                rows = 1 + tree.num_nodes
+                u = torch.rand(rows + k, generator=seq.generator)
+                u_accept[i, :rows], u_cand[i] = u[:rows], u[rows:]
+        pending = start_target_init(x, st, batch, to_device(u_accept, dev), to_device(u_cand, dev), k)
+        decide = pending.finish
 
-        def processed(row: int) -> torch.Tensor:
-            hist = RowHistory.for_rows(seq, tree.tokens, parents, [row]) if params.needs_history else None
-            return compute_probs(logits[row][None], st, *(hist.tensors() if hist else (None, None)))[0]
-
-        coins = TorchCoins(seq.generator)
-
-        def accept(row: int, node: int) -> bool:
-            x = tree.tokens[node]
-            if params.greedy:
-                return int(processed(row).argmax()) == x
-            return coins.accept(float(processed(row)[x]), float(tree.q[row][x]))
-
-        result, rejected = verify_target_init(accept, tree.tokens, [[c for c, _ in evs] for evs in events])
-        row = result.final_row
-        hist = RowHistory.for_rows(seq, tree.tokens, parents, [row]) if params.needs_history else None
-        x = process_logits(logits[row][None], st, *(hist.tensors() if hist else (None, None)))[0]
-        probs = processed(row)
-        if rejected and not params.greedy:
-            probs = residual(probs, tree.q[row])
-        candidates = draw_candidates(x, probs, st, self.target_init_k, coins)
-        drafted = sum(1 for t in tree.tokens if t != DEAD)
-        lps = self._logprobs(logits, result, params.logprobs) if params.logprobs is not None else None
-        return SeqStepResult(seq, result, tree, drafted, lps, logits, candidates)
+        def finish(host: list[torch.Tensor]) -> list[SeqStepResult]:
+            out = []
+            for i, (seq, tree, p, (res, cands)) in enumerate(zip(seqs, trees, params, decide(host))):
+                lg = raw[i, : 1 + tree.num_nodes]
+                lps = self._logprobs(lg, res, p.logprobs) if p.logprobs is not None else None
+                out.append(SeqStepResult(seq, res, tree, sum(1 for t in tree.tokens if t != DEAD), lps, lg, cands))
+            return out
+        pending.finish = finish
+        return pending
 
     def _joint_result(self, seq: Sequence, tree: DraftTree, result: VerifyResult, logits: torch.Tensor) -> SeqStepResult:
         k = seq.request.sampling.logprobs

@@ -81,7 +81,7 @@ class RandomStop(SpecPolicy):
     def __init__(self, seed: int) -> None:
         self.gen = torch.Generator().manual_seed(seed)
 
-    def keep_drafting(self, seqs, trees, depth):
+    def keep_drafting(self, seqs, trees, depth, step=None):
         return (torch.rand(len(trees), generator=self.gen) < 0.5).tolist()
 
 

@@ -1,14 +1,17 @@
 """Adaptive speculation: how much to draft, decided per step and per sequence (docs/algorithms.md §5).
 
-Three hooks (:class:`SpecPolicy`) are all the engine sees:
+Four hooks (:class:`SpecPolicy`) are all the engine sees, called by the planner and, while drafting,
+by the draft model's proposer.  What one step decided travels explicitly in the :class:`StepBudget`
+that ``budget`` returns; the policy keeps no per-step state of its own:
 
-* ``budget(seqs)``: before drafting, the step's tree budget, a width config inside the configured
-  tree (load awareness, :class:`~engine.speculative.cost_model.BudgetChooser`); ``None`` = no cap;
-* ``keep_drafting(seqs, trees, d)``: after the draft sampled depth ``d`` of each tree, whether it
+* ``budget(seqs)``: before drafting, the step's :class:`StepBudget`: its tree budget, a width config
+  inside the configured tree (load awareness, :class:`~engine.speculative.cost_model.BudgetChooser`;
+  ``widths=None`` = no cap), and what drafting decisions later in the step read;
+* ``keep_drafting(seqs, trees, d, step)``: after the draft sampled depth ``d`` of each tree, whether it
   grows another level.  A tree that stops is cut to its depth-``d`` prefix, a slice of the prebuilt
   topology, and the target verifies exactly the nodes that were drafted;
 * ``observe(results)``: after verification, learn from what was accepted;
-* ``catch_up_pays(seq)``: after ``budget``, whether a sequence whose draft cache lags (its prompt, or
+* ``catch_up_pays(seq, step)``: after ``budget``, whether a sequence whose draft cache lags (its prompt, or
   steps without the draft) may catch up this step: never for its first token (time to first token
   stays that of plain decoding), then only when the expected saving over its remaining tokens exceeds
   the catch-up's measured cost (``engine.speculative.cost_model``); otherwise it decodes without the draft
@@ -40,6 +43,7 @@ the target's distribution for any threshold, head or calibrator state (chi-squar
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -58,22 +62,33 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class StepBudget:
+    """What a policy decided for one step, handed back to it by the engine while the step drafts."""
+
+    widths: Optional[tuple[int, ...]] = None  # the batch's tree budget; None = no cap
+    block: float = 0.0  # verification rows of the step so far (the roots, then each level kept)
+    decided: dict[int, tuple["Sequence", bool]] = field(default_factory=dict)  # catch-up decisions, by id(seq)
+    rates: dict[bool, torch.Tensor] = field(default_factory=dict)  # calibrator rates read at planning, by greedy
+
+
 class SpecPolicy:
     """The engine's speculation hooks; this base drafts the whole planned tree and learns nothing."""
 
     wants_features = False  # the proposer records NodeFeatures (q_token, depth, rank) per level
     wants_full_features = False  # ... plus entropy, top-k and the draft's hidden states
 
-    def budget(self, seqs: list["Sequence"]) -> Optional[tuple[int, ...]]:
-        return None
+    def budget(self, seqs: list["Sequence"]) -> StepBudget:
+        return StepBudget(None, float(len(seqs)))
 
-    def keep_drafting(self, seqs: list["Sequence"], trees: list["DraftTree"], depth: int) -> list[bool]:
+    def keep_drafting(self, seqs: list["Sequence"], trees: list["DraftTree"], depth: int,
+                      step: Optional[StepBudget] = None) -> list[bool]:
         return [True] * len(trees)
 
     def observe(self, results: list["SeqStepResult"]) -> None:
         return None
 
-    def catch_up_pays(self, seq: "Sequence") -> bool:
+    def catch_up_pays(self, seq: "Sequence", step: Optional[StepBudget] = None) -> bool:
         """Whether the sequence may run its missing tokens through the draft this step (after ``budget``)."""
         return True
 
@@ -198,9 +213,6 @@ class AdaptiveSpeculation(SpecPolicy):
         self.probe_every = probe_every
         self._idle_steps = 0
         self._chosen_depth = self.max_depth  # the last budget's depth (a probe's when it was one)
-        self._block = 0.0  # this step's verification rows so far (budget, then keep_drafting)
-        self._decided: dict[int, tuple["Sequence", bool]] = {}  # this step's catch-up decisions, by id(seq)
-        self._rates: dict[bool, torch.Tensor] = {}  # the last budget's calibrator rates, by greedy
 
     @classmethod
     def from_config(cls, config: "EngineConfig", topology: TreeTopology, target, draft, target_cache,
@@ -231,42 +243,43 @@ class AdaptiveSpeculation(SpecPolicy):
         return min(fits, key=lambda h: abs(h.meta.temperature - params.temperature), default=None)
 
     # ------------------------------------------------------------------ hooks
-    def budget(self, seqs: list["Sequence"]) -> Optional[tuple[int, ...]]:
-        full = self.topology.widths[: self.max_depth]
-        self._block = float(len(seqs))  # verification rows of the step so far: the roots (keep_drafting adds levels)
-        self._decided = {}
+    def budget(self, seqs: list["Sequence"]) -> StepBudget:
+        step = StepBudget(self.topology.widths[: self.max_depth], float(len(seqs)))  # rows so far: the roots
         if self.chooser is None:
-            return full
+            return step
         spec = [s for s in seqs if s.request.spec.enabled and s.draft_slot is not None]
-        self._rates = {g: self.calibrators[g].rates() for g in {s.request.sampling.greedy for s in spec}}
-        choice = self._choose(spec, len(seqs) - len(spec))
+        step.rates = {g: self.calibrators[g].rates() for g in {s.request.sampling.greedy for s in spec}}
+        choice = self._choose(spec, len(seqs) - len(spec), step)
         if choice:
             # Sequences whose catch-up does not pay decode plainly this step.  Plan the step without them:
             # a budget priced for every draft slot would make the few that draft pay alone for levels
             # priced as shared.  Their decision is the one taken at the first plan's saving.
-            self._decided = {id(s): (s, self.catch_up_pays(s)) for s in spec}
-            drafting = [s for s in spec if self._decided[id(s)][1]]
+            step.decided = {id(s): (s, self.catch_up_pays(s)) for s in spec}
+            drafting = [s for s in spec if step.decided[id(s)][1]]
             if len(drafting) < len(spec):
-                choice = self._choose(drafting, len(seqs) - len(drafting))
+                choice = self._choose(drafting, len(seqs) - len(drafting), step)
         self._chosen_depth = len(choice)
         if choice or not spec:
             self._idle_steps = 0
-            return choice + (1,) * (self.max_depth - len(choice)) if choice else choice  # deeper only if it pays
+            step.widths = choice + (1,) * (self.max_depth - len(choice)) if choice else choice  # deeper only if it pays
+            return step
         self._idle_steps += 1
         if self._idle_steps < self.probe_every:
-            return choice
+            step.widths = choice
+            return step
         self._idle_steps = 0
         self._chosen_depth = self.min_depth
-        return (1,) * self.min_depth  # a probe
+        step.widths = (1,) * self.min_depth  # a probe
+        return step
 
-    def _choose(self, spec: list["Sequence"], plain: int) -> tuple[int, ...]:
+    def _choose(self, spec: list["Sequence"], plain: int, step: StepBudget) -> tuple[int, ...]:
         groups: dict[bool, int] = {}
         for s in spec:
             groups[s.request.sampling.greedy] = groups.get(s.request.sampling.greedy, 0) + 1
-        return self.chooser.choose([(n, self._rates[g]) for g, n in groups.items()], plain)
+        return self.chooser.choose([(n, step.rates[g]) for g, n in groups.items()], plain)
 
-    def catch_up_pays(self, seq: "Sequence") -> bool:
-        decided = self._decided.get(id(seq))
+    def catch_up_pays(self, seq: "Sequence", step: Optional[StepBudget] = None) -> bool:
+        decided = step.decided.get(id(seq)) if step is not None else None
         if decided is not None and decided[0] is seq:
             return decided[1]  # taken by this step's budget
         lag = len(seq.tokens) - seq.draft_cached
@@ -280,7 +293,9 @@ class AdaptiveSpeculation(SpecPolicy):
             return True  # the pair's acceptance is still the prior: measure it before judging the saving
         return self.chooser.cost.catch_up_pays(lag, min(seq.remaining, self.HORIZON), self.chooser.saving)
 
-    def keep_drafting(self, seqs: list["Sequence"], trees: list["DraftTree"], depth: int) -> list[bool]:
+    def keep_drafting(self, seqs: list["Sequence"], trees: list["DraftTree"], depth: int,
+                      step: Optional[StepBudget] = None) -> list[bool]:
+        step = step if step is not None else StepBudget(None, float(len(seqs)))  # outside a planned step
         want, gains, sizes = [], [], []
         for seq, tree in zip(seqs, trees):
             y = self.predict(seq, tree.features[-1])
@@ -292,17 +307,17 @@ class AdaptiveSpeculation(SpecPolicy):
             sizes.append(cum.numel())
             if self.chooser is not None:
                 g = seq.request.sampling.greedy
-                if g not in self._rates:  # a sequence this step's budget did not plan for
-                    self._rates[g] = self.calibrators[g].rates()
-                rates = self._rates[g]
+                if g not in step.rates:  # a sequence this step's budget did not plan for
+                    step.rates[g] = self.calibrators[g].rates()
+                rates = step.rates[g]
                 gains.append(float(cum.sum()) * float(rates[min(depth, rates.shape[0] - 1), 0]))  # one level deeper
-        self._block += sum(sizes)
+        step.block += sum(sizes)
         if self.chooser is None or depth < self.min_depth:
             return want
-        return self._levels_that_pay(trees, depth, want, gains, sizes)
+        return self._levels_that_pay(trees, depth, want, gains, sizes, step.block)
 
     def _levels_that_pay(self, trees: list["DraftTree"], depth: int, want: list[bool], gains: list[float],
-                         sizes: list[int]) -> list[bool]:
+                         sizes: list[int], block: float) -> list[bool]:
         """Of the trees the threshold rule would grow, the most promising ones whose summed expected
         gain beats what the level costs them together (one draft forward over their depth-``depth``
         nodes plus the next level's verification rows, ``BudgetChooser.level_tokens``); none when no
@@ -315,7 +330,7 @@ class AdaptiveSpeculation(SpecPolicy):
             gain += gains[i]
             draft += sizes[i]
             rows += sizes[i] * trees[i].sub.widths[depth]
-            net = gain - self.chooser.level_tokens(self._block, draft, rows)
+            net = gain - self.chooser.level_tokens(block, draft, rows)
             if net > best:
                 best, best_n = net, n
         go = set(order[:best_n])

@@ -66,3 +66,4 @@ class DraftPlan:
     init: bool = False  # target-initialised (lossy): ``sub`` is (k, 1, ...) with the candidates as level 1
     maxgram_class: Optional[int] = None  # the root proposal's match class, when the length chooser capped it
     trusted: bool = False  # Max-Gram alone this step: its suffix match reached ``trust`` (the planner's choice)
+    step: Optional[object] = None  # the policy's StepBudget for the step (engine.speculative.adaptive), shared

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Optional
 
 from engine.config import EngineConfig
 from engine.sequence import Sequence
-from engine.speculative.adaptive import SpecPolicy
+from engine.speculative.adaptive import SpecPolicy, StepBudget
 from engine.speculative.maxgram import MATCH_CLASSES, LengthChooser, MaxGramDrafter, match_class
 from engine.speculative.methods import (
     CASCADE, MAXGRAM, MCSD, MCSD_MAXGRAM, MJSD_LOSSY, TARGET_INIT_LOSSY, DraftPlan,
@@ -48,9 +48,11 @@ class Planner:
 
     def plan(self, seqs: list[Sequence]) -> list[DraftPlan]:
         """This step's plan of every sequence, in order."""
-        budget = self.policy.budget(seqs) if self.policy is not None else None
-        plans = [self._trust(seq, self._plan(seq, budget)) for seq in seqs]
-        return self._cap_maxgram(seqs, plans)
+        step = self.policy.budget(seqs) if self.policy is not None else None
+        plans = [self._trust(seq, self._plan(seq, step)) for seq in seqs]
+        plans = self._cap_maxgram(seqs, plans)
+        # the step's budget travels with the plans: the proposer hands it back to the policy per level
+        return plans if step is None else [replace(p, step=step) for p in plans]
 
     def observe(self, results: list["SeqStepResult"], plans: list[DraftPlan]) -> None:
         """Learns from the step: ``results`` and the plans they followed, in the same order."""
@@ -102,16 +104,17 @@ class Planner:
                 self.lengths.observe(plan.maxgram_class, max(tree.depths()), len(res.result.accepted),
                                              plan.maxgram)
 
-    def _plan(self, seq: Sequence, budget: Optional[tuple[int, ...]] = None) -> DraftPlan:
+    def _plan(self, seq: Sequence, step: Optional[StepBudget] = None) -> DraftPlan:
         """What each drafter of the request's method may draft this step.  The budget caps the draft
         model's tree (a budget of plain decoding also stops the vertical cascade, which runs the draft
         model); Max-Gram has no drafting cost and always proposes."""
+        budget = step.widths if step is not None else None
         spec, cfg = seq.request.spec, self.config
         empty = self.topology.subtree(())
         if spec.adaptive is False:
             budget = None  # this request asked for its whole tree every step
         elif budget != () and seq.draft_slot is not None and self.policy is not None \
-                and not self.policy.catch_up_pays(seq):
+                and not self.policy.catch_up_pays(seq, step):
             budget = ()  # the draft lags too far behind for this request to gain from catching up (or
             # this is its first token, which never waits for the draft to read the prompt)
         room = seq.remaining - 1

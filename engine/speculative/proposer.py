@@ -29,7 +29,7 @@ from engine.sampler import (
     SamplingTensors, draw_uniforms, finish_probs, process_logits, sample_from_probs, sample_k_distinct,
 )
 from engine.sequence import Sequence
-from engine.speculative.adaptive import SpecPolicy
+from engine.speculative.adaptive import SpecPolicy, StepBudget
 from engine.speculative.features import ParentStats, level_features, parent_stats
 from engine.speculative.history import RowHistory
 from engine.speculative.drafter import DrafterContext, register
@@ -53,12 +53,13 @@ class DraftModelProposer:
         self.topology = topology  # needed only with a policy: the source of cut subtrees
         self.policy = policy
 
-    def propose(self, seqs: list[Sequence], subs: list[SubTree],
-                forced: Optional[list[Optional[list[int]]]] = None) -> list[DraftTree]:
+    def propose(self, seqs: list[Sequence], subs: list[SubTree], forced: Optional[list[Optional[list[int]]]] = None,
+                step: Optional[StepBudget] = None) -> list[DraftTree]:
         """``forced[j]``: tokens that replace sequence ``j``'s first level (target-initialised candidates,
-        a lossy mode); the draft then grows its tree below them as usual, without the policy."""
+        a lossy mode); the draft then grows its tree below them as usual, without the policy.
+        ``step``: what the policy decided for this step (its budget), handed back to it per level."""
         trees = [DraftTree(sub, [DEAD] * sub.num_nodes) for sub in subs]
-        self._forced = forced or [None] * len(seqs)
+        forced = forced or [None] * len(seqs)
         # seq -> ([parents, vocab] logits, [parents, hidden] draft hidden states) of the next level's parents
         frontier = {i: (lg[None], h[None]) for i, (lg, h) in enumerate(zip(*self._catch_up(seqs)))}
         for d in range(1, max(sub.max_depth for sub in subs) + 1):
@@ -69,21 +70,23 @@ class DraftModelProposer:
                                [frontier[i] for i in active])
             if d == 1:
                 for i in active:
-                    if self._forced[i] is not None:
+                    if forced[i] is not None:
                         k = trees[i].sub.widths[0]
-                        trees[i].tokens[:k] = (list(self._forced[i]) + [DEAD] * k)[:k]
-            self._apply_policy(seqs, trees, [i for i in active if trees[i].sub.max_depth > d], d)
+                        trees[i].tokens[:k] = (list(forced[i]) + [DEAD] * k)[:k]
+            deeper = [i for i in active if trees[i].sub.max_depth > d and forced[i] is None]
+            self._apply_policy(seqs, trees, deeper, d, step)
             to_run = [i for i in active if trees[i].sub.max_depth > d]
             if to_run:
                 frontier = dict(zip(to_run, self._run_level(seqs, trees, to_run, d)))
         return trees
 
-    def _apply_policy(self, seqs: list[Sequence], trees: list[DraftTree], deeper: list[int], d: int) -> None:
+    def _apply_policy(self, seqs: list[Sequence], trees: list[DraftTree], deeper: list[int], d: int,
+                      step: Optional[StepBudget]) -> None:
         """Asks the policy whether each tree that could grow past depth ``d`` does; cuts the others."""
-        deeper = [i for i in deeper if self._forced[i] is None and seqs[i].request.spec.adaptive is not False]
+        deeper = [i for i in deeper if seqs[i].request.spec.adaptive is not False]
         if self.policy is None or not deeper:
             return
-        keep = self.policy.keep_drafting([seqs[i] for i in deeper], [trees[i] for i in deeper], d)
+        keep = self.policy.keep_drafting([seqs[i] for i in deeper], [trees[i] for i in deeper], d, step)
         for i, k in zip(deeper, keep):
             if not k:
                 trees[i].cut(self.topology.subtree(trees[i].sub.widths[:d]))
@@ -282,5 +285,6 @@ class DraftTreeDrafter:
         if not idx:
             return
         forced = [seqs[i].init_candidates if plans[i].init else None for i in idx]
-        for i, tree in zip(idx, self.proposer.propose([seqs[i] for i in idx], [plans[i].sub for i in idx], forced)):
+        drafted = self.proposer.propose([seqs[i] for i in idx], [plans[i].sub for i in idx], forced, plans[idx[0]].step)
+        for i, tree in zip(idx, drafted):
             trees[i] = tree

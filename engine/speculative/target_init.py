@@ -25,8 +25,10 @@ from typing import Callable
 
 import torch
 
-from engine.sampler import SamplingTensors
+from engine.device import Pending
+from engine.sampler import SamplingTensors, finish_probs, sample_k_distinct
 from engine.speculative.draft_tree import DEAD
+from engine.speculative.verify import TreeBatch
 from engine.speculative.walk import Coins, VerifyResult
 
 LOSSY_NOTE = ("lossy: target-initialised candidates keep the target-sampled token whose draft continuation "
@@ -66,3 +68,92 @@ def draw_candidates(x: torch.Tensor, probs: torch.Tensor, st: SamplingTensors, k
     if bool(st.greedy[0]):
         return x.topk(k).indices.tolist()
     return coins.draw_distinct(probs, k)
+
+
+def start_target_init(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, u_accept: torch.Tensor,
+                      u_cand: torch.Tensor, k: int) -> Pending:
+    """:func:`verify_target_init` and :func:`draw_candidates` for a batch, as tensor operations with
+    one read (the pending's).
+
+    x: [B, R, V] processed target logits of every block row; st: their sampling parameters (``B * R``
+    rows); trees: the batch's trees (``(k, 1, ...)`` with the candidates as level 1); u_accept: [B, R]
+    the acceptance uniform of
+    each row's first live child; u_cand: [B, k] the uniforms of the next candidates.  The walk's
+    decisions read exactly these numbers (:class:`TargetInitCoins`), so the two agree draw for draw.
+    The pending returns, per sequence, ``(VerifyResult, next candidates)``."""
+    b, r, v = trees.num_seqs, trees.num_rows, x.shape[-1]
+    dev = x.device
+    x = x[:, :r]
+    greedy = st.greedy.view(b, r)
+    probs = finish_probs(x.reshape(b * r, v), st).view(b, r, v)
+    seq = torch.arange(b, device=dev)
+    # each row's first live child (the chain's next node) and whether the rule accepts it
+    first = trees.event_node[:, :, 0]  # [B, R]; events are in sibling order and a chain row has one child
+    tok = trees.tokens.gather(1, (first + 1).clamp(min=0))  # [B, R] the child's token
+    q_row = torch.zeros(b * r, v, dtype=torch.float32, device=dev)
+    q_row[trees.ev_rows] = trees.q
+    q_x = q_row.view(b, r, v).gather(2, tok[..., None])[..., 0].double()
+    p_x = probs.gather(2, tok[..., None])[..., 0].double()
+    ok = torch.where(greedy, x.argmax(dim=-1) == tok, u_accept.double() * q_x < p_x) & (first >= 0)
+    # chains: candidate c (a root child) grows while its rows accept their child
+    cands = trees.event_node[:, 0]  # [B, E] the root's children in order (-1 padding)
+    n_cand = cands.shape[1]
+    chain = torch.full((b, n_cand, max(trees.depth, 1)), -1, dtype=torch.long, device=dev)
+    chain[:, :, 0] = cands
+    rejected = torch.zeros(b, n_cand, dtype=torch.bool, device=dev)
+    node, alive = cands, cands >= 0
+    for d in range(1, trees.depth):
+        row = (node + 1).clamp(min=0)
+        nxt, acc = first.gather(1, row), ok.gather(1, row)
+        rejected |= alive & (nxt >= 0) & ~acc
+        alive = alive & acc & (nxt >= 0)
+        node = torch.where(alive, nxt, node)
+        chain[:, :, d] = torch.where(alive, nxt, -1)
+    length = (chain >= 0).sum(dim=2)  # [B, C]
+    best = (length * (n_cand + 1) - torch.arange(n_cand, device=dev)).argmax(dim=1)  # longest; ties: the first
+    best_chain = chain[seq, best]  # [B, D]
+    best_len = length[seq, best]
+    best_rejected = rejected[seq, best] & (best_len > 0)
+    last = best_chain.gather(1, (best_len - 1).clamp(min=0)[:, None])[:, 0]
+    final_row = torch.where(best_len > 0, last + 1, 0)
+    # the next candidates, from the final row (the residual after a rejected draft token)
+    p_final = probs[seq, final_row]
+    q_final = q_row.view(b, r, v)[seq, final_row]
+    resid = (p_final - q_final).clamp(min=0.0)
+    total = resid.sum(dim=-1, keepdim=True)
+    resid = torch.where(total > 0, resid / total, p_final)
+    law = torch.where(best_rejected[:, None], resid, p_final)
+    drawn = sample_k_distinct(law, u_cand)
+    top = x[seq, final_row].topk(k, dim=-1).indices
+    nxt_cands = torch.where(greedy[seq, final_row][:, None], top, drawn)
+    best_tokens = trees.tokens.gather(1, (best_chain + 1).clamp(min=0))
+    packed = torch.cat([best_chain, best_tokens, best_len[:, None], final_row[:, None], nxt_cands], dim=1)
+    depth = best_chain.shape[1]
+
+    def finish(host: list[torch.Tensor]) -> list[tuple[VerifyResult, list[int]]]:
+        out = []
+        for vals in host[0].tolist():
+            n, final = vals[2 * depth], vals[2 * depth + 1]
+            nodes = vals[:n]
+            result = VerifyResult(nodes, vals[depth: depth + n], bonus=False, final_row=final,
+                                  rows=[0] + [1 + i for i in nodes[:-1]])
+            out.append((result, [t for t in vals[2 * depth + 2: 2 * depth + 2 + k] if t >= 0]))
+        return out
+
+    return Pending([packed], finish)
+
+
+class TargetInitCoins:
+    """The walk's coins reading :func:`start_target_init`'s numbers: the tests' oracle."""
+
+    def __init__(self, u_accept: torch.Tensor, u_cand: torch.Tensor) -> None:  # [R], [k]
+        self.u_accept, self.u_cand = u_accept, u_cand
+
+    def accept(self, p_x: float, q_x: float, row: int = 0, event: int = 0) -> bool:
+        return float(self.u_accept[row]) * q_x < p_x
+
+    def draw(self, p: torch.Tensor, row: int = 0) -> int:
+        raise NotImplementedError("target-initialised steps draw candidates, not single tokens")
+
+    def draw_distinct(self, p: torch.Tensor, k: int) -> list[int]:
+        return [t for t in sample_k_distinct(p[None], self.u_cand[None, :k])[0].tolist() if t >= 0]

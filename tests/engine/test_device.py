@@ -65,15 +65,16 @@ def test_each_feature_alone_never_mixes_host_and_device(pair, method, feature):
 
 
 @pytest.mark.parametrize("method,bound", [("mcsd", 1 + 3), ("mcsd+maxgram", 1 + 3), ("maxgram", 1),
-                                          ("cascade", 1 + 4), ("mjsd-lossy", 1 + 4)])
+                                          ("cascade", 1 + 4), ("mjsd-lossy", 1 + 4), ("target-init-lossy", 1 + 3)])
 @pytest.mark.parametrize("features", [["greedy"], ["sampled"], ["greedy"] * 8, ["sampled"] * 8, list(FEATURES)],
                          ids=["greedy-1", "sampled-1", "greedy-8", "sampled-8", "mixed-8"])
 def test_host_syncs_per_step_are_one_per_draft_level_plus_one(pair, method, bound, features):
     """Tree (2, 1, 1): at most three draft levels, each reading its sampled tokens back once, then one
     read for verification; nothing else (no per-sequence or per-layer reads), at batch 1 as at 8.
     The cascade reads once per review round (up to ``cascade_depth`` 4), MJSD once per beam level
-    (``mjsd_depth`` 4).  MJSD's logprobs are read per request, so its mixed batch leaves them out."""
-    if method == "mjsd-lossy":
+    (``mjsd_depth`` 4), the target-initialised mode once per level of its (3, 1, 1) tree.  The lossy
+    rules read logprobs per request, so their mixed batches leave them out."""
+    if method in ("mjsd-lossy", "target-init-lossy"):
         features = [f if f != "logprobs" else "sampled" for f in features]
     _, steps = run_checked(pair, method, features)
     for count, kinds, stacks in steps:

@@ -97,8 +97,8 @@ def test_the_cut_draft_proposes_only_kept_tokens(pair, tmp_path):
     seen = []
     propose = core.runner.proposer.propose
 
-    def spy(seqs, subs, forced=None):
-        trees = propose(seqs, subs, forced)
+    def spy(seqs, subs, forced=None, step=None):
+        trees = propose(seqs, subs, forced, step)
         seen.extend(t for tree in trees for t in tree.tokens if t >= 0)
         return trees
     core.runner.proposer.propose = spy

@@ -9,7 +9,7 @@ import torch
 from engine.config import EngineConfig
 from engine.request import SpecOptions
 from engine.speculative.acceptance_head import AcceptanceHead, HeadMeta
-from engine.speculative.adaptive import AdaptiveSpeculation, OnlineCalibrator, keep_extending
+from engine.speculative.adaptive import AdaptiveSpeculation, OnlineCalibrator, StepBudget, keep_extending
 from engine.speculative.cost_model import BudgetChooser, CostCurve, CostModel, measure_curve
 from engine.speculative.features import CHEAP_FEATURES, NodeFeatures
 from engine.speculative.draft_tree import DraftTree
@@ -43,12 +43,13 @@ def drafted_depth(policy, widths, dead=(), seq=None):
     """Drives ``keep_drafting`` level by level as the proposer does; returns the depth it stops at."""
     sub = policy.topology.subtree(widths)
     tree = DraftTree(sub, [1] * sub.num_nodes)
+    step = StepBudget(widths, 1.0)  # one step of one sequence: its root row, then the levels it keeps
     for d in range(1, sub.max_depth + 1):
         lv = sub.level(d)
         live = torch.tensor([i not in dead for i in range(lv.start, lv.stop)])
         n = lv.stop - lv.start
         tree.features.append(NodeFeatures(torch.full((n,), d), sub.rank[lv], torch.full((n,), 0.5), live))
-        if d == sub.max_depth or not policy.keep_drafting([seq], [tree], d)[0]:
+        if d == sub.max_depth or not policy.keep_drafting([seq], [tree], d, step)[0]:
             return d
 
 
@@ -104,7 +105,7 @@ def test_a_confident_path_drafts_deeper_than_the_budget_when_a_level_pays():
 
     def depth(y):
         policy = ScriptedY(topo, y, threshold=0.9, cost=cost)
-        budget = policy.budget([GreedySeq()])
+        budget = policy.budget([GreedySeq()]).widths
         assert policy._chosen_depth == 1 and budget == (1,) * 6
         assert policy.chooser.level_tokens(2, 1, 1) == pytest.approx(0.3 / (1.3 / 1.6))
         return drafted_depth(policy, budget, seq=GreedySeq())
@@ -122,7 +123,7 @@ def test_a_confident_path_drafts_deeper_than_the_budget_when_a_level_pays():
     # verification gets 1 s slower past 4 rows: the third level below the budget pays for that step
     stepped = CostModel(CostCurve((1.0, 4.0, 5.0, 1000.0), (1.0, 1.0, 2.0, 2.0)), cost.draft)
     policy = ScriptedY(topo, [0.95] * 6, threshold=0.9, cost=stepped)
-    budget = policy.budget([GreedySeq()])
+    budget = policy.budget([GreedySeq()]).widths
     assert budget == (1,) * 6 and policy._chosen_depth == 1
     per_token = 1.3 / 1.6
     assert [policy.chooser.level_tokens(rows, 1, 1) for rows in (2, 3, 4)] == pytest.approx(
@@ -139,8 +140,8 @@ class PerSeqY(AdaptiveSpeculation):
 def grown(policy, ys, widths=(1,) * 4):
     """Sequences with per-depth y_hat ``ys[j]`` draft together; returns each one's depth."""
     seqs = [type("Seq", (GreedySeq,), {"y": y})() for y in ys]
-    budget = policy.budget(seqs)
-    sub = policy.topology.subtree(tuple(min(a, b) for a, b in zip(widths, budget)))
+    step = policy.budget(seqs)
+    sub = policy.topology.subtree(tuple(min(a, b) for a, b in zip(widths, step.widths)))
     trees = [DraftTree(sub, [1] * sub.num_nodes) for _ in seqs]
     depth, active = [sub.max_depth] * len(seqs), list(range(len(seqs)))
     for d in range(1, sub.max_depth):
@@ -149,7 +150,7 @@ def grown(policy, ys, widths=(1,) * 4):
             n = lv.stop - lv.start
             trees[i].features.append(NodeFeatures(torch.full((n,), d), sub.rank[lv], torch.full((n,), 0.5),
                                                   torch.ones(n, dtype=torch.bool)))
-        keep = policy.keep_drafting([seqs[i] for i in active], [trees[i] for i in active], d)
+        keep = policy.keep_drafting([seqs[i] for i in active], [trees[i] for i in active], d, step)
         for i, k in zip(list(active), keep):
             if not k:
                 depth[i] = d
@@ -381,7 +382,7 @@ def test_probe_when_speculation_has_not_paid_for_a_while():
         draft_slot = 0
         request = type("R", (), {"spec": type("S", (), {"enabled": True}), "sampling": type("P", (), {"greedy": True})})
 
-    assert [policy.budget([Seq()]) for _ in range(6)] == [(), (), (1, 1), (), (), (1, 1)]
+    assert [policy.budget([Seq()]).widths for _ in range(6)] == [(), (), (1, 1), (), (), (1, 1)]
 
 
 def test_a_lagging_draft_catches_up_only_when_the_remaining_tokens_pay_for_it():
@@ -396,7 +397,7 @@ def test_a_lagging_draft_catches_up_only_when_the_remaining_tokens_pay_for_it():
                                    torch.full((n,), 0.5), (torch.arange(n) % 5 < 3).float())
         return p
 
-    assert policy.budget([LaggingSeq(0, 100)]) != () and policy.chooser.saving > 0
+    assert policy.budget([LaggingSeq(0, 100)]).widths != () and policy.chooser.saving > 0
     saving = policy.chooser.saving
     assert policy.catch_up_pays(LaggingSeq(3, 1))  # a short lag always catches up (inside the first level forward)
     lag = 500  # costs about 5 s
@@ -404,13 +405,13 @@ def test_a_lagging_draft_catches_up_only_when_the_remaining_tokens_pay_for_it():
     assert 10 < needed < policy.HORIZON / 1.2
     assert policy.catch_up_pays(LaggingSeq(lag, int(needed * 0.8)))  # nothing measured yet: catch up and learn
     measured(policy)
-    assert policy.budget([LaggingSeq(0, 100)]) != () and policy.chooser.saving == pytest.approx(saving, rel=0.05)
+    assert policy.budget([LaggingSeq(0, 100)]).widths != () and policy.chooser.saving == pytest.approx(saving, rel=0.05)
     assert not policy.catch_up_pays(LaggingSeq(lag, int(needed * 0.8)))
     assert policy.catch_up_pays(LaggingSeq(lag, int(needed * 1.2)))
     huge = int(2 * policy.HORIZON * saving * 100)  # costs twice what HORIZON tokens save
     assert not policy.catch_up_pays(LaggingSeq(huge, 10**6))  # max_tokens is only a bound: HORIZON caps it
     busy = measured(AdaptiveSpeculation(topo, cost=CostModel(CostCurve((1.0, 1000.0), (1.0, 1000.0)), cost.draft)))
-    assert busy.budget([LaggingSeq(lag, 10**6)]) == () and busy.chooser.saving == 0.0
+    assert busy.budget([LaggingSeq(lag, 10**6)]).widths == () and busy.chooser.saving == 0.0
     assert not busy.catch_up_pays(LaggingSeq(lag, 10**6))  # plain decoding pays best: nothing worth catching up for
 
 
@@ -427,11 +428,12 @@ def test_the_budget_is_planned_for_the_sequences_that_draft():
                                     torch.full((n,), 0.9), (torch.arange(n) % 10 < 9).float())
 
     ready, lagging = [LaggingSeq(0, 100) for _ in range(3)], LaggingSeq(800, 20)
-    budget = policy.budget(ready + [lagging])
-    assert not policy.catch_up_pays(lagging) and all(policy.catch_up_pays(s) for s in ready)
+    step = policy.budget(ready + [lagging])
+    budget = step.widths
+    assert not policy.catch_up_pays(lagging, step) and all(policy.catch_up_pays(s, step) for s in ready)
     alone = AdaptiveSpeculation(topo, cost=cost)
     alone.calibrators = policy.calibrators
-    alone.budget(ready)  # the rates of the same calibrator
+    alone.budget(ready).widths  # the rates of the same calibrator
     expected = alone.chooser.choose([(3, alone.calibrators[True].rates())], plain=1)
     assert budget[: len(expected)] == expected and policy._chosen_depth == len(expected)
     four = alone.chooser.choose([(4, alone.calibrators[True].rates())], plain=0)

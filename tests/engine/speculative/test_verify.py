@@ -148,3 +148,58 @@ def test_acceptance_boundary_is_u_times_q_below_p(nudge: int) -> None:
     want = verify_sampled(lambda row: torch.softmax(logits[0, row], -1), lambda row: None, tree.tokens,
                           tree.events(), TableCoins(u.accept[0], u.final[0]))
     assert got.accepted == want.accepted == ([0] if nudge else [])
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_batched_target_init_matches_the_walk(seed: int) -> None:
+    """The target-initialised (lossy) rule as tensors against ``verify_target_init`` +
+    ``draw_candidates`` walked with the same numbers: the kept candidate and chain, the final row and
+    the next candidates, greedy and sampled rows mixed, DEAD candidates and empty first steps."""
+    from engine.sampler import compute_probs
+    from engine.speculative.target_init import TargetInitCoins, draw_candidates, start_target_init, verify_target_init
+    from engine.speculative.walk import residual
+
+    rng, vocab, k = random.Random(seed), 9, 3
+    trees = []
+    for _ in range(5):
+        depth = rng.choice([0, 1, 2, 3])
+        widths = (k,) + (1,) * (depth - 1) if depth else ()
+        sub = TreeTopology((k, 1, 1)).subtree(widths)
+        parents = sub.parent.tolist()
+        tokens, q = [], {}
+        for i, par in enumerate(parents):
+            if par < 0:  # a candidate (forced from the target's draw; distinct)
+                taken = set(tokens)
+                tokens.append(DEAD if rng.random() < 0.15 else rng.choice([t for t in range(vocab) if t not in taken]))
+            else:
+                q[par + 1] = random_law(vocab, rng)
+                left = [t for t in range(vocab) if q[par + 1][t] > 0]
+                tokens.append(DEAD if tokens[par] == DEAD else rng.choice(left))
+        trees.append(DraftTree(sub, tokens, q=q))
+    params = [SamplingParams(temperature=0.0 if rng.random() < 0.3 else 0.8, max_tokens=8) for _ in trees]
+    batch = TreeBatch.build(trees, vocab, CPU)
+    r = batch.num_rows
+    logits = torch.randn(len(trees), r, vocab, generator=torch.Generator().manual_seed(seed)) * 2
+    st = SamplingTensors.from_params(params, vocab, [i for i in range(len(trees)) for _ in range(r)])
+    u_accept, u_cand = torch.rand(len(trees), r), torch.rand(len(trees), k)
+    got = start_target_init(logits, st, batch, u_accept, u_cand, k).result()
+    for b, (tree, p) in enumerate(zip(trees, params)):
+        st1 = SamplingTensors.from_params([p], vocab)
+        coins = TargetInitCoins(u_accept[b], u_cand[b])
+        probs = lambda row: compute_probs(logits[b, row][None], st1)[0]  # noqa: E731
+
+        def accept(row: int, node: int) -> bool:
+            x = tree.tokens[node]
+            if p.greedy:
+                return int(logits[b, row].argmax()) == x
+            return coins.accept(float(probs(row)[x]), float(tree.q[row][x]), row)
+
+        want, rejected = verify_target_init(accept, tree.tokens, [[c for c, _ in evs] for evs in tree.events()])
+        law = probs(want.final_row)
+        if rejected and not p.greedy:
+            law = residual(law, tree.q[want.final_row])
+        cands = draw_candidates(logits[b, want.final_row], law, st1, k, coins)
+        res, got_cands = got[b]
+        assert (res.accepted, res.tokens, res.final_row, res.rows) == \
+            (want.accepted, want.tokens, want.final_row, want.rows), f"sequence {b}"
+        assert got_cands == cands, f"sequence {b}"
