@@ -40,6 +40,7 @@ from engine.speculative.draft_tree import CASCADE, SAMPLED, DraftTree
 from engine.speculative.maxgram import MaxGramDrafter
 from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.tree import SubTree
+from engine.speculative.verify import without_rows
 from engine.speculative.walk import Coins, onehot_residual
 
 
@@ -180,11 +181,8 @@ def review_batch(probs: list[torch.Tensor], guesses: list[list[int]], rooms: lis
         if g:
             y = law.argmax()
         else:
-            x = tok[kept]
-            without = law.scatter(0, x[None], 0.0)
-            total = without.sum()
-            residual = torch.where(total > 0, without / total, without)  # walk.onehot_residual
-            y = sample_from_probs(torch.where(kept < n, residual, law)[None], u[n:])[0]
+            residual = without_rows(law[None], tok[kept][None])  # walk.onehot_residual
+            y = sample_from_probs(torch.where(kept < n, residual, law[None]), u[n:])[0]
         packed.append(torch.stack([kept, y]))
     host = to_host(torch.stack(packed))[0].tolist()
     out = []

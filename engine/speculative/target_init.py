@@ -28,7 +28,7 @@ import torch
 from engine.device import Pending
 from engine.sampler import SamplingTensors, finish_probs, sample_k_distinct
 from engine.speculative.draft_tree import DEAD
-from engine.speculative.verify import TreeBatch
+from engine.speculative.verify import TreeBatch, residual_rows
 from engine.speculative.walk import Coins, VerifyResult
 
 LOSSY_NOTE = ("lossy: target-initialised candidates keep the target-sampled token whose draft continuation "
@@ -119,10 +119,7 @@ def start_target_init(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, u_
     # the next candidates, from the final row (the residual after a rejected draft token)
     p_final = probs[seq, final_row]
     q_final = q_row.view(b, r, v)[seq, final_row]
-    resid = (p_final - q_final).clamp(min=0.0)
-    total = resid.sum(dim=-1, keepdim=True)
-    resid = torch.where(total > 0, resid / total, p_final)
-    law = torch.where(best_rejected[:, None], resid, p_final)
+    law = torch.where(best_rejected[:, None], residual_rows(p_final, q_final), p_final)
     drawn = sample_k_distinct(law, u_cand)
     top = x[seq, final_row].topk(k, dim=-1).indices
     nxt_cands = torch.where(greedy[seq, final_row][:, None], top, drawn)

@@ -244,20 +244,20 @@ def _try_events(probs: torch.Tensor, trees: TreeBatch, uniforms: Uniforms, greed
         taken[:k] = torch.where(ok & (taken[:k] < 0), j, taken[:k])
         # the law of the next event and of a final draw: a rejected row's residual (rows that accepted
         # are never the walk's last row, so updating them too changes nothing)
-        p[:k] = torch.where(sampled[:, None], _residual(pj, qj), _without(pj, tok))
+        p[:k] = torch.where(sampled[:, None], residual_rows(pj, qj), without_rows(pj, tok))
         if without_replacement:
-            q[:k] = torch.where(sampled[:, None], _without(qj, tok), qj)
+            q[:k] = torch.where(sampled[:, None], without_rows(qj, tok), qj)
     return taken, p
 
 
-def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def residual_rows(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Row-wise ``norm((p - q)+)``, ``p`` where it vanishes (as ``walk.residual``)."""
     r = (p - q).clamp_(min=0.0)
     total = r.sum(dim=-1, keepdim=True)
     return torch.where(total > 0, r / total, p)
 
 
-def _without(p: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+def without_rows(p: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
     """Row-wise ``p`` with ``tok`` removed, renormalised (as ``walk.remove_candidate``)."""
     out = p.scatter(1, tok[:, None], 0.0)
     total = out.sum(dim=-1, keepdim=True)
