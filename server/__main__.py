@@ -16,6 +16,7 @@ import uvicorn
 
 from engine.async_engine import AsyncEngine
 from server.app import GracefulServer, create_app
+from server.head_timeout import http_protocol
 from server.settings import Settings, SettingsError, load_settings
 
 log = logging.getLogger("server")
@@ -63,7 +64,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     engine = AsyncEngine(lambda: build_core(settings), max_queue=settings.max_queue)
     app = create_app(settings, engine)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=int(settings.shutdown_grace) + 5)
+                            timeout_graceful_shutdown=int(settings.shutdown_grace) + 5,
+                            http=http_protocol(settings.header_read_timeout))
     server = GracefulServer(config, engine, settings.shutdown_grace)
     status = [0]
     threading.Thread(target=_exit_if_load_fails, args=(engine, server, status), daemon=True).start()

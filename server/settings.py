@@ -67,6 +67,9 @@ class ServerSettings(BaseModel):
     shutdown_grace: float = Field(10.0, ge=0, description="seconds in-flight requests get at shutdown")
     body_read_timeout: float = Field(30.0, gt=0, description="seconds a client may stall in the middle of its "
                                      "request body before a 408")
+    header_read_timeout: float = Field(10.0, gt=0, description="seconds a connection may take to send a "
+                                       "request's line and headers (at connect and between keep-alive "
+                                       "requests) before it is closed")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
     @field_validator("tree", mode="before", check_fields=False)

@@ -214,11 +214,12 @@ class ServerThread:
     block runs uvicorn's normal shutdown (lifespan exit -> engine shutdown).
     """
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, **config) -> None:
+        """``config``: more ``uvicorn.Config`` arguments (e.g. ``http=`` a protocol class)."""
         import uvicorn
 
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
+                                                    timeout_graceful_shutdown=2, **config))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = ""
 

@@ -11,6 +11,8 @@ import httpx
 import openai
 import pytest
 
+from engine.async_engine import AsyncEngine
+from server.app import create_app
 from tests.fakes import FakeCore
 from tests.server.test_app import MODEL, client, error_of, fill_the_queue, serve, wait_until
 
@@ -239,3 +241,38 @@ def test_a_client_stalling_mid_body_gets_a_408_and_long_streams_are_not_cut():
             t0 = time.perf_counter()
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert time.perf_counter() - t0 > 0.5 and lines[-1] == "data: [DONE]"
+
+
+def test_a_client_stalling_in_its_request_head_is_disconnected_and_others_are_served():
+    """Slowloris: a connection that sends nothing, or half a request line and stops, is closed after
+    the head timeout; a request whose head arrived streams on past it; keep-alive requests after it
+    get the timeout again."""
+    import socket
+
+    from server.head_timeout import http_protocol
+    from server.settings import Settings
+    from tests.fakes import ServerThread
+
+    engine = AsyncEngine(FakeCore(max_batch=2, step_delay=0.05), max_queue=8)
+    app = create_app(Settings(served_model_name=MODEL), engine)
+    with ServerThread(app, http=http_protocol(0.5)) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+
+        def closed_after(payload: bytes) -> float:
+            sock = socket.create_connection((host, int(port)))
+            sock.settimeout(5)
+            t0 = time.monotonic()
+            if payload:
+                sock.sendall(payload)
+            assert sock.recv(1024) == b""  # the server closed it without answering
+            sock.close()
+            return time.monotonic() - t0
+
+        assert 0.4 < closed_after(b"") < 3
+        assert 0.4 < closed_after(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ") < 3
+        # a stream that outlives the head timeout by far is not cut
+        chunks = list(client(s).completions.create(model=MODEL, prompt="hello", max_tokens=30, stream=True))
+        assert chunks and chunks[-1].choices[0].finish_reason == "length"
+        with httpx.Client(base_url=s.url) as http:  # keep-alive: two requests on one connection
+            assert http.get("/health").status_code == 200
+            assert http.get("/health").status_code == 200
