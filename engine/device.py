@@ -73,6 +73,11 @@ class Pending:
     def result(self):
         return self.finish(to_host(*self.tensors))
 
+    def then(self, fn: Callable[[object], object]) -> "Pending":
+        """The same device results, with ``fn`` applied to this pending's answer."""
+        finish = self.finish
+        return Pending(self.tensors, lambda host: fn(finish(host)))
+
 
 def finish_all(pendings: list[Pending]) -> list:
     """Every pending's answer, behind one synchronization for all of them."""

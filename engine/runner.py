@@ -42,10 +42,14 @@ class SeqStepResult:
     seq: Sequence
     result: VerifyResult
     tree: DraftTree
-    drafted: int  # live drafted nodes
     logprobs: Optional[list[TokenLogprob]] = None
     logits: Optional[torch.Tensor] = None  # [1+n, vocab] the target's raw logits of the block (for training heads)
     next_candidates: Optional[list[int]] = None  # target-initialised mode: the next step's candidate roots
+
+    @property
+    def drafted(self) -> int:
+        """Live drafted nodes of the tree."""
+        return sum(1 for t in self.tree.tokens if t != DEAD)
 
 
 class ModelRunner:
@@ -126,10 +130,8 @@ class ModelRunner:
             rows = [logits[i, : 1 + trees[i].num_nodes, : self.vocab_size] for i in idx]
             pending = start_joint([(lg, trees[i].tokens, trees[i].joint_logq, seqs[i]) for lg, i in zip(rows, idx)],
                                   self.mjsd_tau)
-            finish = pending.finish
-            pending.finish = lambda host: [self._joint_result(seqs[i], trees[i], res, lg)
-                                           for i, lg, res in zip(idx, rows, finish(host))]
-            return pending
+            return pending.then(lambda results: [self._joint_result(seqs[i], trees[i], res, lg)
+                                                 for i, lg, res in zip(idx, rows, results)])
 
         def init_rule(idx: list[int]) -> Pending:
             return self._verify_target_init([seqs[i] for i in idx], [trees[i] for i in idx], _rows_of(logits, idx))
@@ -176,14 +178,9 @@ class ModelRunner:
             uniforms = draw_tables(gens, batch, dev)
         without = self.proposer is None or self.proposer.without_replacement
         pending = start_verify(x, st, batch, uniforms, without, raw_logits=raw, logprobs=[p.logprobs for p in params])
-        unpack = pending.finish
-
-        def finish(host: list[torch.Tensor]) -> list[SeqStepResult]:
-            outcome = unpack(host)
-            return [SeqStepResult(s, res, t, sum(1 for tok in t.tokens if tok != DEAD), lps, raw[i, : 1 + t.num_nodes])
-                    for i, (s, t, res, lps) in enumerate(zip(seqs, trees, outcome.results, outcome.logprobs))]
-        pending.finish = finish
-        return pending
+        return pending.then(lambda outcome: [
+            SeqStepResult(s, res, t, lps, raw[i, : 1 + t.num_nodes])
+            for i, (s, t, res, lps) in enumerate(zip(seqs, trees, outcome.results, outcome.logprobs))])
 
     def _draft(self, seqs: list[Sequence], plans: list[DraftPlan]) -> list[DraftTree]:
         """Every drafter in stage order grows the trees its share of the plans asks for."""
@@ -205,22 +202,20 @@ class ModelRunner:
                 u = torch.rand(rows + k, generator=seq.generator)
                 u_accept[i, :rows], u_cand[i] = u[:rows], u[rows:]
         pending = start_target_init(x, st, batch, to_device(u_accept, dev), to_device(u_cand, dev), k)
-        decide = pending.finish
 
-        def finish(host: list[torch.Tensor]) -> list[SeqStepResult]:
+        def results(decided: list) -> list[SeqStepResult]:
             out = []
-            for i, (seq, tree, p, (res, cands)) in enumerate(zip(seqs, trees, params, decide(host))):
+            for i, (seq, tree, p, (res, cands)) in enumerate(zip(seqs, trees, params, decided)):
                 lg = raw[i, : 1 + tree.num_nodes]
                 lps = self._logprobs(lg, res, p.logprobs) if p.logprobs is not None else None
-                out.append(SeqStepResult(seq, res, tree, sum(1 for t in tree.tokens if t != DEAD), lps, lg, cands))
+                out.append(SeqStepResult(seq, res, tree, lps, lg, cands))
             return out
-        pending.finish = finish
-        return pending
+        return pending.then(results)
 
     def _joint_result(self, seq: Sequence, tree: DraftTree, result: VerifyResult, logits: torch.Tensor) -> SeqStepResult:
         k = seq.request.sampling.logprobs
         lps = self._logprobs(logits, result, k) if k is not None else None
-        return SeqStepResult(seq, result, tree, sum(1 for t in tree.tokens if t != DEAD), lps, logits)
+        return SeqStepResult(seq, result, tree, lps, logits)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, result: VerifyResult, k: int) -> list[TokenLogprob]:
