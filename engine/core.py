@@ -147,15 +147,17 @@ class EngineCore:
         if n == 0:
             raise RequestRejected("the prompt is empty", "prompt")
         if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self.vocab_size:
-            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})", "prompt",
+                                  "token_id_out_of_range")
         if n + req.sampling.max_tokens > self.max_model_len:
             raise RequestRejected(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {n + req.sampling.max_tokens} tokens ({n} in the prompt, "
                 f"{req.sampling.max_tokens} in the completion). Please reduce the prompt or max_tokens.",
-                "max_tokens")
+                "max_tokens", "context_length_exceeded")
         if max(req.sampling.logit_bias, default=-1) >= self.vocab_size:
-            raise RequestRejected(f"logit_bias token ids must be < {self.vocab_size}", "logit_bias")
+            raise RequestRejected(f"logit_bias token ids must be < {self.vocab_size}", "logit_bias",
+                                  "token_id_out_of_range")
         if req.spec.method == MJSD_LOSSY and req.sampling.needs_history:
             raise RequestRejected("speculative.method 'mjsd-lossy' does not support presence/frequency/repetition "
                                   "penalties", "speculative.method")
@@ -163,7 +165,7 @@ class EngineCore:
             try:
                 self.topology.subtree(req.spec.tree)
             except ValueError as exc:
-                raise RequestRejected(str(exc), "speculative.tree") from None
+                raise RequestRejected(str(exc), "speculative.tree", "speculation_does_not_fit") from None
 
     def _validate(self, req: GenerationRequest) -> None:
         self.check_request(req)

@@ -18,11 +18,13 @@ GREEDY_EPS = 1e-5
 
 
 class RequestRejected(ValueError):
-    """A request the engine cannot run as asked; ``param`` names the API field to blame."""
+    """A request the engine cannot run as asked; ``param`` names the API field to blame, ``code`` the
+    kind of refusal (OpenAI's ``context_length_exceeded``; ``token_id_out_of_range`` and
+    ``speculation_does_not_fit`` for the served model's vocabulary and draft tree)."""
 
-    def __init__(self, message: str, param: Optional[str] = None) -> None:
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None) -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 @dataclass

@@ -252,7 +252,8 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:  # [
     sorted_probs = sorted_logits.softmax(dim=-1)
     cum = sorted_probs.cumsum(dim=-1)
     mass_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
-    n_keep = (mass_before < top_p[:, None]).sum(dim=-1)  # [rows], >= 1
+    # >= 1: the top token has mass 0 before it, but a top_p below float32's range (5e-324) rounds to 0
+    n_keep = (mass_before < top_p[:, None]).sum(dim=-1).clamp(min=1)  # [rows]
     n_keep = torch.where(top_p >= 1.0, logits.shape[-1], n_keep)
     threshold = sorted_logits.gather(1, (n_keep - 1)[:, None])  # [rows, 1]
     return logits.masked_fill(logits < threshold, _NEG_INF)

@@ -16,7 +16,7 @@ from typing import Optional
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
 from engine.async_engine import AsyncEngine, EngineState, EngineUnavailable
@@ -170,7 +170,8 @@ def _ops_router(engine: AsyncEngine, metrics: ServerMetrics) -> APIRouter:
         return JSONResponse({"status": "ok", "running": g.num_running, "waiting": g.num_waiting,
                              "unfinished": engine.num_unfinished, "kv_cache_usage": g.kv_cache_usage})
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse, responses={200: {
+        "description": "Prometheus text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus() -> Response:
         return Response(metrics.render(engine), media_type=CONTENT_TYPE_LATEST)
 

@@ -2,8 +2,9 @@
 
 Requests are validated strictly (``"max_tokens": "5"`` is a type error, as with OpenAI) but
 unknown fields are ignored, like OpenAI does.  Fields that would *change the meaning* of a request
-but that we cannot honour (``suffix``, ``tools``, structured ``response_format``, ``best_of`` other
-than ``n``) are rejected with a clear message instead of being silently dropped.
+but that we cannot honour (``suffix``, ``tools``, structured ``response_format``) are rejected with a
+clear message instead of being silently dropped; the JSON schema says so, and says which fields
+depend on which (``stream_options`` needs ``stream``, ``top_logprobs`` needs ``logprobs``).
 
 Extensions: the request field ``speculative`` (per-request speculation settings) and
 ``usage.speculative`` (per-request speculation statistics); ``repetition_penalty``, ``top_k``,
@@ -15,19 +16,30 @@ The ``to_sampling_params`` / ``to_spec_options`` methods translate into the engi
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from engine.request import SamplingParams, SpecOptions
 from engine.speculative.methods import METHODS
 
 MAX_STOP = 16  # OpenAI allows 4; be lenient
 MAX_STOP_CHARS = 1024  # per stop string (matching holds back at most this much text)
-MAX_TOKEN_ID = 2**31 - 1
+TOKEN_ID_KEY = r"^[0-9]{1,9}$"  # a logit_bias key: a token id (any vocabulary is far smaller than 10**9)
 MAX_LOGPROBS = 20
-NonNegInt = Annotated[int, Field(ge=0)]
+
+
+def _integral(v: Any) -> Any:
+    """JSON has one number type: ``1.0`` is an integer to JSON Schema (and to JavaScript clients), so an
+    integral float is taken as that integer; ``1.5`` and ``"1"`` still fail strict validation."""
+    return int(v) if type(v) is float and v.is_integer() else v
+
+
+INTEGRAL = BeforeValidator(_integral)  # on every integer field of a request, after its bounds (so the
+# JSON schema keeps them as minimum/maximum)
+NonNegInt = Annotated[int, Field(ge=0), INTEGRAL]
 
 
 class FieldError(ValueError):
@@ -57,8 +69,8 @@ class SpeculativeOptions(_Request):
     (fixed speculation length for this request)."""
 
     enabled: bool = True
-    max_depth: Optional[Annotated[int, Field(ge=0, le=64)]] = None
-    tree: Optional[Annotated[list[Annotated[int, Field(ge=1, le=64)]], Field(max_length=32)]] = None
+    max_depth: Optional[Annotated[int, Field(ge=0, le=64), INTEGRAL]] = None
+    tree: Optional[Annotated[list[Annotated[int, Field(ge=1, le=64), INTEGRAL]], Field(max_length=32)]] = None
     method: Optional[Literal[METHODS]] = None
     adaptive: Optional[bool] = None
 
@@ -113,8 +125,31 @@ def _surrogate_path(v: Any, path: str) -> Optional[str]:
     return None
 
 
+def _only_when(field: str, condition: dict[str, Any]) -> dict[str, Any]:
+    """JSON Schema for "``field`` must be null or absent unless ``condition`` holds" (a cross-field rule
+    the server enforces with a 400; said in the schema so that clients and fuzzers know it)."""
+    return {"if": {"properties": condition, "required": list(condition)},
+            "else": {"properties": {field: {"type": "null"}}}}
+
+
+def _never_with(field: str, condition: dict[str, Any]) -> dict[str, Any]:
+    """JSON Schema for "``field`` must be null or absent when ``condition`` holds"."""
+    return {"if": {"properties": condition, "required": list(condition)},
+            "then": {"properties": {field: {"type": "null"}}}}
+
+
+_STREAM_OPTIONS_RULE = _only_when("stream_options", {"stream": {"const": True}})
+_MJSD_HAS_NO_PENALTIES = {  # the engine refuses penalties with the lossy joint rule (no token history there)
+    "if": {"properties": {"speculative": {"type": "object", "properties": {"method": {"const": "mjsd-lossy"}},
+                                          "required": ["method"]}}, "required": ["speculative"]},
+    "then": {"properties": {"presence_penalty": {"const": 0}, "frequency_penalty": {"const": 0},
+                            "repetition_penalty": {"const": 1}}}}
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_RULE, _MJSD_HAS_NO_PENALTIES]})
 
     @model_validator(mode="before")
     @classmethod
@@ -126,20 +161,23 @@ class _SamplingFields(_Request):
         return data
 
     model: Optional[str] = None
-    max_tokens: Optional[Annotated[int, Field(ge=1)]] = None
+    max_tokens: Optional[Annotated[int, Field(ge=1), INTEGRAL]] = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0
+    top_k: Annotated[int, Field(ge=-1), INTEGRAL] = 0
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    n: Annotated[int, Field(ge=1, le=128)] = 1
+    n: Annotated[int, Field(ge=1, le=128), INTEGRAL] = 1
     stop: Optional[Any] = None
-    seed: Optional[Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]] = None
+    seed: Optional[Annotated[int, INTEGRAL]] = Field(None, description="any integer; the sampler uses it modulo 2**64")
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
-    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]] = None
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]] = Field(
+        None, json_schema_extra={"anyOf": [{"type": "object", "propertyNames": {"pattern": TOKEN_ID_KEY},
+                                            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+                                           {"type": "null"}]})
     user: Optional[str] = None
     ignore_eos: bool = False
     stop_token_ids: Optional[list[NonNegInt]] = None
@@ -154,7 +192,7 @@ class _SamplingFields(_Request):
     @classmethod
     def _check_logit_bias(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
         for key in v or {}:
-            if not (key.isascii() and key.isdigit()) or len(key) > 10 or int(key) > MAX_TOKEN_ID:
+            if not re.fullmatch(TOKEN_ID_KEY, key):
                 shown = key if len(key) <= 24 else key[:24] + "..."
                 raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {shown!r}")
         return v
@@ -168,6 +206,11 @@ class _SamplingFields(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def candidates(self) -> int:
+        """Completions generated per prompt (``n``; completions' ``best_of`` may ask for more)."""
+        return self.n
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_tokens
@@ -194,15 +237,20 @@ class _SamplingFields(_Request):
 
 # ---------------------------------------------------------------------------- completions
 class CompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        _STREAM_OPTIONS_RULE, _MJSD_HAS_NO_PENALTIES, _never_with("logprobs", {"echo": {"const": True}})]})
+
     # validated by _check_prompt (clear messages); the schema says what that accepts
     prompt: Any = Field(..., json_schema_extra={"anyOf": [
-        {"type": "string"}, {"type": "array", "items": {"type": "string"}},
-        {"type": "array", "items": {"type": "integer", "minimum": 0}},
-        {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}}}]})
+        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+         "minItems": 1}]})
     echo: bool = False
-    logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
-    suffix: Optional[str] = None
-    best_of: Optional[Annotated[int, Field(ge=1)]] = None
+    logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL]] = None
+    suffix: Optional[str] = Field(None, description="Not supported: only null or an empty string.",
+                                  json_schema_extra={"anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}]})
+    best_of: Optional[Annotated[int, Field(ge=1, le=128), INTEGRAL]] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -210,6 +258,8 @@ class CompletionRequest(_SamplingFields):
         """One of: a string, a list of strings, a list of token ids, a list of token-id lists."""
         msg = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
         is_ids = lambda x: isinstance(x, list) and all(type(t) is int and t >= 0 for t in x)  # noqa: E731
+        if isinstance(v, list):  # token ids may come as integral floats too
+            v = [[_integral(t) for t in p] if isinstance(p, list) else _integral(p) for p in v]
         if isinstance(v, str):
             return v
         if not isinstance(v, list) or not v:
@@ -224,9 +274,13 @@ class CompletionRequest(_SamplingFields):
     def _check_unsupported(self):
         if self.suffix:
             raise FieldError("suffix", "suffix is not supported by this server")
-        if self.best_of is not None and self.best_of != self.n:
-            raise FieldError("best_of", "best_of other than n is not supported by this server")
         return self
+
+    @property
+    def candidates(self) -> int:
+        """Completions generated per prompt: ``best_of`` (the ``n`` with the highest total log
+        probability are returned), never fewer than ``n``."""
+        return max(self.n, self.best_of or 0)
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: each a string or a list of token ids."""
@@ -236,6 +290,8 @@ class CompletionRequest(_SamplingFields):
         return list(p) if isinstance(p[0], (str, list)) else [p]
 
     def top_logprobs_count(self) -> Optional[int]:
+        if self.candidates > self.n:
+            return self.logprobs or 0  # ranking the candidates needs each sampled token's log probability
         return self.logprobs
 
 
@@ -259,12 +315,19 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        _STREAM_OPTIONS_RULE, _MJSD_HAS_NO_PENALTIES, _only_when("top_logprobs", {"logprobs": {"const": True}})]})
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Optional[Annotated[int, Field(ge=1)]] = None
+    max_completion_tokens: Optional[Annotated[int, Field(ge=1), INTEGRAL]] = None
     logprobs: bool = False
-    top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
-    tools: Optional[list[Any]] = None
-    response_format: Optional[dict[str, Any]] = None
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL]] = None
+    tools: Optional[list[Any]] = Field(None, description="Not supported: only null or an empty list.",
+                                       json_schema_extra={"anyOf": [{"type": "array", "maxItems": 0},
+                                                                    {"type": "null"}]})
+    response_format: Optional[dict[str, Any]] = Field(
+        None, description='Only {"type": "text"} (the default) is supported.',
+        json_schema_extra={"anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}}, {"type": "null"}]})
 
     @model_validator(mode="after")
     def _check_chat(self):

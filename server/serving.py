@@ -1,7 +1,8 @@
 """OpenAI completions / chat completions on top of :class:`AsyncEngine`: translate, await, format.
 
 One API call becomes ``len(prompts) * n`` engine requests (``{call_id}-{index}``, choice index =
-prompt * n + i, OpenAI's order) submitted all-or-nothing.  Non-streaming calls collect every
+prompt * n + i, OpenAI's order) submitted all-or-nothing (``len(prompts) * best_of`` for a completions
+``best_of``, of which the ``n`` most likely per prompt are returned).  Non-streaming calls collect every
 choice; streaming calls turn each engine delta into a chunk as it arrives, so the n choices'
 chunks interleave, distinguished by ``index``.  Either way the request group is aborted when the
 client goes away: streaming responses are cancelled by Starlette on disconnect, non-streaming ones
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Optional, Union
 
 from fastapi import Request
@@ -70,6 +71,20 @@ def raise_if_error(out: RequestOutput) -> None:
         raise APIError(503, out.error or "The server is shutting down.", code="server_shutting_down")
     if out.finish_reason == "error":
         raise APIError(500, out.error or "engine error", code="engine_error")
+
+
+def best_of(choices: list[Choice], candidates: int, n: int) -> list[Choice]:
+    """The ``n`` choices per prompt with the highest total log probability among its ``candidates``
+    (earlier first among equals), renumbered ``prompt * n + rank`` (OpenAI's order); ``choices``
+    unchanged when ``candidates == n``."""
+    if candidates == n:
+        return choices
+    kept = []
+    for p in range(len(choices) // candidates):
+        group = choices[p * candidates:(p + 1) * candidates]
+        ranked = sorted(group, key=lambda c: -sum(t.logprob for t in c.logprobs))[:n]  # stable
+        kept += [replace(c, index=p * n + rank) for rank, c in enumerate(ranked)]
+    return kept
 
 
 def make_usage(prompts: list[Prompt], choices: list[Choice]) -> UsageInfo:
@@ -140,7 +155,8 @@ class OpenAIServing:
                 prompts.append(Prompt(self.tokenizer.encode(p), p))
                 continue
             if any(t >= vocab for t in p):
-                raise bad_request(f"prompt token ids must be < the vocabulary size {vocab}", param="prompt")
+                raise bad_request(f"prompt token ids must be < the vocabulary size {vocab}", param="prompt",
+                                  code="token_id_out_of_range")
             prompts.append(Prompt(list(p), self.tokenizer.decode(p) if body.echo else ""))
         return prompts
 
@@ -178,15 +194,17 @@ class OpenAIServing:
         return requested
 
     def build_requests(self, call_id: str, body, prompts: list[Prompt], budgets: list[int]) -> list[GenerationRequest]:
-        total = len(prompts) * body.n
+        per_prompt = body.candidates
+        total = len(prompts) * per_prompt
         if total > self.engine.max_queue:
             raise bad_request(f"The request asks for {total} completions; this server queues at most "
-                              f"{self.engine.max_queue} at once.", param="n")
+                              f"{self.engine.max_queue} at once.", param="n" if per_prompt == body.n else "best_of",
+                              code="too_many_completions")
         try:
-            reqs = [GenerationRequest(f"{call_id}-{p * body.n + i}", prompt.token_ids,
+            reqs = [GenerationRequest(f"{call_id}-{p * per_prompt + i}", prompt.token_ids,
                                       body.to_sampling_params(budgets[p], i),
                                       body.to_spec_options(self.settings.spec_enabled))
-                    for p, prompt in enumerate(prompts) for i in range(body.n)]
+                    for p, prompt in enumerate(prompts) for i in range(per_prompt)]
         except ValueError as exc:  # the engine contract's own checks
             raise bad_request(str(exc), param=str(exc).split(" ")[0]) from None
         check = getattr(self.engine.core, "check_request", None)
@@ -194,7 +212,7 @@ class OpenAIServing:
             try:  # what the engine would refuse is a 400 now, before a stream's first byte
                 check(req)
             except RequestRejected as exc:
-                raise bad_request(str(exc), param=exc.param) from None
+                raise bad_request(str(exc), param=exc.param, code=exc.code) from None
         return reqs
 
     # ------------------------------------------------------------------ running
@@ -234,24 +252,45 @@ class OpenAIServing:
             raise bad_request("echo together with logprobs needs prompt logprobs, which this engine does not "
                               "compute.", param="echo")
         prompts = await self._off_loop(self.completion_prompts, body)
-        budgets = [self.max_tokens_for(p, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt", "max_tokens")
+        default = self.settings.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        budgets = [self.max_tokens_for(p, body.max_tokens, default, "prompt", "max_tokens")
                    for p in prompts]
         call_id = f"cmpl-{uuid.uuid4().hex}"
         reqs = self.build_requests(call_id, body, prompts, budgets)
-        choices = [Choice(i, len(prompts[i // body.n].token_ids)) for i in range(len(reqs))]
+        choices = [Choice(i, len(prompts[i // body.candidates].token_ids)) for i in range(len(reqs))]
         group = self.engine.submit(reqs)
         fmt = LogprobFormatter(self.tokenizer)
+        if body.candidates > body.n:  # best_of: nothing can be sent before every candidate is done
+            if body.stream:
+                return sse_response(self._best_of_chunks(call_id, body, prompts, choices, group, fmt))
+            if not await self.collect(group, choices, request):
+                return Response(status_code=499)
+            return self._completion_response(call_id, body, prompts, choices, fmt)
         if body.stream:
             return sse_response(self._completion_chunks(call_id, body, prompts, choices, group, fmt))
         if not await self.collect(group, choices, request):
             return Response(status_code=499)
+        return self._completion_response(call_id, body, prompts, choices, fmt)
+
+    def _completion_response(self, call_id, body, prompts, choices, fmt) -> CompletionResponse:
+        returned = best_of(choices, body.candidates, body.n)
         return CompletionResponse(
             id=call_id, model=self.settings.model_id, usage=make_usage(prompts, choices),
             choices=[CompletionChoice(
                 index=c.index, finish_reason=c.finish_reason,
                 text=(prompts[c.index // body.n].text if body.echo else "") + c.text,
                 logprobs=fmt.completion(c.logprobs, 0) if body.logprobs is not None else None)
-                for c in choices])
+                for c in returned])
+
+    async def _best_of_chunks(self, call_id, body, prompts, choices, group, fmt):
+        """A streamed ``best_of`` call: each returned choice as one chunk once all candidates are done."""
+        async for index, out in self.outputs(group):
+            choices[index].add(out)
+        response = self._completion_response(call_id, body, prompts, choices, fmt)
+        for choice in response.choices:
+            yield CompletionChunk(id=call_id, model=self.settings.model_id, choices=[choice])
+        if body.include_usage:
+            yield CompletionChunk(id=call_id, model=self.settings.model_id, choices=[], usage=response.usage)
 
     async def _completion_chunks(self, call_id, body, prompts, choices, group, fmt):
         offsets = [0] * len(choices)
@@ -278,7 +317,8 @@ class OpenAIServing:
         self.check_model(body.model)
         prompt = await self._off_loop(self.chat_prompt, body)
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        budget = self.max_tokens_for(prompt, body.requested_max_tokens(), None, "messages", max_param)
+        budget = self.max_tokens_for(prompt, body.requested_max_tokens(), self.settings.default_max_tokens,
+                                     "messages", max_param)
         call_id = f"chatcmpl-{uuid.uuid4().hex}"
         reqs = self.build_requests(call_id, body, [prompt], [budget])
         choices = [Choice(i, len(prompt.token_ids)) for i in range(len(reqs))]

@@ -63,6 +63,9 @@ class ServerSettings(BaseModel):
     health_auth: bool = Field(False, description="require the API key on /health too")
     cors_origins: list[str] = Field(default_factory=list, description="allowed CORS origins, comma separated")
     served_model_name: Optional[str] = Field(None, description="model id in the API (default: --model)")
+    default_max_tokens: Optional[int] = Field(
+        None, ge=1, description="tokens generated when a request sets no max_tokens (default: 16 for "
+                                "completions, as OpenAI; all the context leaves for chat)")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest accepted request body")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds in-flight requests get at shutdown")
     body_read_timeout: float = Field(30.0, gt=0, description="seconds a client may stall in the middle of its "

@@ -218,7 +218,7 @@ def test_the_openapi_schema_describes_what_the_server_does(srv):
         assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
         assert "text/event-stream" in responses["200"]["content"]
     prompt = spec["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
-    assert {"type": "null"} not in prompt["anyOf"] and {"type": "string"} in prompt["anyOf"]
+    assert {"type": "null"} not in prompt["anyOf"] and {"type": "string", "minLength": 1} in prompt["anyOf"]
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": None})  # what the schema now forbids
     assert r.status_code == 400 and error_of(r)["param"] == "prompt"
 

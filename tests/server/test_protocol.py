@@ -91,7 +91,7 @@ def test_max_completion_tokens_alias():
 @pytest.mark.parametrize("field, value", [
     ("max_tokens", 0), ("max_tokens", "5"), ("max_tokens", 1.5), ("temperature", -0.1), ("temperature", 2.5),
     ("temperature", "hot"), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("n", 0), ("n", 129),
-    ("seed", "1"), ("seed", 2**64), ("stream", "yes"), ("stream", 1), ("presence_penalty", 3),
+    ("seed", "1"), ("seed", 1.5), ("stream", "yes"), ("stream", 1), ("presence_penalty", 3),
     ("frequency_penalty", -2.5), ("repetition_penalty", 0), ("logit_bias", {"x": 1}), ("logit_bias", {"1": 200}),
     ("user", 5), ("echo", "no"), ("stop_token_ids", [-1]), ("ignore_eos", "true"),
 ])
@@ -134,8 +134,19 @@ def test_stream_options_require_stream():
 def test_unknown_fields_ignored_unsupported_ones_rejected():
     assert completion(frobnicate=True, metadata={"a": 1}).prompt == "hi"
     assert api_error(CompletionRequest, {"prompt": "x", "suffix": "y"}).param == "suffix"
-    assert api_error(CompletionRequest, {"prompt": "x", "best_of": 3}).param == "best_of"
-    assert completion(best_of=1).n == 1
+    assert completion(best_of=1).n == 1 and completion(best_of=1).candidates == 1
+    assert completion(best_of=3, n=2).candidates == 3 and completion(best_of=1, n=2).candidates == 2
+    assert completion(best_of=3).top_logprobs_count() == 0  # ranking needs the sampled tokens' logprobs
+    assert completion(best_of=3, logprobs=2).top_logprobs_count() == 2 and completion().top_logprobs_count() is None
+
+
+def test_integral_floats_are_integers_as_in_json_schema():
+    body = completion(n=2.0, max_tokens=5.0, prompt=[1.0, 2])
+    assert (body.n, body.max_tokens, body.prompt) == (2, 5, [1, 2])
+    assert type(body.n) is int
+    assert api_error(CompletionRequest, {"prompt": "x", "n": 1.5}).param == "n"
+    assert api_error(CompletionRequest, {"prompt": "x", "n": "1"}).param == "n"
+    assert api_error(CompletionRequest, {"prompt": [1.5]}).param == "prompt"
     assert api_error(ChatCompletionRequest, {"messages": MSG, "tools": [{"type": "function"}]}).param == "tools"
     assert api_error(ChatCompletionRequest, {"messages": MSG,
                                              "response_format": {"type": "json_object"}}).param == "response_format"

@@ -143,3 +143,26 @@ def test_what_the_engine_refuses_is_a_400_before_the_stream_starts(srv, body, pa
     assert r.status_code == 400, r.text
     assert r.headers["content-type"].startswith("application/json")
     assert r.json()["error"]["param"] == param
+
+
+def test_best_of_returns_the_n_most_likely_of_its_candidates(oai):
+    """``best_of=4, n=2`` generates the same 4 candidates as ``n=4`` (seed + choice) and returns the 2
+    with the highest total log probability, most likely first; usage counts all 4; streaming sends
+    the same choices once all are done."""
+    common = dict(model=MODEL, prompt="the quick brown fox", max_tokens=6, temperature=1.0, seed=11,
+                  extra_body={"ignore_eos": True})
+    all4 = oai.completions.create(n=4, logprobs=0, **common)
+    totals = [sum(c.logprobs.token_logprobs) for c in all4.choices]
+    assert len(set(c.text for c in all4.choices)) > 1  # the ranking has something to choose between
+    ranked = sorted(range(4), key=lambda i: -totals[i])[:2]
+
+    best = oai.completions.create(n=2, best_of=4, **common)
+    assert [c.text for c in best.choices] == [all4.choices[i].text for i in ranked]
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == all4.usage.completion_tokens == 24
+
+    chunks = list(oai.completions.create(n=2, best_of=4, stream=True, stream_options={"include_usage": True},
+                                         **common))
+    assert [(c.choices[0].index, c.choices[0].text) for c in chunks if c.choices] == \
+        [(0, best.choices[0].text), (1, best.choices[1].text)]
+    assert chunks[-1].usage.completion_tokens == 24
