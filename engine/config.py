@@ -27,6 +27,9 @@ class EngineConfig:
     tree: tuple[int, ...] = setting((4, 2, 2), "largest draft tree, widths per depth, e.g. 4,2,2 (empty: no "
                                     "speculation)")
     prefill_chunk: int = setting(512, "prompt tokens prefilled per step, so running streams keep flowing", ge=1)
+    batch_invariant: bool = setting(True, "CPU: every linear and the attention compute each row alone, so a "
+                                    "request's output does not depend on the rest of the batch (off: torch's "
+                                    "kernels where they are faster)")
     without_replacement: bool = setting(True, "draw sibling candidates without replacement", server=False)
     # adaptive speculation (engine.speculative.adaptive)
     adaptive: bool = setting(False, "adapt tree depth per step (SpecDec++ threshold) and the budget to load")

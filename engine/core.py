@@ -15,6 +15,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.device import tensor as device_tensor
+from engine.models import cpu_kernels
 from engine.models.loader import LoadedModel
 from engine.models.qweight import QuantLinear, quantized_copy
 from engine.models.vocab import OutputVocab, frequent_vocab
@@ -46,6 +47,7 @@ class EngineCore:
                  policy: Optional[SpecPolicy] = None) -> None:
         """``policy`` overrides the speculation policy the config describes (tests, head training)."""
         self.config = config or EngineConfig()
+        cpu_kernels.set_batch_invariant(self.config.batch_invariant)  # before the first forward
         self.target = target
         self.tokenizer = target.tokenizer
         self.model_name = model_name or target.source

@@ -15,8 +15,11 @@ API::
 
     available()             -> bool  the CPU has AVX2+FMA and the extension is built (never raises)
     bf16_linear(x, w, b)    -> Tensor  round_bf16(x @ w.T + b), x [..., K], w [N, K], b [N] (bf16)
-    should_use(weight)      -> bool  use bf16_linear for this weight? (decided once, by timing)
-    linear(x, w, b)         -> Tensor  bf16_linear when should_use(w), else F.linear
+    f32_linear(x, w, b)     -> Tensor  the same tiles in fp32 (torch's fp32 GEMM is not batch invariant)
+    should_use(weight)      -> bool  use our kernel for this weight? (decided once per mode)
+    linear(x, w, b)         -> Tensor  ours when should_use(w), else F.linear
+    attention(q, k, v, m)   -> Tensor  batch-invariant attention on the CPU, else SDPA
+    set_batch_invariant(on) / batch_invariant()  the process's mode (on by default; see below)
 
 ``MCSD_CPU_KERNELS=0`` / ``=1`` forces :func:`should_use` off / on (on: if available); like the
 timing, it is read once per process.  The kernel has no autograd formula: inference only.
@@ -55,6 +58,7 @@ _LDFLAGS = ["-fopenmp"]
 _ENV_SWITCH = "MCSD_CPU_KERNELS"
 _ATTENTION_SWITCH = "MCSD_INVARIANT_ATTENTION"
 _STALE_LOCK_S = 600.0  # a build takes ~10-30 s
+_batch_invariant = True  # set_batch_invariant()
 
 # The decision benchmark: a weight of this shape (1.5 MiB, i.e. cache-resident, so that it
 # compares the compute paths and not DRAM) at 1 and 16 rows.
@@ -231,47 +235,86 @@ def _enabled() -> bool:
         if forced:
             log.warning("%s=1 but the bf16 CPU kernels are unavailable: %s", _ENV_SWITCH, unavailable_reason())
         return False
-    return True if forced else _ours_is_faster()
+    return True if forced or _batch_invariant else _ours_is_faster()
 
 
 def should_use(weight: torch.Tensor) -> bool:
-    """Whether ``bf16_linear`` should replace ``F.linear`` for this weight.
+    """Whether our kernel should replace ``F.linear`` for this weight.
 
-    False unless the weight is a contiguous 2-D bf16 CPU tensor; otherwise the process-wide
-    decision (``MCSD_CPU_KERNELS`` if set, else a one-off timing of a few milliseconds: ours is
-    used when it beats torch at 16 rows).  Use it for every linear of a model or for none, or the
-    batch invariance between 1-row and many-row forwards is lost.
+    False unless the weight is a contiguous 2-D bf16 or fp32 CPU tensor.  bf16: the process-wide
+    decision (``MCSD_CPU_KERNELS`` if set; else yes in batch-invariant mode; else a one-off timing of a
+    few milliseconds: ours is used when it beats torch at 16 rows).  fp32: yes in batch-invariant
+    mode (torch's fp32 GEMM is not batch invariant), unless ``MCSD_CPU_KERNELS=0``.  Use it for every
+    linear of a model or for none, or the batch invariance between 1-row and many-row forwards is lost.
     """
-    if (
-        weight.dtype != torch.bfloat16
-        or weight.device.type != "cpu"
-        or weight.dim() != 2
-        or not weight.is_contiguous()
-    ):
+    if weight.device.type != "cpu" or weight.dim() != 2 or not weight.is_contiguous():
         return False
-    return _enabled()
+    if weight.dtype == torch.bfloat16:
+        return _enabled()
+    return weight.dtype == torch.float32 and _f32_enabled()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear`` drop-in that takes the bf16 kernel when :func:`should_use` says so.  A packed weight
+    """``F.linear`` drop-in that takes our kernel when :func:`should_use` says so.  A packed weight
     (GGUF blocks, ``engine.models.qweight``) multiplies itself."""
     if not isinstance(weight, torch.Tensor):
         return weight.linear(x, bias)
-    if x.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16) and should_use(weight):
-        return _op()(x, weight, bias)
+    if x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype) and should_use(weight):
+        return (_op() if x.dtype == torch.bfloat16 else _f32_op())(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in fp32, batch invariant (the bf16 kernel's tiles over fp32 weights).
+    x: [..., K] fp32; weight: [N, K] fp32 contiguous; bias: [N] fp32 or None."""
+    return _f32_op()(x, weight, bias)
+
+
+@functools.cache
+def _f32_op():
+    if not available():
+        raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
+    return torch.ops.mcsd_cpu.f32_linear.default
+
+
+@functools.cache
+def _f32_enabled() -> bool:
+    if os.environ.get(_ENV_SWITCH, "").strip().lower() in ("0", "false", "off", "no"):
+        return False
+    return _batch_invariant and available()
+
+
+def set_batch_invariant(on: bool) -> None:
+    """Batch-invariant mode for this process (the engine sets it from ``EngineConfig.batch_invariant``;
+    on by default): every CPU linear (bf16 and fp32) and the CPU attention take our kernels, which
+    compute each row alone, so a request's logits do not depend on what else is in the batch or on
+    the step's block size.  Off: torch's kernels where they are faster.  The environment switches
+    (``MCSD_CPU_KERNELS``, ``MCSD_INVARIANT_ATTENTION``) still override.  Set it before the first
+    forward: a model must run one kind of kernel throughout."""
+    global _batch_invariant
+    if bool(on) != _batch_invariant:
+        _batch_invariant = bool(on)
+        _enabled.cache_clear(), _f32_enabled.cache_clear(), _invariant_attention.cache_clear()
+
+
+def batch_invariant() -> bool:
+    """Whether this process's CPU forwards are batch invariant: every linear (bf16 and fp32) and the
+    attention take our kernels."""
+    return _enabled() and _f32_enabled() and _invariant_attention()
 
 
 @functools.cache
 def _invariant_attention() -> bool:
-    """Whether CPU attention takes our batch-invariant kernel (default: yes, when the kernels are
-    built); ``MCSD_INVARIANT_ATTENTION=0`` selects torch's SDPA instead.  Decided once per process."""
+    """Whether CPU attention takes our batch-invariant kernel (in batch-invariant mode, when the
+    kernels are built); ``MCSD_INVARIANT_ATTENTION=0`` / ``=1`` overrides.  Decided once per mode."""
     env = os.environ.get(_ATTENTION_SWITCH, "").strip().lower()
     if env in ("0", "false", "off", "no"):
         return False
-    if env and env not in ("1", "true", "on", "yes"):
+    if env in ("1", "true", "on", "yes"):
+        return available()
+    if env:
         log.warning("ignoring %s=%r (expected 0 or 1)", _ATTENTION_SWITCH, env)
-    return available()
+    return _batch_invariant and available()
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:

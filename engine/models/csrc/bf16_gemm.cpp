@@ -1,4 +1,5 @@
-// Small-M bf16 GEMM for x86 CPUs with AVX2 + FMA (no native bf16):  y = round_bf16(x @ W^T + b).
+// Small-M bf16 GEMM for x86 CPUs with AVX2 + FMA (no native bf16):  y = round_bf16(x @ W^T + b),
+// and the same kernel over fp32 weights and activations (f32_linear), for batch-invariant fp32.
 //
 // Built once per machine at first use by engine/models/cpu_kernels.py and registered as the
 // operator torch.ops.mcsd_cpu.bf16_linear (a plain shared library without Python binding code,
@@ -38,6 +39,12 @@
 // the other: the block (R * K * 2 bytes) comes from DRAM during the first tile and from L1/L2 for
 // the others, while the next block is software-prefetched a cache line per step.  Inputs with
 // more than 96 rows (prefill) are processed in panels of 96 rows, one pass over the weights each.
+//
+// fp32.  f32_linear runs the same tiles with fp32 weights: a chunk of 16 k's is two plain 8-float
+// loads (lane j sees k = 16c + j, then 16c + 8 + j), the scratch is a zero-padded copy of the
+// activations, and the result is stored without rounding.  Same numerics argument: torch's fp32
+// GEMM (MKL / oneDNN) picks different kernels for 1 row and for many, so its rows differ in the
+// last bits with the batch; this one's do not.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -81,6 +88,37 @@ inline uint16_t f32_to_bf16_rne(float f) {
 inline float hsum8(__m256 v) { return mcsd::reduce_lanes(v); }
 
 // One activation row (K bf16) -> fp32 scratch row (nchunks * 16 floats, even/odd layout).
+void convert_row(const uint16_t* src, int64_t K, float* dst, int64_t nchunks);
+
+// How one weight type is read: a chunk of 16 k's as two 8-lane halves (the scratch activations use
+// the matching layout), the activation row's conversion, and the output's rounding.
+struct Bf16 {
+  using T = uint16_t;
+  static __m256 first(const T* w) {  // even elements
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  }
+  static __m256 second(const T* w) {  // odd elements
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+  static void convert(const T* src, int64_t K, float* dst, int64_t nchunks) { convert_row(src, K, dst, nchunks); }
+  static float to_f32(T v) { return bf16_bits_to_f32(v); }
+  static T store(float v) { return f32_to_bf16_rne(v); }
+};
+
+struct F32 {
+  using T = float;
+  static __m256 first(const T* w) { return _mm256_loadu_ps(w); }
+  static __m256 second(const T* w) { return _mm256_loadu_ps(w + 8); }
+  static void convert(const T* src, int64_t K, float* dst, int64_t nchunks) {
+    std::memcpy(dst, src, K * sizeof(float));
+    for (int64_t k = K; k < nchunks * kChunk; ++k) dst[k] = 0.0f;
+  }
+  static float to_f32(T v) { return v; }
+  static T store(float v) { return v; }
+};
+
 void convert_row(const uint16_t* src, int64_t K, float* dst, int64_t nchunks) {
   const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   const int64_t nfull = K / kChunk;
@@ -104,17 +142,15 @@ void convert_row(const uint16_t* src, int64_t K, float* dst, int64_t nchunks) {
 // The C activation vectors of each half-chunk are held in registers and reused over the R weight
 // rows; the weight vector is re-loaded (from L1) for the odd half rather than kept, so that R*C
 // accumulators + C activations + 1 temporary fit the 16 ymm registers (R=4, C=3: 12 + 3 + 1).
-template <int R, int C>
-__attribute__((always_inline)) inline void step(const uint16_t* w, int64_t ldw, const float* x,
+template <typename W, int R, int C>
+__attribute__((always_inline)) inline void step(const typename W::T* w, int64_t ldw, const float* x,
                                                 int64_t ldx, __m256 (&acc)[R][C]) {
-  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   __m256 xv[C];
 #pragma GCC unroll 4
   for (int c = 0; c < C; ++c) xv[c] = _mm256_loadu_ps(x + c * ldx);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * ldw));
-    const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    const __m256 we = W::first(w + r * ldw);
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(we, xv[c], acc[r][c]);
   }
@@ -122,8 +158,7 @@ __attribute__((always_inline)) inline void step(const uint16_t* w, int64_t ldw, 
   for (int c = 0; c < C; ++c) xv[c] = _mm256_loadu_ps(x + c * ldx + 8);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * ldw));
-    const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+    const __m256 wo = W::second(w + r * ldw);
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(wo, xv[c], acc[r][c]);
   }
@@ -132,8 +167,8 @@ __attribute__((always_inline)) inline void step(const uint16_t* w, int64_t ldw, 
 // Full-K R x C tile.  w: first weight row (row stride ldw); nfull: whole 16-chunks of K; wtail:
 // [R][16] zero-padded K tail or nullptr; x: first scratch row (row stride ldx); out[r * kMaxC + c]
 // receives the reduced dot products; pf / pf_lines: cache lines to prefetch, spread over the steps.
-template <int R, int C>
-void tile(const uint16_t* w, int64_t ldw, int64_t nfull, const uint16_t* wtail, const float* x,
+template <typename W, int R, int C>
+void tile(const typename W::T* w, int64_t ldw, int64_t nfull, const typename W::T* wtail, const float* x,
           int64_t ldx, float* out, const char* pf, int64_t pf_lines) {
   __m256 acc[R][C];
 #pragma GCC unroll 8
@@ -144,43 +179,45 @@ void tile(const uint16_t* w, int64_t ldw, int64_t nfull, const uint16_t* wtail, 
   if (pf_lines <= nfull) {  // several m-tiles share the prefetch: one line per step, into L1
     for (; ch < pf_lines; ++ch) {
       _mm_prefetch(pf + ch * 64, _MM_HINT_T0);
-      step<R, C>(w + ch * kChunk, ldw, x + ch * kChunk, ldx, acc);
+      step<W, R, C>(w + ch * kChunk, ldw, x + ch * kChunk, ldx, acc);
     }
   } else if (nfull > 0) {  // a single m-tile prefetches the whole next block, into L2
     const int64_t per_step = (pf_lines + nfull - 1) / nfull;
     for (; ch < nfull; ++ch) {
       const char* p = pf + ch * per_step * 64;
       for (int64_t j = 0; j < per_step; ++j) _mm_prefetch(p + j * 64, _MM_HINT_T1);
-      step<R, C>(w + ch * kChunk, ldw, x + ch * kChunk, ldx, acc);
+      step<W, R, C>(w + ch * kChunk, ldw, x + ch * kChunk, ldx, acc);
     }
   }
-  for (; ch < nfull; ++ch) step<R, C>(w + ch * kChunk, ldw, x + ch * kChunk, ldx, acc);
-  if (wtail != nullptr) step<R, C>(wtail, kChunk, x + nfull * kChunk, ldx, acc);
+  for (; ch < nfull; ++ch) step<W, R, C>(w + ch * kChunk, ldw, x + ch * kChunk, ldx, acc);
+  if (wtail != nullptr) step<W, R, C>(wtail, kChunk, x + nfull * kChunk, ldx, acc);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) out[r * kMaxC + c] = hsum8(acc[r][c]);
 }
 
-using TileFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*, int64_t,
+template <typename W>
+using TileFn = void (*)(const typename W::T*, int64_t, int64_t, const typename W::T*, const float*, int64_t,
                         float*, const char*, int64_t);
 
-template <int R>
-TileFn tile_small_r(int c) {
-  return c == 1 ? &tile<R, 1> : c == 2 ? &tile<R, 2> : &tile<R, 3>;
+template <typename W, int R>
+TileFn<W> tile_small_r(int c) {
+  return c == 1 ? &tile<W, R, 1> : c == 2 ? &tile<W, R, 2> : &tile<W, R, 3>;
 }
 
 // r: 1..8 rows (5..8 only with c == 1), c: 1..3 activation rows.
-TileFn tile_fn(int r, int c) {
+template <typename W>
+TileFn<W> tile_fn(int r, int c) {
   switch (r) {
-    case 1: return tile_small_r<1>(c);
-    case 2: return tile_small_r<2>(c);
-    case 3: return tile_small_r<3>(c);
-    case 4: return tile_small_r<4>(c);
-    case 5: return &tile<5, 1>;
-    case 6: return &tile<6, 1>;
-    case 7: return &tile<7, 1>;
-    default: return &tile<8, 1>;
+    case 1: return tile_small_r<W, 1>(c);
+    case 2: return tile_small_r<W, 2>(c);
+    case 3: return tile_small_r<W, 3>(c);
+    case 4: return tile_small_r<W, 4>(c);
+    case 5: return &tile<W, 5, 1>;
+    case 6: return &tile<W, 6, 1>;
+    case 7: return &tile<W, 7, 1>;
+    default: return &tile<W, 8, 1>;
   }
 }
 
@@ -195,27 +232,26 @@ void blocking(int64_t M, int* rb, int* cb) {
   }
 }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "bf16_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
-              "bf16_linear: x and weight must be bfloat16, got ", x.scalar_type(), " and ",
-              weight.scalar_type());
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(),
-              "bf16_linear: weight must be a contiguous [N, K] matrix");
-  TORCH_CHECK(x.dim() >= 1, "bf16_linear: x must have at least one dimension");
+template <typename W>
+at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       at::ScalarType dtype, const char* name) {
+  using T = typename W::T;
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), name, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == dtype && weight.scalar_type() == dtype, name, ": x and weight must be ",
+              dtype, ", got ", x.scalar_type(), " and ", weight.scalar_type());
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), name, ": weight must be a contiguous [N, K] matrix");
+  TORCH_CHECK(x.dim() >= 1, name, ": x must have at least one dimension");
   const int64_t N = weight.size(0);
   const int64_t K = weight.size(1);
-  TORCH_CHECK(x.size(-1) == K, "bf16_linear: x has ", x.size(-1), " features, weight expects ", K);
-  const uint16_t* bptr = nullptr;
+  TORCH_CHECK(x.size(-1) == K, name, ": x has ", x.size(-1), " features, weight expects ", K);
+  const T* bptr = nullptr;
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = *bias;
-    TORCH_CHECK(b.device().is_cpu() && b.scalar_type() == at::kBFloat16 && b.dim() == 1 &&
-                    b.size(0) == N,
-                "bf16_linear: bias must be a bfloat16 [", N, "] tensor");
+    TORCH_CHECK(b.device().is_cpu() && b.scalar_type() == dtype && b.dim() == 1 && b.size(0) == N,
+                name, ": bias must be a ", dtype, " [", N, "] tensor");
     b = b.contiguous();
-    bptr = reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>());
+    bptr = reinterpret_cast<const T*>(b.data_ptr());
   }
 
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
@@ -224,7 +260,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   int64_t M = 1;
   for (int64_t d = 0; d + 1 < x.dim(); ++d) M *= x.size(d);
   if (out.numel() == 0) return out;
-  uint16_t* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  T* y = reinterpret_cast<T*>(out.data_ptr());
 
   const int64_t nchunks = (K + kChunk - 1) / kChunk;
   const int64_t nfull = K / kChunk;
@@ -234,7 +270,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   // Activations -> fp32 scratch (even/odd layout, zero padded).
   at::Tensor x2 = x.reshape({M, K});
   if (K > 0 && x2.stride(1) != 1) x2 = x2.contiguous();
-  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
+  const T* xb = reinterpret_cast<const T*>(x2.data_ptr());
   const int64_t ldxb = M > 1 ? x2.stride(0) : K;
   at::Tensor scratch = at::empty({std::max<int64_t>(M * Kp, 1)}, x.options().dtype(at::kFloat));
   float* xs = scratch.data_ptr<float>();
@@ -242,15 +278,15 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(K, 1)),
                    [&](int64_t m0, int64_t m1) {
                      for (int64_t m = m0; m < m1; ++m)
-                       convert_row(xb + m * ldxb, K, xs + m * Kp, nchunks);
+                       W::convert(xb + m * ldxb, K, xs + m * Kp, nchunks);
                    });
 
-  const uint16_t* wb = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  const T* wb = reinterpret_cast<const T*>(weight.data_ptr());
   int rb, cb;
   blocking(M, &rb, &cb);
   const int64_t nblocks = (N + rb - 1) / rb;
   // At least ~256 KiB of weights per task, to amortise waking the thread pool.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, rb * K * 2));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, rb * K * int64_t{sizeof(T)}));
 
   // Rows are processed in panels of at most kPanel (one pass over the weights per panel), so that
   // a long prefill keeps its activation panel in L2/L3 instead of re-reading all of x for every
@@ -259,17 +295,17 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
     const int64_t P = std::min<int64_t>(kPanel, M - p0);
     const int64_t ntiles = (P + cb - 1) / cb;
     at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
-      alignas(32) uint16_t wtail[kMaxR * kChunk];
+      alignas(32) T wtail[kMaxR * kChunk];
       alignas(32) float res[kMaxR * kMaxC];
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t n0 = blk * rb;
         const int r = static_cast<int>(std::min<int64_t>(rb, N - n0));
-        const uint16_t* w = wb + n0 * K;
-        const uint16_t* tailp = nullptr;
+        const T* w = wb + n0 * K;
+        const T* tailp = nullptr;
         if (ktail > 0) {
           std::memset(wtail, 0, sizeof(wtail));
           for (int i = 0; i < r; ++i)
-            std::memcpy(wtail + i * kChunk, w + i * K + nfull * kChunk, ktail * sizeof(uint16_t));
+            std::memcpy(wtail + i * kChunk, w + i * K + nfull * kChunk, ktail * sizeof(T));
           tailp = wtail;
         }
         // The next block of this thread (the rows right after this one) is prefetched during the
@@ -279,7 +315,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
         const char* next = reinterpret_cast<const char*>(w + r * K);
         const bool prefetch = M > 1 && (ntiles > 1 || K <= kShortRow) && blk + 1 < b1;
         const int64_t next_lines = prefetch
-                                       ? (std::min<int64_t>(rb, N - n0 - r) * K * 2 + 63) / 64
+                                       ? (std::min<int64_t>(rb, N - n0 - r) * K * int64_t{sizeof(T)} + 63) / 64
                                        : 0;
         const int64_t pf_quota = (next_lines + ntiles - 1) / ntiles;
         for (int64_t t = 0, m0 = p0; t < ntiles; ++t) {
@@ -288,13 +324,13 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
           const int64_t pf_start = t * pf_quota;
           int64_t pf_lines = std::max<int64_t>(0, std::min(pf_quota, next_lines - pf_start));
           if (ntiles > 1) pf_lines = std::min(pf_lines, nfull);  // at most one line per step
-          tile_fn(r, c)(w, K, nfull, tailp, xs + m0 * Kp, Kp, res, next + pf_start * 64, pf_lines);
+          tile_fn<W>(r, c)(w, K, nfull, tailp, xs + m0 * Kp, Kp, res, next + pf_start * 64, pf_lines);
           for (int j = 0; j < c; ++j) {
-            uint16_t* yrow = y + (m0 + j) * N + n0;
+            T* yrow = y + (m0 + j) * N + n0;
             for (int i = 0; i < r; ++i) {
               float v = res[i * kMaxC + j];
-              if (bptr != nullptr) v += bf16_bits_to_f32(bptr[n0 + i]);
-              yrow[i] = f32_to_bf16_rne(v);
+              if (bptr != nullptr) v += W::to_f32(bptr[n0 + i]);
+              yrow[i] = W::store(v);
             }
           }
           m0 += c;
@@ -305,10 +341,22 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return linear_impl<Bf16>(x, weight, bias, at::kBFloat16, "bf16_linear");
+}
+
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return linear_impl<F32>(x, weight, bias, at::kFloat, "f32_linear");
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mcsd_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("f32_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(mcsd_cpu, CPU, m) { m.impl("bf16_linear", &bf16_linear); }
+TORCH_LIBRARY_IMPL(mcsd_cpu, CPU, m) {
+  m.impl("bf16_linear", &bf16_linear);
+  m.impl("f32_linear", &f32_linear);
+}

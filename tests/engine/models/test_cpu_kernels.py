@@ -167,6 +167,52 @@ def test_batch_invariance_bitwise(n, k, with_bias):
             assert torch.equal(bits(y3), bits(single))
 
 
+@pytest.mark.parametrize("n,k", SHAPES + [(1030, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_f32_linear_is_accurate_and_batch_invariant(n, k, with_bias):
+    """The fp32 kernel: within the fp32 accumulation bound of float64, and each row bitwise the same
+    alone, among other rows of any count and scale, and in panels (M > 96)."""
+    gen = torch.Generator().manual_seed(7 * n + k)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if with_bias else None
+    x = torch.randn(200, k, generator=gen) * torch.rand(200, 1, generator=gen) * 10
+    y = cpu_kernels.f32_linear(x, w, b)
+    ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    mag = x.double().abs() @ w.double().abs().T + (b.double().abs() if b is not None else 0)
+    assert y.dtype == torch.float32 and y.shape == (200, n)
+    assert ((y.double() - ref).abs() <= (k + 9) * 2.0**-24 * mag + 1e-30).all()
+    for m in (1, 2, 3, 16, 64, 97):
+        assert torch.equal(cpu_kernels.f32_linear(x[:m], w, b), y[:m]), m
+        assert torch.equal(cpu_kernels.f32_linear(x[m - 1:m], w, b), y[m - 1:m]), m
+
+
+def test_batch_invariant_mode_picks_the_kernels(monkeypatch):
+    """On (the default): our kernels for bf16 and fp32 linears and the attention; off: torch's fp32
+    GEMM and SDPA, bf16 by timing; the environment still overrides."""
+    monkeypatch.delenv("MCSD_CPU_KERNELS", raising=False)
+    monkeypatch.delenv("MCSD_INVARIANT_ATTENTION", raising=False)
+    w = torch.zeros(32, 64)
+    try:
+        cpu_kernels.set_batch_invariant(True)
+        assert cpu_kernels.batch_invariant() and cpu_kernels.should_use(w) and cpu_kernels.should_use(w.bfloat16())
+        cpu_kernels.set_batch_invariant(False)
+        assert not cpu_kernels.batch_invariant() and not cpu_kernels.should_use(w)
+        assert not cpu_kernels._invariant_attention()
+        monkeypatch.setenv("MCSD_INVARIANT_ATTENTION", "1")
+        cpu_kernels._invariant_attention.cache_clear()
+        assert cpu_kernels._invariant_attention()
+        cpu_kernels.set_batch_invariant(True)
+        monkeypatch.setenv("MCSD_CPU_KERNELS", "0")
+        cpu_kernels._enabled.cache_clear(), cpu_kernels._f32_enabled.cache_clear()
+        assert not cpu_kernels.should_use(w) and not cpu_kernels.batch_invariant()
+    finally:
+        monkeypatch.delenv("MCSD_CPU_KERNELS", raising=False)
+        monkeypatch.delenv("MCSD_INVARIANT_ATTENTION", raising=False)
+        cpu_kernels.set_batch_invariant(True)
+        for decision in (cpu_kernels._enabled, cpu_kernels._f32_enabled, cpu_kernels._invariant_attention):
+            decision.cache_clear()
+
+
 @pytest.mark.parametrize("m", [96, 97, 200])
 def test_long_inputs_in_panels(m):
     # more rows than one pass over the weights takes (prefill): same bits as row by row
@@ -214,8 +260,8 @@ def test_should_use_and_env_override(monkeypatch):
         monkeypatch.setenv("MCSD_CPU_KERNELS", "1")
         cpu_kernels._enabled.cache_clear()
         assert cpu_kernels.should_use(w)
-        # never for weights the kernel does not take
-        assert not cpu_kernels.should_use(w.float())
+        # never for weights the kernels do not take
+        assert not cpu_kernels.should_use(w.half())
         assert not cpu_kernels.should_use(w.t())
         assert not cpu_kernels.should_use(w[0])
         x = torch.ones(3, 64, dtype=torch.bfloat16)
