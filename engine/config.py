@@ -27,6 +27,9 @@ class EngineConfig:
     tree: tuple[int, ...] = setting((4, 2, 2), "largest draft tree, widths per depth, e.g. 4,2,2 (empty: no "
                                     "speculation)")
     prefill_chunk: int = setting(512, "prompt tokens prefilled per step, so running streams keep flowing", ge=1)
+    prefix_cache: bool = setting(True, "a new request reuses the cached keys and values of the longest prefix of "
+                                 "its prompt that a finished or running sequence holds (chat turns, shared "
+                                 "system prompts)")
     batch_invariant: bool = setting(True, "CPU: every linear and the attention compute each row alone, so a "
                                     "request's output does not depend on the rest of the batch (off: torch's "
                                     "kernels where they are faster)")

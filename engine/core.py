@@ -208,6 +208,7 @@ class EngineCore:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         stats = StepStats()
+        stats.prefix_queried_tokens, stats.prefix_hit_tokens = self.scheduler.take_prefix_counts()
         if plan.prefill:
             stats.prefill_tokens = sum(end - s.target_cached for s, end in plan.prefill)
             self.runner.prefill(plan.prefill)
@@ -235,10 +236,11 @@ class EngineCore:
 
     def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
         """Ends ``seq`` with an error (its slots freed); the batch's other requests are untouched."""
-        self.scheduler.finish(seq)
+        self.scheduler.finish(seq, reusable=False)
         return RequestOutput(request_id=seq.request_id, new_token_ids=[], new_text="", finished=True,
                              finish_reason="error", error=f"generation failed: {type(exc).__name__}: {exc}",
-                             prompt_tokens=seq.num_prompt, completion_tokens=seq.num_output, spec=seq.spec)
+                             prompt_tokens=seq.num_prompt, cached_tokens=seq.cached_prompt_tokens,
+                             completion_tokens=seq.num_output, spec=seq.spec)
 
     def _postprocess(self, res: SeqStepResult, stats: StepStats) -> RequestOutput:
         seq, result = res.seq, res.result
@@ -261,7 +263,8 @@ class EngineCore:
             request_id=seq.request_id, new_token_ids=new, new_text=update.text,
             finished=update.finished, finish_reason=update.finish_reason,
             logprobs=res.logprobs[: len(new)] if res.logprobs is not None else None,
-            prompt_tokens=seq.num_prompt, completion_tokens=seq.num_output, spec=seq.spec,
+            prompt_tokens=seq.num_prompt, cached_tokens=seq.cached_prompt_tokens,
+            completion_tokens=seq.num_output, spec=seq.spec,
         )
 
 

@@ -43,19 +43,45 @@ class KVCache:
         self.lens = torch.zeros(num_slots, dtype=torch.long)  # committed entries, host-side
         self.pending = torch.zeros(num_slots, dtype=torch.long)  # tentative entries after lens
         self._free = list(range(num_slots - 1, -1, -1))
+        self.allocations = [0] * num_slots  # per slot, how often it was allocated (who may trust its contents)
 
     # ----------------------------------------------------------------- slots
     @property
     def free_slots(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int:
+    def free_slot_ids(self) -> list[int]:
+        return list(self._free)
+
+    def allocate(self, slot: int | None = None) -> int:
+        """A free slot (``slot`` if given: it must be free), empty."""
         if not self._free:
             raise CacheFullError(f"all {self.num_slots} KV cache slots are in use")
-        slot = self._free.pop()
+        if slot is None:
+            slot = self._free.pop()
+        else:
+            self._free.remove(slot)  # ValueError if it is not free
+        self.allocations[slot] += 1
         self.lens[slot] = 0
         self.pending[slot] = 0
         return slot
+
+    def restore(self, slot: int, length: int) -> None:
+        """Declares the first ``length`` entries of a just-allocated slot committed: they still hold
+        what the slot's previous sequence wrote there (``engine.prefix_cache``; freeing never clears)."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"cannot restore {length} entries in a slot of {self.max_len}")
+        self.lens[slot] = length
+        self.pending[slot] = 0
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Copies the first ``length`` committed entries of slot ``src`` into slot ``dst`` (every
+        layer) and commits them there."""
+        if not 0 <= length <= int(self.lens[src]):
+            raise ValueError(f"slot {src} holds {int(self.lens[src])} committed entries, not {length}")
+        self.k[:, dst, :length] = self.k[:, src, :length]
+        self.v[:, dst, :length] = self.v[:, src, :length]
+        self.restore(dst, length)
 
     def free(self, slot: int) -> None:
         if slot in self._free:

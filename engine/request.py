@@ -165,6 +165,7 @@ class RequestOutput:
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     logprobs: Optional[list[TokenLogprob]] = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     completion_tokens: int = 0
     spec: SpecUsage = field(default_factory=SpecUsage)
     error: Optional[str] = None

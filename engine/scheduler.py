@@ -13,6 +13,7 @@ from typing import Optional
 
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
+from engine.prefix_cache import PrefixCache
 from engine.sequence import Sequence, SeqStatus
 from engine.speculative.methods import NEEDS_DRAFT
 
@@ -32,6 +33,10 @@ class Scheduler:
         self.config = config
         self.cache = cache
         self.draft_cache = draft_cache
+        self.prefix = PrefixCache(cache, config.prefix_cache)
+        self.draft_prefix = PrefixCache(draft_cache, config.prefix_cache) if draft_cache is not None else None
+        self.queried_tokens = 0  # prompt tokens admitted, and of those found cached, since take_prefix_counts
+        self.hit_tokens = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
@@ -62,11 +67,23 @@ class Scheduler:
             if self.draft_cache is not None and not self.draft_cache.free_slots:
                 break
             seq = self.waiting.popleft()
-            seq.slot = self.cache.allocate()
-            if self.draft_cache is not None and seq.request.spec.enabled and seq.request.spec.method in NEEDS_DRAFT:
-                seq.draft_slot = self.draft_cache.allocate()
+            got = self.prefix.acquire(seq.tokens, ((s.slot, s.tokens[:s.target_cached]) for s in self.running))
+            seq.slot, seq.target_cached = got.slot, got.cached
+            seq.cached_prompt_tokens = got.cached
+            self.queried_tokens += seq.num_prompt
+            self.hit_tokens += got.cached
+            if self.draft_prefix is not None and seq.request.spec.enabled and seq.request.spec.method in NEEDS_DRAFT:
+                got = self.draft_prefix.acquire(seq.tokens, ((s.draft_slot, s.tokens[:s.draft_cached])
+                                                             for s in self.running if s.draft_slot is not None))
+                seq.draft_slot, seq.draft_cached = got.slot, got.cached
             seq.status = SeqStatus.PREFILLING
             self.running.append(seq)
+
+    def take_prefix_counts(self) -> tuple[int, int]:
+        """(prompt tokens admitted, of those found in the prefix cache) since the last call."""
+        out = self.queried_tokens, self.hit_tokens
+        self.queried_tokens = self.hit_tokens = 0
+        return out
 
     @property
     def free_slots(self) -> int:
@@ -76,17 +93,19 @@ class Scheduler:
             free = min(free, self.draft_cache.free_slots)
         return max(free, 0)
 
-    def finish(self, seq: Sequence) -> None:
-        """Frees the sequence's slots at once (finished or aborted)."""
+    def finish(self, seq: Sequence, reusable: bool = True) -> None:
+        """Frees the sequence's slots at once (finished or aborted).  Their committed entries stay
+        in the prefix cache unless ``reusable`` is False (a step failed: what they hold is unknown)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        # cache position i holds token i; a stop string may have cut tokens the cache committed
         if seq.slot is not None:
-            self.cache.free(seq.slot)
+            self.prefix.release(seq.slot, seq.tokens[:seq.target_cached] if reusable else None)
             seq.slot = None
-        if seq.draft_slot is not None and self.draft_cache is not None:
-            self.draft_cache.free(seq.draft_slot)
+        if seq.draft_slot is not None and self.draft_prefix is not None:
+            self.draft_prefix.release(seq.draft_slot, seq.tokens[:seq.draft_cached] if reusable else None)
             seq.draft_slot = None
         seq.status = SeqStatus.FINISHED
         self._by_id.pop(seq.request_id, None)

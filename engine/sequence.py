@@ -35,6 +35,7 @@ class Sequence:
     slot: Optional[int] = None  # target cache slot
     draft_slot: Optional[int] = None
     target_cached: int = 0  # tokens in the target cache (committed)
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache supplied at admission
     draft_cached: int = 0  # tokens in the draft cache (committed)
     status: SeqStatus = SeqStatus.WAITING
     arrival: float = field(default_factory=time.monotonic)

@@ -19,6 +19,8 @@ class StepStats:
     emitted_tokens: int = 0  # tokens appended to outputs (accepted + bonus/correction), before stops
     bonus_tokens: int = 0  # sequences whose whole drafted path was accepted
     prefill_tokens: int = 0  # prompt tokens run in this step
+    prefix_queried_tokens: int = 0  # prompt tokens of the sequences admitted in this step
+    prefix_hit_tokens: int = 0  # of those, tokens found in the prefix cache (not prefilled)
     accepted_per_position: list[int] = field(default_factory=list)  # [depth-1] sequences accepting >= depth
     drafted_by_depth: list[int] = field(default_factory=list)  # [depth-1] nodes drafted at that depth
     accepted_by_depth: list[int] = field(default_factory=list)  # [depth-1] accepted nodes at that depth

@@ -82,6 +82,8 @@ class ServerMetrics:
         self.draft_seconds = c("spec_decode_draft_seconds", "Seconds spent drafting.")
         self.verify_seconds = c("spec_decode_verify_seconds", "Seconds spent verifying.")
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens of finished requests.")
+        self.prefix_queries = c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (admitted).")
+        self.prefix_hits = c("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).")
         self.generation_tokens = c("generation_tokens", "Generated tokens of finished requests.")
         self.request_success = c("request_success", "Finished requests.", ["finished_reason"])
         g = lambda name, doc: Gauge(P + name, doc, registry=r)  # noqa: E731
@@ -105,6 +107,8 @@ class ServerMetrics:
 
     def _observe_step(self, s: StepStats) -> None:
         self.num_drafts.inc(s.num_spec_seqs)
+        self.prefix_queries.inc(s.prefix_queried_tokens)
+        self.prefix_hits.inc(s.prefix_hit_tokens)
         self.draft_tokens.inc(s.drafted_tokens)
         self.accepted_tokens.inc(s.accepted_tokens)
         self.draft_seconds.inc(s.draft_seconds)

@@ -359,10 +359,15 @@ class SpecUsageInfo(_Response):
     note: Optional[str] = None  # why speculation did not run, when it did not
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
     speculative: Optional[SpecUsageInfo] = None
 
 

@@ -26,8 +26,8 @@ from server.errors import APIError, bad_request
 from server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprobs, ChatLogprobToken, ChatResponseMessage, CompletionChoice, CompletionChunk,
-    CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, SpecUsageInfo, TopLogprob,
-    UsageInfo,
+    CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails, SpecUsageInfo,
+    TopLogprob, UsageInfo,
 )
 from server.settings import Settings
 from server.sse import sse_response
@@ -53,12 +53,14 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: Optional[str] = None
     completion_tokens: int = 0
+    cached_tokens: int = 0
     spec: SpecUsage = field(default_factory=SpecUsage)
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.new_text
         self.logprobs.extend(out.logprobs or [])
         self.completion_tokens = out.completion_tokens or self.completion_tokens
+        self.cached_tokens = out.cached_tokens or self.cached_tokens
         self.spec = out.spec
         if out.finished:
             self.finish_reason = out.finish_reason
@@ -88,8 +90,12 @@ def best_of(choices: list[Choice], candidates: int, n: int) -> list[Choice]:
 
 
 def make_usage(prompts: list[Prompt], choices: list[Choice]) -> UsageInfo:
-    """Prompt tokens once per prompt (OpenAI), completion tokens and speculation over all choices."""
+    """Prompt tokens once per prompt (OpenAI), completion tokens and speculation over all choices.
+    ``cached_tokens``: per prompt, those its first choice found in the prefix cache (the other
+    choices of a prompt find it there anyway: they run beside the first)."""
     prompt = sum(len(p.token_ids) for p in prompts)
+    per_prompt = len(choices) // max(len(prompts), 1)
+    cached = sum(choices[i].cached_tokens for i in range(0, len(choices), per_prompt)) if choices else 0
     completion = sum(c.completion_tokens for c in choices)
     steps = sum(c.spec.steps for c in choices)
     drafted = sum(c.spec.drafted_tokens for c in choices)
@@ -99,7 +105,7 @@ def make_usage(prompts: list[Prompt], choices: list[Choice]) -> UsageInfo:
                          acceptance_rate=accepted / drafted if drafted else 0.0,
                          note="; ".join(notes) or None)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     speculative=spec)
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached), speculative=spec)
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -166,3 +166,23 @@ def test_best_of_returns_the_n_most_likely_of_its_candidates(oai):
     assert [(c.choices[0].index, c.choices[0].text) for c in chunks if c.choices] == \
         [(0, best.choices[0].text), (1, best.choices[1].text)]
     assert chunks[-1].usage.completion_tokens == 24
+
+
+def test_a_chat_turn_reports_the_prefix_it_found_cached(srv, oai):
+    """The second turn resends the first with its answer: the prefix cache holds all of it, the
+    usage says so (``prompt_tokens_details.cached_tokens``, as OpenAI) and so do the counters."""
+    messages = [{"role": "user", "content": "tell me about foxes"}]
+    first = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "and dogs?"}]
+    before = counters(srv)
+    second = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    after = counters(srv)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+    assert after["mcsd:prefix_cache_hits_total"] - before.get("mcsd:prefix_cache_hits_total", 0) == cached
+    assert after["mcsd:prefix_cache_queries_total"] - before.get("mcsd:prefix_cache_queries_total", 0) == \
+        second.usage.prompt_tokens

@@ -1,0 +1,124 @@
+"""Prefix reuse over the slot cache: a new request starts from the longest cached prefix of its prompt.
+
+Streaming chat clients resend the whole conversation every turn, and agents resend the same system
+prompt every call.  A finished sequence's slot still holds the keys and values of everything it
+committed (its prompt and its answer); :class:`PrefixCache` remembers which tokens those are and,
+when a request is admitted, hands it the free slot whose contents share the longest prefix with its
+prompt, so that only the rest is prefilled.  When the longest shared prefix sits in a slot that is
+still running (eight agents arriving together with one system prompt), it is copied into the new
+slot instead: one tensor copy per cache instead of a prefill.  Free slots are reused least recently
+released first, so the cache evicts LRU.
+
+Lossless: in batch-invariant mode (``EngineConfig.batch_invariant``, the default) a key or value
+row is bitwise the same whether it was computed in a prefill chunk, a decoding step or a verified
+tree, so reused entries are exactly what a prefill would write and the output is token-identical with
+the cache on and off.  At most ``len(prompt) - 1`` tokens are reused: the last prompt token is the
+first step's root, never cached.
+
+One instance per :class:`KVCache` (target and draft); the slot is the unit.  A paged cache would
+share blocks instead of copying them; the interface (``acquire`` / ``release``) stays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from engine.kv_cache import KVCache
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]: bisect on C-speed slice comparisons
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass
+class Acquired:
+    slot: int
+    cached: int  # leading prompt tokens whose entries the slot already holds
+    copied: bool  # they were copied from a running sequence's slot
+
+
+class PrefixCache:
+    """Which tokens each free slot of ``cache`` still holds, and who gets which slot."""
+
+    def __init__(self, cache: KVCache, enabled: bool = True) -> None:
+        self.cache = cache
+        self.enabled = enabled
+        self._held: dict[int, list[int]] = {}  # free slot -> the tokens its committed entries are for
+        self._stamp: dict[int, int] = {}  # free slot -> its allocation count at release (a later
+        # allocation by anyone else, e.g. a cost measurement, invalidates what it held)
+        self._order: dict[int, int] = {}  # free slot -> release tick (LRU)
+        self._tick = 0
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens held by free slots (reusable, evictable)."""
+        return sum(len(t) for t in self._held.values())
+
+    def acquire(self, prompt: list[int], live: Iterable[tuple[int, list[int]]] = ()) -> Acquired:
+        """A slot for a new sequence with ``prompt``, holding the longest reusable prefix of it.
+
+        ``live``: ``(slot, committed tokens)`` of the running sequences, candidates to copy from.
+        Raises :class:`engine.kv_cache.CacheFullError` if no slot is free."""
+        limit = len(prompt) - 1
+        best_slot, best = None, 0
+        if self.enabled and limit > 0:
+            for slot, tokens in list(self._held.items()):
+                if self._stamp[slot] != self.cache.allocations[slot] or slot not in self.cache.free_slot_ids():
+                    self._forget(slot)
+                    continue
+                n = min(common_prefix(prompt, tokens), limit)
+                if n > best:
+                    best_slot, best = slot, n
+        source, copy_n = None, 0
+        if self.enabled and limit > best:
+            for slot, tokens in live:
+                n = min(common_prefix(prompt, tokens), limit)
+                if n > max(best, copy_n):
+                    source, copy_n = slot, n
+        if best_slot is None or copy_n > best:
+            best_slot, best = self._coldest(), 0
+        slot = self.cache.allocate(best_slot)
+        self._forget(slot)
+        if source is not None and copy_n > best:
+            self.cache.copy_prefix(source, slot, copy_n)
+            return Acquired(slot, copy_n, True)
+        self.cache.restore(slot, best)
+        return Acquired(slot, best, False)
+
+    def release(self, slot: int, tokens: Optional[list[int]]) -> None:
+        """Frees ``slot``; ``tokens`` are those its committed entries hold, in order (None: unknown,
+        e.g. after a failed step; the slot is then reused only as empty)."""
+        self.cache.free(slot)
+        if self.enabled and tokens:
+            self._held[slot] = list(tokens)
+            self._stamp[slot] = self.cache.allocations[slot]
+        self._tick += 1
+        self._order[slot] = self._tick
+
+    def clear(self) -> None:
+        self._held.clear()
+        self._stamp.clear()
+
+    def _coldest(self) -> Optional[int]:
+        """The free slot to overwrite: one holding nothing, else the least recently released."""
+        free = self.cache.free_slot_ids()
+        empty = [s for s in free if s not in self._held]
+        if empty:
+            return min(empty, key=lambda s: self._order.get(s, -1))
+        return min(free, key=lambda s: self._order.get(s, -1)) if free else None
+
+    def _forget(self, slot: int) -> None:
+        self._held.pop(slot, None)
+        self._stamp.pop(slot, None)
