@@ -46,10 +46,10 @@ def sharegpt_conversations(count: int, turns: int, max_chars: int) -> list[list[
     """The human turns (``turns`` of them, each at most ``max_chars``) of the first ``count`` English
     ShareGPT conversations that have enough of them."""
     from engine.data import iter_json_array, looks_english
-    from engine.models.fetch import fetch_pack
+    from engine.models.fetch import fetch_dataset
 
     out = []
-    for record in iter_json_array(fetch_pack("sharegpt", progress=False)):
+    for record in iter_json_array(fetch_dataset("sharegpt")):
         human = [m.get("value", "").strip() for m in record.get("conversations", []) if m.get("from") == "human"]
         human = [h for h in human if 8 <= len(h) <= max_chars]
         if len(human) >= turns and all(looks_english(h) for h in human[:turns]):
@@ -89,10 +89,7 @@ async def ask(client, model: str, messages: list[dict], max_tokens: int) -> dict
                 cached_tokens=getattr(details, "cached_tokens", None) if details is not None else None)
 
 
-async def chat_workload(servers, clients, args) -> list[dict]:
-    convs = sharegpt_conversations(args.conversations, args.turns, args.max_user_chars)
-    if len(convs) < args.conversations:
-        raise SystemExit(f"found only {len(convs)} conversations with {args.turns} turns")
+async def chat_workload(servers, clients, args, convs: list[list[str]]) -> list[dict]:
     results: dict[str, list[dict]] = {name: [] for name in servers}
     histories = {name: [[] for _ in convs] for name in servers}
     groups = [list(range(i, min(i + args.concurrency, len(convs)))) for i in range(0, len(convs), args.concurrency)]
@@ -182,6 +179,10 @@ def main(argv=None) -> int:
     import openai
 
     wanted = [c.strip() for c in args.configs.split(",")]
+    convs = sharegpt_conversations(args.conversations, args.turns, args.max_user_chars) if "chat" in args.workloads \
+        else []
+    if "chat" in args.workloads and len(convs) < args.conversations:
+        ap.error(f"found only {len(convs)} ShareGPT conversations with {args.turns} turns")
     target = Path(args.target) if args.target.endswith(".gguf") else gguf_path(args.target)
     servers: dict[str, Server] = {}
     for name in wanted:
@@ -213,7 +214,7 @@ def main(argv=None) -> int:
 
         async def run() -> None:
             if "chat" in args.workloads:
-                tables["chat"] = await chat_workload(servers, clients, args)
+                tables["chat"] = await chat_workload(servers, clients, args, convs)
             if "system" in args.workloads:
                 tables["system"] = await system_workload(servers, clients, args, args.system_rules)
             for c in clients.values():

@@ -15,6 +15,8 @@ mcsd:spec_decode_num_accepted_tokens            vllm:spec_decode_num_accepted_to
 mcsd:spec_decode_num_accepted_tokens_per_pos    vllm:spec_decode_num_accepted_tokens_per_pos
                                                 (label position=i: sequence-steps accepting >= i+1)
 mcsd:prompt_tokens / mcsd:generation_tokens     vllm:prompt_tokens / vllm:generation_tokens
+mcsd:prefix_cache_queries / _hits               vllm:prefix_cache_queries / vllm:prefix_cache_hits (tokens,
+                                                counted when a request is admitted)
 mcsd:request_success{finished_reason}           vllm:request_success{finished_reason}
 mcsd:num_requests_running / _waiting            vllm:num_requests_running / vllm:num_requests_waiting
 mcsd:kv_cache_usage_perc                        vllm:kv_cache_usage_perc (fraction 0..1)
