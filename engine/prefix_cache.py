@@ -84,7 +84,7 @@ class PrefixCache:
         source, copy_n = None, 0
         if self.enabled and limit > best:
             for slot, tokens in live:
-                n = min(common_prefix(prompt, tokens), limit)
+                n = min(common_prefix(prompt, tokens), limit, int(self.cache.lens[slot]))
                 if n > max(best, copy_n):
                     source, copy_n = slot, n
         if best_slot is None or copy_n > best:
