@@ -21,6 +21,7 @@ share blocks instead of copying them; the interface (``acquire`` / ``release``) 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -50,16 +51,25 @@ class Acquired:
 
 
 class PrefixCache:
-    """Which tokens each free slot of ``cache`` still holds, and who gets which slot."""
+    """Which tokens each free slot of ``cache`` still holds, and who gets which slot.
 
-    def __init__(self, cache: KVCache, enabled: bool = True) -> None:
+    Only prefixes of at least ``min_match`` tokens are reused, and candidates are found through an
+    index on their first ``min_match`` tokens, so admitting a request costs the same whatever the
+    number of slots (the exact-law tests run batches of thousands)."""
+
+    def __init__(self, cache: KVCache, enabled: bool = True, min_match: int = 16) -> None:
         self.cache = cache
         self.enabled = enabled
+        self.min_match = max(1, min_match)
         self._held: dict[int, list[int]] = {}  # free slot -> the tokens its committed entries are for
         self._stamp: dict[int, int] = {}  # free slot -> its allocation count at release (a later
         # allocation by anyone else, e.g. a cost measurement, invalidates what it held)
-        self._order: dict[int, int] = {}  # free slot -> release tick (LRU)
-        self._tick = 0
+        self._lru: OrderedDict[int, None] = OrderedDict()  # held slots, least recently released first
+        self._index: dict[tuple[int, ...], set[int]] = {}  # key(tokens) -> held slots
+
+    def key(self, tokens: list[int]) -> Optional[tuple[int, ...]]:
+        """The index key of a token sequence (its first ``min_match`` tokens), None if shorter."""
+        return tuple(tokens[:self.min_match]) if len(tokens) >= self.min_match else None
 
     @property
     def held_tokens(self) -> int:
@@ -69,20 +79,21 @@ class PrefixCache:
     def acquire(self, prompt: list[int], live: Iterable[tuple[int, list[int]]] = ()) -> Acquired:
         """A slot for a new sequence with ``prompt``, holding the longest reusable prefix of it.
 
-        ``live``: ``(slot, committed tokens)`` of the running sequences, candidates to copy from.
-        Raises :class:`engine.kv_cache.CacheFullError` if no slot is free."""
+        ``live``: ``(slot, committed tokens)`` of running sequences to copy from (those sharing the
+        prompt's key: see :meth:`key`).  Raises :class:`engine.kv_cache.CacheFullError` if no slot
+        is free."""
         limit = len(prompt) - 1
+        key = self.key(prompt[:limit]) if self.enabled else None
         best_slot, best = None, 0
-        if self.enabled and limit > 0:
-            for slot, tokens in list(self._held.items()):
-                if self._stamp[slot] != self.cache.allocations[slot] or slot not in self.cache.free_slot_ids():
-                    self._forget(slot)
-                    continue
-                n = min(common_prefix(prompt, tokens), limit)
-                if n > best:
-                    best_slot, best = slot, n
+        for slot in list(self._index.get(key, ())) if key is not None else ():
+            if self._stamp[slot] != self.cache.allocations[slot]:
+                self._forget(slot)  # allocated behind our back since it was released
+                continue
+            n = min(common_prefix(prompt, self._held[slot]), limit)
+            if n > best:
+                best_slot, best = slot, n
         source, copy_n = None, 0
-        if self.enabled and limit > best:
+        if key is not None and limit > best:
             for slot, tokens in live:
                 n = min(common_prefix(prompt, tokens), limit, int(self.cache.lens[slot]))
                 if n > max(best, copy_n):
@@ -101,24 +112,31 @@ class PrefixCache:
         """Frees ``slot``; ``tokens`` are those its committed entries hold, in order (None: unknown,
         e.g. after a failed step; the slot is then reused only as empty)."""
         self.cache.free(slot)
-        if self.enabled and tokens:
+        key = self.key(tokens) if self.enabled and tokens else None
+        if key is not None:
             self._held[slot] = list(tokens)
             self._stamp[slot] = self.cache.allocations[slot]
-        self._tick += 1
-        self._order[slot] = self._tick
+            self._lru[slot] = None
+            self._index.setdefault(key, set()).add(slot)
 
     def clear(self) -> None:
-        self._held.clear()
-        self._stamp.clear()
+        for slot in list(self._held):
+            self._forget(slot)
 
     def _coldest(self) -> Optional[int]:
-        """The free slot to overwrite: one holding nothing, else the least recently released."""
-        free = self.cache.free_slot_ids()
-        empty = [s for s in free if s not in self._held]
-        if empty:
-            return min(empty, key=lambda s: self._order.get(s, -1))
-        return min(free, key=lambda s: self._order.get(s, -1)) if free else None
+        """The free slot to overwrite: one holding nothing (the oldest free first), else the least
+        recently released; None when no slot is free."""
+        for slot in self.cache.free_slot_ids():  # the free list's oldest entries first
+            if slot not in self._held:
+                return slot
+        return next(iter(self._lru), None)
 
     def _forget(self, slot: int) -> None:
-        self._held.pop(slot, None)
-        self._stamp.pop(slot, None)
+        tokens = self._held.pop(slot, None)
+        if tokens is None:
+            return
+        del self._stamp[slot], self._lru[slot]
+        members = self._index[self.key(tokens)]
+        members.discard(slot)
+        if not members:
+            del self._index[self.key(tokens)]

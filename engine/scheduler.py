@@ -37,6 +37,7 @@ class Scheduler:
         self.draft_prefix = PrefixCache(draft_cache, config.prefix_cache) if draft_cache is not None else None
         self.queried_tokens = 0  # prompt tokens admitted, and of those found cached, since take_prefix_counts
         self.hit_tokens = 0
+        self._sharing: dict[tuple[int, ...], list[Sequence]] = {}  # prefix key -> running sequences
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
@@ -67,17 +68,26 @@ class Scheduler:
             if self.draft_cache is not None and not self.draft_cache.free_slots:
                 break
             seq = self.waiting.popleft()
-            got = self.prefix.acquire(seq.tokens, ((s.slot, s.tokens[:s.target_cached]) for s in self.running))
+            key = self._prefix_key(seq)
+            peers = self._sharing.get(key, []) if key is not None else []
+            got = self.prefix.acquire(seq.tokens, ((s.slot, s.tokens[:s.target_cached]) for s in peers))
             seq.slot, seq.target_cached = got.slot, got.cached
             seq.cached_prompt_tokens = got.cached
             self.queried_tokens += seq.num_prompt
             self.hit_tokens += got.cached
             if self.draft_prefix is not None and seq.request.spec.enabled and seq.request.spec.method in NEEDS_DRAFT:
                 got = self.draft_prefix.acquire(seq.tokens, ((s.draft_slot, s.tokens[:s.draft_cached])
-                                                             for s in self.running if s.draft_slot is not None))
+                                                             for s in peers if s.draft_slot is not None))
                 seq.draft_slot, seq.draft_cached = got.slot, got.cached
             seq.status = SeqStatus.PREFILLING
             self.running.append(seq)
+            if key is not None:
+                peers.append(seq)
+                self._sharing[key] = peers
+
+    def _prefix_key(self, seq: Sequence) -> Optional[tuple[int, ...]]:
+        """The prefix cache's index key of the sequence's prompt (never its last token), or None."""
+        return self.prefix.key(seq.tokens[:min(seq.num_prompt - 1, self.prefix.min_match)])
 
     def take_prefix_counts(self) -> tuple[int, int]:
         """(prompt tokens admitted, of those found in the prefix cache) since the last call."""
@@ -98,6 +108,11 @@ class Scheduler:
         in the prefix cache unless ``reusable`` is False (a step failed: what they hold is unknown)."""
         if seq in self.running:
             self.running.remove(seq)
+            key = self._prefix_key(seq)
+            if key is not None:
+                self._sharing[key].remove(seq)
+                if not self._sharing[key]:
+                    del self._sharing[key]
         elif seq in self.waiting:
             self.waiting.remove(seq)
         # cache position i holds token i; a stop string may have cut tokens the cache committed

@@ -31,7 +31,7 @@ def test_common_prefix():
 
 def test_a_released_slot_serves_the_longest_prefix_and_never_the_last_prompt_token():
     cache = small_cache()
-    pc = PrefixCache(cache)
+    pc = PrefixCache(cache, min_match=1)
     first = pc.acquire([1, 2, 3, 4])
     assert (first.cached, first.copied) == (0, False)
     cache.lens[first.slot] = 4  # as if it ran 4 tokens
@@ -47,9 +47,23 @@ def test_a_released_slot_serves_the_longest_prefix_and_never_the_last_prompt_tok
     assert other.slot != first.slot and other.cached == 0
 
 
+def test_only_prefixes_of_min_match_tokens_are_reused():
+    cache = small_cache()
+    pc = PrefixCache(cache, min_match=16)
+    held = list(range(20))
+    s = pc.acquire(held)
+    pc.release(s.slot, held)
+    few = pc.acquire(list(range(10)) + [99] * 10)  # 10 shared tokens: below the minimum
+    assert few.cached == 0 and few.slot != s.slot
+    many = pc.acquire(list(range(18)) + [99])
+    assert (many.slot, many.cached) == (s.slot, 18)
+    short = pc.acquire(list(range(12)))  # a prompt shorter than the minimum is never looked up
+    assert short.cached == 0 and pc.key(list(range(12))) is None
+
+
 def test_eviction_is_least_recently_released_first():
     cache = small_cache(2)
-    pc = PrefixCache(cache)
+    pc = PrefixCache(cache, min_match=1)
     a, b = pc.acquire([1, 1]), pc.acquire([2, 2])
     pc.release(a.slot, [1, 1, 1])
     pc.release(b.slot, [2, 2, 2])
@@ -62,7 +76,7 @@ def test_eviction_is_least_recently_released_first():
 
 def test_a_running_sequences_prefix_is_copied():
     cache = small_cache()
-    pc = PrefixCache(cache)
+    pc = PrefixCache(cache, min_match=1)
     src = pc.acquire([1, 2, 3, 4, 5])
     cache.k[:, src.slot, :5] = torch.arange(5.0)[None, :, None, None]
     cache.v[:, src.slot, :5] = -torch.arange(5.0)[None, :, None, None]
@@ -76,12 +90,12 @@ def test_a_running_sequences_prefix_is_copied():
 
 def test_a_slot_allocated_behind_the_caches_back_is_forgotten_and_disabled_reuses_nothing():
     cache = small_cache(1)
-    pc = PrefixCache(cache)
+    pc = PrefixCache(cache, min_match=1)
     s = pc.acquire([1, 2])
     pc.release(s.slot, [1, 2, 3])
     cache.free(cache.allocate())  # e.g. a cost measurement wrote into it
     assert pc.acquire([1, 2, 3, 4]).cached == 0
-    off = PrefixCache(small_cache(1), enabled=False)
+    off = PrefixCache(small_cache(1), enabled=False, min_match=1)
     s = off.acquire([1, 2])
     off.release(s.slot, [1, 2, 3])
     assert off.acquire([1, 2, 3, 4]).cached == 0 and off.held_tokens == 0
