@@ -13,7 +13,7 @@ from typing import Optional
 
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
-from engine.prefix_cache import PrefixCache
+from engine.prefix_cache import PrefixCache, common_prefix
 from engine.sequence import Sequence, SeqStatus
 from engine.speculative.methods import NEEDS_DRAFT
 
@@ -67,9 +67,11 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_batch and self.cache.free_slots:
             if self.draft_cache is not None and not self.draft_cache.free_slots:
                 break
-            seq = self.waiting.popleft()
-            key = self._prefix_key(seq)
+            key = self._prefix_key(self.waiting[0])
             peers = self._sharing.get(key, []) if key is not None else []
+            if self.prefix.enabled and any(self._still_prefilling_for(p, self.waiting[0]) for p in peers):
+                break  # it will copy what a running sequence is about to cache rather than prefill it too
+            seq = self.waiting.popleft()
             got = self.prefix.acquire(seq.tokens, ((s.slot, s.tokens[:s.target_cached]) for s in peers))
             seq.slot, seq.target_cached = got.slot, got.cached
             seq.cached_prompt_tokens = got.cached
@@ -84,6 +86,16 @@ class Scheduler:
             if key is not None:
                 peers.append(seq)
                 self._sharing[key] = peers
+
+    @staticmethod
+    def _still_prefilling_for(peer: Sequence, seq: Sequence) -> bool:
+        """Whether ``peer`` is still prefilling part of the prompt prefix it shares with ``seq``
+        (requests arriving together with one system prompt: the first prefills it, the others wait
+        a step or so and copy it)."""
+        if peer.status is not SeqStatus.PREFILLING:
+            return False
+        shared = min(common_prefix(peer.tokens[:peer.num_prompt], seq.tokens), seq.num_prompt - 1)
+        return peer.target_cached < shared
 
     def _prefix_key(self, seq: Sequence) -> Optional[tuple[int, ...]]:
         """The prefix cache's index key of the sequence's prompt (never its last token), or None."""

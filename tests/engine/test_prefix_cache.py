@@ -170,3 +170,21 @@ def test_a_shared_prompt_is_copied_from_a_running_sequence(tiny_pair):
         stats = cores[on].drain_step_stats()
         assert sum(s.prefix_queried_tokens for s in stats) == 3 * 44
         assert sum(s.prefix_hit_tokens for s in stats) == hits
+
+
+def test_requests_arriving_together_prefill_their_shared_prompt_once(tiny_pair):
+    """Three requests with one 40-token system prompt, added in the same step: the first prefills
+    it, the others wait until it is cached and copy it.  Same outputs as without the cache, and
+    80 fewer prompt tokens prefilled."""
+    rng = random.Random(2)
+    system = [rng.randrange(2, 100) for _ in range(40)]
+    prompts = [system + [rng.randrange(2, 100) for _ in range(4)] for _ in range(3)]
+    runs, prefilled = {}, {}
+    for on in (True, False):
+        core = make_core(tiny_pair, on)
+        runs[on] = drive(core, [request(f"b{i}", p, "mcsd", 0.0, max_tokens=16) for i, p in enumerate(prompts)],
+                         [0, 0, 0])
+        prefilled[on] = sum(s.prefill_tokens for s in core.drain_step_stats())
+    assert {k: t for k, (t, _) in runs[True].items()} == {k: t for k, (t, _) in runs[False].items()}
+    assert [runs[True][f"b{i}"][1] for i in range(3)] == [0, 40, 40]
+    assert prefilled[False] - prefilled[True] == 80
