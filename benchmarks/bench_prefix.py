@@ -97,7 +97,7 @@ async def chat_workload(servers, clients, args, convs: list[list[str]]) -> list[
     for group in groups:
         for turn in range(args.turns):
             names = list(servers)
-            for name in names[k % len(names):] + names[:k % len(names)]:
+            for name in rotated(names, k):
                 async def one(c: int, name=name) -> dict:
                     history = histories[name][c]
                     history.append({"role": "user", "content": convs[c][turn]})
@@ -107,19 +107,12 @@ async def chat_workload(servers, clients, args, convs: list[list[str]]) -> list[
                 results[name] += await asyncio.gather(*(one(c) for c in group))
             k += 1
             print(f"  chat: conversations {group[0]}-{group[-1]}, turn {turn + 1}/{args.turns} done", flush=True)
-    rows = []
-    for name, rs in results.items():
-        row = summarize(name, rs)
-        for t in range(1, args.turns + 1):
-            row[f"ttft_turn{t}_s"] = median([r["ttft"] for r in rs if r["turn"] == t])
-            row[f"prompt_turn{t}"] = median([r["prompt_tokens"] or 0 for r in rs if r["turn"] == t])
-        rows.append(row)
-    return rows
+    return by_phase(results, "turn", args.turns)
 
 
-async def system_workload(servers, clients, args, tokenizer_words: int) -> list[dict]:
+async def system_workload(servers, clients, args) -> list[dict]:
     rules = [f"Rule {i}: when a tool call fails, read its error, change one thing and try again; never repeat "
-             f"a failed call unchanged (case {i})." for i in range(tokenizer_words)]
+             f"a failed call unchanged (case {i})." for i in range(args.system_rules)]
     system = SYSTEM_HEAD + "\n".join(rules)
     questions = [f"Task {i}: the test tests/test_{i}.py fails with an ImportError. Fix it." for i in range(args.agents)]
     results: dict[str, list[dict]] = {name: [] for name in servers}
@@ -128,18 +121,29 @@ async def system_workload(servers, clients, args, tokenizer_words: int) -> list[
         for i in range(0, args.agents, args.concurrency):
             batch = questions[i:i + args.concurrency]
             names = list(servers)
-            for name in names[k % len(names):] + names[:k % len(names)]:
+            for name in rotated(names, k):
                 rs = await asyncio.gather(*(ask(clients[name], args.model_name,
                                                 [{"role": "system", "content": system}, {"role": "user", "content": q}],
                                                 args.max_tokens) for q in batch))
                 results[name] += [dict(r, round=rnd + 1) for r in rs]
             k += 1
         print(f"  system: round {rnd + 1}/{args.rounds} done", flush=True)
+    return by_phase(results, "round", args.rounds)
+
+
+def rotated(names: list[str], k: int) -> list[str]:
+    """The servers in the order they take turn (or round) ``k``: rotated, so none is always first."""
+    return names[k % len(names):] + names[:k % len(names)]
+
+
+def by_phase(results: dict[str, list[dict]], phase: str, count: int) -> list[dict]:
+    """One row per server: the summary, then the median TTFT and prompt length of each turn / round."""
     rows = []
     for name, rs in results.items():
         row = summarize(name, rs)
-        for rnd in range(1, args.rounds + 1):
-            row[f"ttft_round{rnd}_s"] = median([r["ttft"] for r in rs if r["round"] == rnd])
+        for i in range(1, count + 1):
+            row[f"ttft_{phase}{i}_s"] = median([r["ttft"] for r in rs if r[phase] == i])
+            row[f"prompt_{phase}{i}"] = median([r["prompt_tokens"] or 0 for r in rs if r[phase] == i])
         rows.append(row)
     return rows
 
@@ -216,7 +220,7 @@ def main(argv=None) -> int:
             if "chat" in args.workloads:
                 tables["chat"] = await chat_workload(servers, clients, args, convs)
             if "system" in args.workloads:
-                tables["system"] = await system_workload(servers, clients, args, args.system_rules)
+                tables["system"] = await system_workload(servers, clients, args)
             for c in clients.values():
                 await c.close()
 
