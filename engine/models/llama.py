@@ -180,14 +180,16 @@ class LlamaModel(nn.Module):
         lens = cache.lens[slot_t]
         start = lens + cache.pending[slot_t]  # [batch] where each block is written
         offsets = start[:, None] + torch.arange(t)  # [batch, block]
-        kv_len = int(start.max()) + t
-        mask = build_mask(lens, start, t, kv_len, block_mask)
-        cos, sin = self.rope.lookup(positions.to(self.device))
+        kv_len = int(start.max()) + t  # host tensors: no device sync
         dev = self.device
+        # the mask is built on the device from the small per-block mask: only [batch, block, width] and
+        # two [batch] vectors cross to it, not [batch, block, kv_len]
+        mask = build_mask(lens.to(dev), start.to(dev), t, kv_len,
+                          None if block_mask is None else block_mask.to(dev))
+        cos, sin = self.rope.lookup(positions.to(dev))
         return ForwardContext(
             cache=cache, slots=slot_t.to(dev), single_slot=slots[0] if b == 1 else None, single_start=int(start[0]),
-            offsets=offsets.to(dev), kv_len=kv_len, cos=cos, sin=sin,
-            mask=None if mask is None else mask.to(dev),
+            offsets=offsets.to(dev), kv_len=kv_len, cos=cos, sin=sin, mask=mask,
         )
 
 
@@ -195,13 +197,14 @@ def build_mask(lens: torch.Tensor, start: torch.Tensor, block: int, kv_len: int,
                block_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Attention mask over ``kv_len`` cache positions for a block written at ``start``.
 
-    lens, start: [batch]; block_mask: [batch, block, width] -> [batch, 1, block, kv_len] or None.
+    lens, start: [batch]; block_mask: [batch, block, width] -> [batch, 1, block, kv_len] or None, on
+    the device of ``lens`` (every input on one device).
     Committed context is always visible; without ``block_mask`` a query at ``start + i`` sees every
     position ``<= start + i`` (causal).  Each query always sees itself, so padded rows stay finite.
     """
-    b = lens.shape[0]
-    pos = torch.arange(kv_len)  # [kv_len]
-    qpos = start[:, None] + torch.arange(block)  # [batch, block]
+    b, dev = lens.shape[0], lens.device
+    pos = torch.arange(kv_len, device=dev)  # [kv_len]
+    qpos = start[:, None] + torch.arange(block, device=dev)  # [batch, block]
     if block_mask is None:
         if b == 1 and block == 1:
             return None  # one query that sees the whole (exactly sized) key range
@@ -210,7 +213,7 @@ def build_mask(lens: torch.Tensor, start: torch.Tensor, block: int, kv_len: int,
     rel = pos[None, :] - lens[:, None]  # [batch, kv_len] column of block_mask
     inside = (rel >= 0) & (rel < width)
     cols = rel.clamp(0, width - 1)[:, None, :].expand(b, block, kv_len)
-    visible = torch.gather(block_mask.to(torch.bool).cpu(), 2, cols) & inside[:, None, :]
+    visible = torch.gather(block_mask.to(torch.bool), 2, cols) & inside[:, None, :]
     visible |= pos[None, None, :] < lens[:, None, None]
     visible |= pos[None, None, :] == qpos[:, :, None]
     return visible.unsqueeze(1)
