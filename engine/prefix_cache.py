@@ -129,7 +129,11 @@ class PrefixCache:
         for slot in self.cache.free_slot_ids():  # the free list's oldest entries first
             if slot not in self._held:
                 return slot
-        return next(iter(self._lru), None)
+        for slot in list(self._lru):  # every free slot holds something: evict the least recently released
+            if self._stamp[slot] == self.cache.allocations[slot]:
+                return slot
+            self._forget(slot)  # allocated behind our back (and maybe still in use): not ours to give
+        return None
 
     def _forget(self, slot: int) -> None:
         tokens = self._held.pop(slot, None)

@@ -88,6 +88,17 @@ def test_a_running_sequences_prefix_is_copied():
     assert int(cache.lens[got.slot]) == 3
 
 
+def test_a_held_slot_taken_by_someone_else_is_never_handed_out():
+    cache = small_cache(2)
+    pc = PrefixCache(cache, min_match=1)
+    a, b = pc.acquire([1, 1]), pc.acquire([2, 2])
+    pc.release(a.slot, [1, 1, 1])
+    pc.release(b.slot, [2, 2, 2])
+    taken = cache.allocate(a.slot)  # the least recently released slot, allocated behind the cache's back
+    got = pc.acquire([3, 3])
+    assert got.slot == b.slot and got.slot != taken
+
+
 def test_a_slot_allocated_behind_the_caches_back_is_forgotten_and_disabled_reuses_nothing():
     cache = small_cache(1)
     pc = PrefixCache(cache, min_match=1)
