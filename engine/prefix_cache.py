@@ -71,6 +71,10 @@ class PrefixCache:
         """The index key of a token sequence (its first ``min_match`` tokens), None if shorter."""
         return tuple(tokens[:self.min_match]) if len(tokens) >= self.min_match else None
 
+    def prompt_key(self, prompt: list[int]) -> Optional[tuple[int, ...]]:
+        """The key a prompt is looked up by: that of all but its last token (never cached)."""
+        return self.key(prompt[:len(prompt) - 1])
+
     @property
     def held_tokens(self) -> int:
         """Tokens held by free slots (reusable, evictable)."""
@@ -83,7 +87,7 @@ class PrefixCache:
         prompt's key: see :meth:`key`).  Raises :class:`engine.kv_cache.CacheFullError` if no slot
         is free."""
         limit = len(prompt) - 1
-        key = self.key(prompt[:limit]) if self.enabled else None
+        key = self.prompt_key(prompt) if self.enabled else None
         best_slot, best = None, 0
         for slot in list(self._index.get(key, ())) if key is not None else ():
             if self._stamp[slot] != self.cache.allocations[slot]:

@@ -98,8 +98,8 @@ class Scheduler:
         return peer.target_cached < shared
 
     def _prefix_key(self, seq: Sequence) -> Optional[tuple[int, ...]]:
-        """The prefix cache's index key of the sequence's prompt (never its last token), or None."""
-        return self.prefix.key(seq.tokens[:min(seq.num_prompt - 1, self.prefix.min_match)])
+        """The prefix cache's index key of the sequence's prompt, or None."""
+        return self.prefix.prompt_key(seq.tokens[:seq.num_prompt])
 
     def take_prefix_counts(self) -> tuple[int, int]:
         """(prompt tokens admitted, of those found in the prefix cache) since the last call."""

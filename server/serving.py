@@ -266,14 +266,9 @@ class OpenAIServing:
         choices = [Choice(i, len(prompts[i // body.candidates].token_ids)) for i in range(len(reqs))]
         group = self.engine.submit(reqs)
         fmt = LogprobFormatter(self.tokenizer)
-        if body.candidates > body.n:  # best_of: nothing can be sent before every candidate is done
-            if body.stream:
-                return sse_response(self._best_of_chunks(call_id, body, prompts, choices, group, fmt))
-            if not await self.collect(group, choices, request):
-                return Response(status_code=499)
-            return self._completion_response(call_id, body, prompts, choices, fmt)
-        if body.stream:
-            return sse_response(self._completion_chunks(call_id, body, prompts, choices, group, fmt))
+        if body.stream:  # a best_of call can send nothing before every candidate is done
+            chunks = self._best_of_chunks if body.candidates > body.n else self._completion_chunks
+            return sse_response(chunks(call_id, body, prompts, choices, group, fmt))
         if not await self.collect(group, choices, request):
             return Response(status_code=499)
         return self._completion_response(call_id, body, prompts, choices, fmt)

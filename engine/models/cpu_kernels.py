@@ -171,11 +171,12 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 
 
 @functools.cache
-def _op():
-    """The operator overload, resolved once (saves the namespace lookups on every call)."""
+def _op(dtype: torch.dtype = torch.bfloat16):
+    """The linear operator overload for ``dtype`` (bf16 or fp32), resolved once (saves the namespace
+    lookups on every call)."""
     if not available():
-        raise RuntimeError(f"bf16 CPU kernels unavailable: {unavailable_reason()}")
-    return torch.ops.mcsd_cpu.bf16_linear.default
+        raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
+    return (torch.ops.mcsd_cpu.bf16_linear if dtype == torch.bfloat16 else torch.ops.mcsd_cpu.f32_linear).default
 
 
 def _best_ms(fn, reps: int) -> float:
@@ -260,21 +261,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if not isinstance(weight, torch.Tensor):
         return weight.linear(x, bias)
     if x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype) and should_use(weight):
-        return (_op() if x.dtype == torch.bfloat16 else _f32_op())(x, weight, bias)
+        return _op(x.dtype)(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ weight.T + bias`` in fp32, batch invariant (the bf16 kernel's tiles over fp32 weights).
     x: [..., K] fp32; weight: [N, K] fp32 contiguous; bias: [N] fp32 or None."""
-    return _f32_op()(x, weight, bias)
-
-
-@functools.cache
-def _f32_op():
-    if not available():
-        raise RuntimeError(f"CPU kernels unavailable: {unavailable_reason()}")
-    return torch.ops.mcsd_cpu.f32_linear.default
+    return _op(torch.float32)(x, weight, bias)
 
 
 @functools.cache
