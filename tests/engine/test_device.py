@@ -9,6 +9,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.request import GenerationRequest, SamplingParams, SpecOptions
+from engine.speculative.cost_model import CostCurve, CostModel
 from engine.speculative.methods import METHODS
 from tests.device_check import DeviceCheck, mark_engine
 
@@ -83,10 +84,14 @@ def test_host_syncs_per_step_are_one_per_draft_level_plus_one(pair, method, boun
 
 
 @pytest.mark.parametrize("method", ["mcsd", "mcsd+maxgram", "cascade"])
-def test_adaptive_speculation_reads_its_features_with_the_level(pair, method):
-    """The adaptive policy (threshold stopping, calibration, load-aware budget measured at start-up)
-    runs on the host from features read back with each level's tokens: still one read per draft
-    level plus one for verification, no mixing."""
+def test_adaptive_speculation_reads_its_features_with_the_level(pair, method, monkeypatch):
+    """The adaptive policy (threshold stopping, calibration, load-aware budget) runs on the host from
+    features read back with each level's tokens: still one read per draft level plus one for
+    verification, no mixing.  The cost curves are fixed (a flat target forward, a cheap draft) rather
+    than measured: a curve timed on a busy machine can make the budget choose plain decoding, and
+    then nothing is drafted for the calibrator to see."""
+    flat = CostModel(target=CostCurve((1.0, 64.0), (0.010, 0.011)), draft=CostCurve((1.0, 64.0), (0.001, 0.002)))
+    monkeypatch.setattr(CostModel, "measure", classmethod(lambda cls, *args, **kwargs: flat))
     core, steps = run_checked(pair, method, list(FEATURES), adaptive=True)
     policy = core.planner.policy
     assert policy is not None
