@@ -99,6 +99,7 @@ class EngineGauges:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    kv_blocks: tuple[int, int, int] = (0, 0, 0)  # target pool: (used, cached for prefixes, total)
 
 
 class EngineListener(Protocol):
@@ -411,4 +412,5 @@ class AsyncEngine:
         with self._cond:
             self._core_waiting, self._core_free = core.num_waiting, core.free_batch_slots
             queued = len(self._pending)
-        self.gauges = EngineGauges(core.num_running, core.num_waiting + queued, float(core.kv_cache_usage))
+        self.gauges = EngineGauges(core.num_running, core.num_waiting + queued, float(core.kv_cache_usage),
+                                   core.kv_blocks)

@@ -27,6 +27,11 @@ class EngineConfig:
     tree: tuple[int, ...] = setting((4, 2, 2), "largest draft tree, widths per depth, e.g. 4,2,2 (empty: no "
                                     "speculation)")
     prefill_chunk: int = setting(512, "prompt tokens prefilled per step, so running streams keep flowing", ge=1)
+    kv_cache_tokens: int = setting(0, "KV cache pool per model, in tokens (0: room for max_batch sequences of "
+                                   "max_model_len each); sequences take blocks as they grow, and when the pool "
+                                   "runs out the newest are preempted and recomputed later", ge=0)
+    kv_block_size: int = setting(16, "positions per KV cache block: the unit of paging and of prefix sharing",
+                                 ge=1, le=1024)
     prefix_cache: bool = setting(True, "a new request reuses the cached keys and values of the longest prefix of "
                                  "its prompt that a finished or running sequence holds (chat turns, shared "
                                  "system prompts)")
@@ -70,6 +75,9 @@ class EngineConfig:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_tokens < 0 or self.kv_block_size < 1:
+            raise ValueError(f"kv_cache_tokens must be >= 0 and kv_block_size >= 1, got {self.kv_cache_tokens}, "
+                             f"{self.kv_block_size}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         self._validate_adaptive()

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from engine.config import EngineConfig
+from engine.kv_cache import KVCache
 from engine.device import tensor as device_tensor
 from engine.models import cpu_kernels
 from engine.models.loader import LoadedModel
@@ -59,7 +60,7 @@ class EngineCore:
         self.init_topology = TreeTopology((cfg.target_init_k,) + (1,) * (cfg.target_init_depth - 1))
         # the drafters say how large a verification block and how many draft-cache entries a step may need
         rows, entries = drafter_limits(cfg, self.topology)
-        self.cache = target.model.new_cache(cfg.max_batch, self.max_model_len + rows + 1)
+        self.cache = self._new_cache(target, self.max_model_len + rows + 1)
         draft_len = self.max_model_len + entries + 1
         bigram = BigramTable.from_corpus(self.tokenizer, cfg.maxgram_corpus) if cfg.maxgram_corpus else None
         self.maxgram = MaxGramDrafter(cfg.maxgram_len, cfg.maxgram_max_ngram, cfg.maxgram_min_ngram, bigram)
@@ -68,7 +69,7 @@ class EngineCore:
         self.draft_vocab: Optional[OutputVocab] = None
         if draft is not None:
             _check_pair(target, draft)
-            draft_cache = draft.model.new_cache(self.config.max_batch, draft_len)
+            draft_cache = self._new_cache(draft, draft_len)
             self.draft_vocab = _draft_vocab(draft, cfg)
             if cfg.draft_int8:  # after the vocabulary cut, which copies bf16 rows of the output layer
                 draft = self._int8_draft(draft)
@@ -84,11 +85,23 @@ class EngineCore:
         drafters = build_drafters(DrafterContext(cfg, self.topology, self.maxgram, proposer))
         self.runner = ModelRunner(target.model, self.cache, self.vocab_size, proposer, drafters,
                                   mjsd_tau=cfg.mjsd_tau, target_init_k=cfg.target_init_k)
-        self.scheduler = Scheduler(self.config, self.cache, proposer.cache if proposer else None)
+        self.scheduler = Scheduler(self.config, self.cache, proposer.cache if proposer else None, rows, entries)
         self.eos_token_ids = set(target.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
         self._stats: list[StepStats] = []
+
+    def _new_cache(self, model: LoadedModel, max_len: int) -> KVCache:
+        """A paged cache of ``kv_cache_tokens`` (default: ``max_batch`` sequences of ``max_len``) for one
+        model; sequences of up to ``max_len`` positions."""
+        cfg = self.config
+        bs = cfg.kv_block_size
+        blocks = -(-(cfg.kv_cache_tokens or cfg.max_batch * max_len) // bs)
+        if blocks * bs < max_len:
+            raise ValueError(f"kv_cache_tokens {cfg.kv_cache_tokens} cannot hold one sequence of max_model_len "
+                             f"{self.max_model_len} (it needs {max_len} positions with its speculation): raise "
+                             f"kv_cache_tokens or lower max_model_len")
+        return model.model.new_cache(cfg.max_batch, max_len, bs, blocks)
 
     @staticmethod
     def _int8_draft(draft: LoadedModel) -> LoadedModel:
@@ -199,6 +212,11 @@ class EngineCore:
     def kv_cache_usage(self) -> float:
         return self.cache.usage()
 
+    @property
+    def kv_blocks(self) -> tuple[int, int, int]:
+        """The target pool's blocks: (in use, unused but holding a cached prefix, all)."""
+        return self.cache.used_blocks, self.cache.cached_blocks, self.cache.num_blocks
+
     def drain_step_stats(self) -> list[StepStats]:
         out, self._stats = self._stats, []
         return out
@@ -208,7 +226,7 @@ class EngineCore:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         stats = StepStats()
-        stats.prefix_queried_tokens, stats.prefix_hit_tokens = self.scheduler.take_prefix_counts()
+        stats.prefix_queried_tokens, stats.prefix_hit_tokens, stats.preemptions = self.scheduler.take_counts()
         if plan.prefill:
             stats.prefill_tokens = sum(end - s.target_cached for s, end in plan.prefill)
             self.runner.prefill(plan.prefill)

@@ -1,7 +1,9 @@
-"""Slot-based key/value cache with tentative appends.
+"""Paged key/value cache with tentative appends and shared, content-addressed blocks.
 
-Every sequence owns one *slot*: a fixed row of ``max_len`` positions in preallocated buffers,
-so memory is bounded by ``num_slots * max_len`` and known at start-up.  A slot holds
+Keys and values live in one *pool* of fixed-size blocks per model (``block_size`` positions each),
+preallocated at start-up and sized in tokens, so memory is bounded and known, and grows per
+sequence with the tokens it holds, not with ``max_len``.  A sequence owns a *slot*: a handle with a
+*block table* (the pool blocks holding its positions ``0, 1, ...`` in order) and two counters:
 
 * ``lens[slot]`` committed entries (the context the next forward attends to in full), then
 * ``pending[slot]`` entries appended by forwards since the last commit (a draft tree, level by
@@ -10,16 +12,46 @@ so memory is bounded by ``num_slots * max_len`` and known at start-up.  A slot h
 
 After a speculative step the caller keeps an arbitrary subset of the pending entries (the accepted
 path), compacted in place right after the committed ones (:meth:`keep`), or drops them all
-(:meth:`discard`).  Plain decoding is ``forward`` then ``commit``.
+(:meth:`discard`); blocks no longer covered are returned to the pool.  Plain decoding is
+``forward`` then ``commit``.
+
+Blocks are reference-counted.  A full committed block can be *published* under a key (the hash of
+every token up to its end, ``engine.prefix_cache``); another sequence whose prompt starts with
+the same tokens shares it instead of recomputing it.  Published blocks are never written again:
+every write lands at or after ``lens``, which lies past every full committed block.  When its last
+user frees it, a published block stays in the pool, still findable, until the pool needs the space:
+then the least recently freed one is evicted (LRU).
+
+Addressing: position ``p`` of a slot is pool row ``table[p // block_size] * block_size +
+p % block_size``.  Block 0 is a scratch block never handed out: table entries past a slot's blocks
+point to it, so padded rows of a batched forward write there and reads past a sequence's end (always
+masked) see finite values.  A forward gathers each sequence's rows (SDPA over gathered pages); a
+batch of one whose blocks are consecutive in the pool reads a view instead.
 """
 
 from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 
 class CacheFullError(RuntimeError):
-    """A sequence needs more positions than its slot holds, or no slot is free."""
+    """A sequence needs more positions than a sequence may hold, no slot is free, or the pool is out of blocks."""
+
+
+@dataclass
+class Addresses:
+    """Where one forward writes its block and what it reads, per sequence (see :meth:`KVCache.addresses`)."""
+
+    write: Optional[torch.Tensor]  # [batch, block] pool rows on the device (None: the view below)
+    read: Optional[torch.Tensor]  # [batch, kv_len] pool rows on the device
+    view_start: int = 0  # batch of one over consecutive blocks: its pool row 0, written and read as a slice
+    write_start: int = 0  # with the view: the slot position the block is written at
 
 
 class KVCache:
@@ -32,85 +64,196 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        block_size: int = 16,
+        num_blocks: Optional[int] = None,
     ) -> None:
-        if num_slots < 1 or max_len < 1:
-            raise ValueError(f"num_slots and max_len must be >= 1, got {num_slots}, {max_len}")
+        """``max_len``: the most positions one sequence may hold; ``num_blocks``: the pool (default:
+        ``num_slots`` sequences of ``max_len``, so that the pool never runs dry)."""
+        if num_slots < 1 or max_len < 1 or block_size < 1:
+            raise ValueError(f"num_slots, max_len and block_size must be >= 1, got {num_slots}, {max_len}, {block_size}")
         self.num_slots = num_slots
         self.max_len = max_len
-        shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, pos, kv_heads, head_dim]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.max_blocks = math.ceil(max_len / block_size)  # per sequence
+        self.num_blocks = num_slots * self.max_blocks if num_blocks is None else num_blocks
+        if self.num_blocks < self.max_blocks:
+            raise ValueError(f"a pool of {self.num_blocks} blocks of {block_size} ({self.num_blocks * block_size} "
+                             f"tokens) cannot hold one sequence of {max_len} positions")
+        rows = (self.num_blocks + 1) * block_size  # + the scratch block 0
+        self.k = torch.zeros(num_layers, rows, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)  # [layers, pool rows, kv_heads, head_dim]
         self.lens = torch.zeros(num_slots, dtype=torch.long)  # committed entries, host-side
         self.pending = torch.zeros(num_slots, dtype=torch.long)  # tentative entries after lens
-        self._free = list(range(num_slots - 1, -1, -1))
-        self.allocations = [0] * num_slots  # per slot, how often it was allocated (who may trust its contents)
+        self.tables: list[list[int]] = [[] for _ in range(num_slots)]  # per slot, its blocks in order
+        self.table = torch.zeros(num_slots, self.max_blocks, dtype=torch.long)  # host mirror, 0 = scratch
+        self._consecutive = [True] * num_slots  # each slot's blocks are b, b + 1, ... (read as a view)
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self.ref = [0] * (self.num_blocks + 1)  # users of each block
+        self._free = set(range(1, self.num_blocks + 1))  # unused, holding nothing anyone may look up
+        self._free_heap = list(range(1, self.num_blocks + 1))  # lowest first (lazy: entries may be stale)
+        self._cached: OrderedDict[int, None] = OrderedDict()  # unused but published: least recently freed first
+        self._key_of: dict[int, bytes] = {}  # published block -> its key
+        self._block_of: dict[bytes, int] = {}  # key -> published block
+        self.evictions = 0  # published blocks overwritten to make room
 
     # ----------------------------------------------------------------- slots
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return len(self._free_slots)
 
-    def free_slot_ids(self) -> list[int]:
-        return list(self._free)
-
-    def allocate(self, slot: int | None = None) -> int:
-        """A free slot (``slot`` if given: it must be free), empty."""
-        if not self._free:
+    def allocate(self) -> int:
+        """A free slot, empty."""
+        if not self._free_slots:
             raise CacheFullError(f"all {self.num_slots} KV cache slots are in use")
-        if slot is None:
-            slot = self._free.pop()
-        else:
-            self._free.remove(slot)  # ValueError if it is not free
-        self.allocations[slot] += 1
+        slot = self._free_slots.pop()
         self.lens[slot] = 0
         self.pending[slot] = 0
         return slot
 
-    def restore(self, slot: int, length: int) -> None:
-        """Declares the first ``length`` entries of a just-allocated slot committed: they still hold
-        what the slot's previous sequence wrote there (``engine.prefix_cache``; freeing never clears)."""
-        if not 0 <= length <= self.max_len:
-            raise ValueError(f"cannot restore {length} entries in a slot of {self.max_len}")
-        self.lens[slot] = length
-        self.pending[slot] = 0
-
-    def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        """Copies the first ``length`` committed entries of slot ``src`` into slot ``dst`` (every
-        layer) and commits them there."""
-        if not 0 <= length <= int(self.lens[src]):
-            raise ValueError(f"slot {src} holds {int(self.lens[src])} committed entries, not {length}")
-        self.k[:, dst, :length] = self.k[:, src, :length]
-        self.v[:, dst, :length] = self.v[:, src, :length]
-        self.restore(dst, length)
-
     def free(self, slot: int) -> None:
-        if slot in self._free:
+        """Returns the slot and its blocks (published ones stay findable until evicted)."""
+        if slot in self._free_slots:
             raise ValueError(f"slot {slot} is already free")
+        self._trim(slot, 0)
         self.lens[slot] = 0
         self.pending[slot] = 0
-        self._free.append(slot)
+        self._free_slots.append(slot)
+
+    # ---------------------------------------------------------------- blocks
+    @property
+    def free_blocks(self) -> int:
+        """Blocks a sequence could take now: unused ones, and published ones nobody uses (evictable)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - self.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        """Published blocks nobody uses: kept for a later prefix hit until the space is needed."""
+        return len(self._cached)
+
+    def blocks_for(self, positions: int) -> int:
+        return math.ceil(positions / self.block_size)
+
+    def blocks_needed(self, slot: Optional[int], positions: int) -> int:
+        """More blocks ``slot`` (None: a new sequence) needs to hold ``positions`` entries."""
+        have = len(self.tables[slot]) if slot is not None else 0
+        return max(0, self.blocks_for(positions) - have)
 
     def usage(self) -> float:
-        """Fraction of all positions holding committed entries (a gauge for metrics)."""
-        return float(self.lens.sum()) / (self.num_slots * self.max_len)
+        """Fraction of the pool's blocks in use by sequences (a gauge for metrics)."""
+        return self.used_blocks / self.num_blocks
+
+    def lookup(self, key: bytes) -> Optional[int]:
+        """The published block under ``key``, if any."""
+        return self._block_of.get(key)
+
+    def publish(self, slot: int, index: int, key: bytes) -> bool:
+        """Makes the slot's ``index``-th block, full and committed, findable under ``key``.  False if
+        another block already holds that key (this one stays private) or this one has a key."""
+        block = self.tables[slot][index]
+        if (index + 1) * self.block_size > int(self.lens[slot]):
+            raise ValueError(f"block {index} of slot {slot} is not full of committed entries")
+        if key in self._block_of or block in self._key_of:
+            return False
+        self._key_of[block] = key
+        self._block_of[key] = block
+        return True
+
+    def share(self, slot: int, blocks: list[int]) -> None:
+        """Makes published ``blocks`` the committed prefix of an empty slot (one more user each)."""
+        if self.tables[slot] or int(self.lens[slot]) or int(self.pending[slot]):
+            raise ValueError(f"slot {slot} is not empty")
+        for b in blocks:
+            if b not in self._key_of:
+                raise ValueError(f"block {b} is not published")
+            self._take(b)
+            self._append(slot, b)
+        self.lens[slot] = len(blocks) * self.block_size
+
+    def _take(self, block: int) -> None:
+        if self.ref[block] == 0:
+            self._cached.pop(block, None)
+            self._free.discard(block)
+        self.ref[block] += 1
+
+    def _drop(self, block: int) -> None:
+        self.ref[block] -= 1
+        if self.ref[block] == 0:
+            if block in self._key_of:
+                self._cached[block] = None  # most recently freed: evicted last
+            else:
+                self._free.add(block)
+                heapq.heappush(self._free_heap, block)
+                if len(self._free_heap) > 2 * self.num_blocks:  # stale entries of blocks taken as 'after + 1'
+                    self._free_heap = sorted(self._free)
+
+    def _new_block(self, after: Optional[int]) -> int:
+        """An unused block (the one right after ``after`` when free: consecutive blocks read as a
+        view), else the least recently freed published one, evicted."""
+        if after is not None and after + 1 in self._free:
+            block = after + 1
+        elif self._free:
+            block = heapq.heappop(self._free_heap)
+            while block not in self._free:
+                block = heapq.heappop(self._free_heap)
+        elif self._cached:
+            block, _ = self._cached.popitem(last=False)
+            del self._block_of[self._key_of.pop(block)]
+            self.evictions += 1
+        else:
+            raise CacheFullError(f"the KV cache pool is full ({self.num_blocks} blocks of {self.block_size})")
+        self._take(block)
+        return block
+
+    def _append(self, slot: int, block: int) -> None:
+        table = self.tables[slot]
+        self.table[slot, len(table)] = block
+        self._consecutive[slot] = not table or (self._consecutive[slot] and block == table[-1] + 1)
+        table.append(block)
+
+    def _trim(self, slot: int, positions: int) -> None:
+        """Returns the blocks past the first ``positions`` entries (last first: LRU evicts tails first)."""
+        table, keep = self.tables[slot], self.blocks_for(positions)
+        while len(table) > keep:
+            self._drop(table.pop())
+        self.table[slot, keep:] = 0
+        if not self._consecutive[slot]:
+            self._consecutive[slot] = all(b == a + 1 for a, b in zip(table, table[1:]))
 
     # --------------------------------------------------------------- appends
-    def check_room(self, slots: list[int], block_len: int) -> None:
-        for s in slots:
-            need = int(self.lens[s] + self.pending[s]) + block_len
+    def reserve(self, slots: list[int], counts: list[int]) -> None:
+        """Blocks for ``counts`` more entries after each slot's ``lens + pending``."""
+        for s, n in zip(slots, counts):
+            need = int(self.lens[s] + self.pending[s]) + n
             if need > self.max_len:
                 raise CacheFullError(
                     f"sequence in slot {s} needs {need} positions but the KV cache holds {self.max_len} "
-                    f"per sequence (raise --max-model-len or shorten the request)"
-                )
+                    f"per sequence (raise --max-model-len or shorten the request)")
+            table = self.tables[s]
+            while len(table) * self.block_size < need:
+                self._append(s, self._new_block(table[-1] if table else None))
 
-    def write(self, layer: int, slots: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Stores a block's keys/values at ``lens + pending`` of each slot.
-
-        slots: [batch]; offsets: [batch, block] absolute positions; k, v: [batch, block, kv_heads, head_dim]
-        """
-        self.k[layer][slots[:, None], offsets] = k
-        self.v[layer][slots[:, None], offsets] = v
+    def addresses(self, slots: list[int], start: torch.Tensor, block: int, kv_len: int,
+                  device: torch.device) -> Addresses:
+        """Pool rows of a forward writing ``block`` entries at ``start`` ([batch], host) of each slot and
+        reading ``kv_len`` entries per slot.  Only the block tables ([batch, blocks], small) cross to the
+        device; the rows are computed there."""
+        bs = self.block_size
+        if len(slots) == 1:
+            table = self.tables[slots[0]]
+            if table and self._consecutive[slots[0]] and len(table) * bs >= kv_len:
+                return Addresses(None, None, table[0] * bs, int(start[0]))  # consecutive: a view
+        nb = self.blocks_for(kv_len)
+        tables = torch.zeros(len(slots), nb, dtype=torch.long)
+        width = min(nb, self.max_blocks)
+        tables[:, :width] = self.table[torch.tensor(slots, dtype=torch.long), :width]
+        pos = torch.arange(kv_len, device=device)
+        read = tables.to(device)[:, pos // bs] * bs + pos % bs  # [batch, kv_len]
+        offsets = start.to(device)[:, None] + torch.arange(block, device=device)
+        return Addresses(read.gather(1, offsets), read)
 
     def advance(self, slots: list[int], counts: list[int]) -> None:
         """Marks ``counts`` more entries of each slot as pending (after a forward wrote them)."""
@@ -126,6 +269,7 @@ class KVCache:
     def discard(self, slot: int) -> None:
         """Rolls back every pending entry."""
         self.pending[slot] = 0
+        self._trim(slot, int(self.lens[slot]))
 
     def keep(self, slot: int, keep_idx: list[int] | torch.Tensor) -> None:
         """Keeps the pending entries ``keep_idx`` (indices relative to the first pending entry,
@@ -136,16 +280,15 @@ class KVCache:
         if n and (int(idx.max()) >= int(self.pending[slot]) or int(idx.min()) < 0):
             raise IndexError(f"keep indices {idx.tolist()} out of range of {int(self.pending[slot])} pending entries")
         if n and not torch.equal(idx, torch.arange(n)):
-            src = (idx + base).to(self.k.device)
+            src = self._rows(slot, idx + base).to(self.k.device)
+            dst = self._rows(slot, torch.arange(base, base + n)).to(self.k.device)
             # Gather first (copy), then scatter: source and destination ranges may overlap.
-            self.k[:, slot, base:base + n] = self.k[:, slot, src]
-            self.v[:, slot, base:base + n] = self.v[:, slot, src]
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
         self.lens[slot] = base + n
         self.pending[slot] = 0
+        self._trim(slot, base + n)
 
-    def truncate(self, slot: int, length: int) -> None:
-        """Rolls committed entries back to ``length`` (drops pending ones too)."""
-        if not 0 <= length <= int(self.lens[slot]):
-            raise ValueError(f"cannot truncate slot {slot} of length {int(self.lens[slot])} to {length}")
-        self.lens[slot] = length
-        self.pending[slot] = 0
+    def _rows(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
+        """Pool rows of a slot's positions (host)."""
+        return self.table[slot, positions // self.block_size] * self.block_size + positions % self.block_size

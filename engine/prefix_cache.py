@@ -1,31 +1,32 @@
-"""Prefix reuse over the slot cache: a new request starts from the longest cached prefix of its prompt.
+"""Prefix caching over the paged cache: a new request starts from the longest cached prefix of its prompt.
 
 Streaming chat clients resend the whole conversation every turn, and agents resend the same system
-prompt every call.  A finished sequence's slot still holds the keys and values of everything it
-committed (its prompt and its answer); :class:`PrefixCache` remembers which tokens those are and,
-when a request is admitted, hands it the free slot whose contents share the longest prefix with its
-prompt, so that only the rest is prefilled.  When the longest shared prefix sits in a slot that is
-still running (eight agents arriving together with one system prompt), it is copied into the new
-slot instead: one tensor copy per cache instead of a prefill.  Free slots are reused least recently
-released first, so the cache evicts LRU.
+prompt every call.  Every full block of committed entries is *published* under a key that names the
+exact tokens it and every block before it hold (a chained BLAKE2b digest); a new request walks its
+prompt block by block, shares each published block it finds (no copy: one more reference) and
+prefills only the rest.  Blocks are published as sequences commit them, so a request also shares
+what a running sequence has cached (eight agents with one system prompt), and they outlive their
+sequence until the pool needs the space (least recently freed first, ``engine.kv_cache``).
 
 Lossless: in batch-invariant mode (``EngineConfig.batch_invariant``, the default) a key or value
 row is bitwise the same whether it was computed in a prefill chunk, a decoding step or a verified
-tree, so reused entries are exactly what a prefill would write and the output is token-identical with
-the cache on and off.  At most ``len(prompt) - 1`` tokens are reused: the last prompt token is the
-first step's root, never cached.
+tree, so shared entries are exactly what a prefill would write and the output is token-identical with
+the cache on and off.  At most ``len(prompt) - 1`` tokens are reused, in whole blocks: the last
+prompt token is the first step's root, never cached.
 
-One instance per :class:`KVCache` (target and draft); the slot is the unit.  A paged cache would
-share blocks instead of copying them; the interface (``acquire`` / ``release``) stays.
+One instance per :class:`KVCache` (target and draft).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import hashlib
+from array import array
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Optional
 
 from engine.kv_cache import KVCache
+
+ROOT = b"mcsd-prefix"  # the key chain's seed
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -43,108 +44,74 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
+def block_key(parent: bytes, tokens: list[int]) -> bytes:
+    """The key of a block holding ``tokens`` after the blocks whose key is ``parent``: a 128-bit
+    BLAKE2b digest of both, so equal keys mean equal prefixes (a collision is as likely as a
+    random 128-bit match)."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
 @dataclass
 class Acquired:
     slot: int
-    cached: int  # leading prompt tokens whose entries the slot already holds
-    copied: bool  # they were copied from a running sequence's slot
+    cached: int  # leading prompt tokens whose entries the slot shares from the cache
 
 
 class PrefixCache:
-    """Which tokens each free slot of ``cache`` still holds, and who gets which slot.
+    """Which blocks of ``cache`` hold which prefixes; who shares what."""
 
-    Only prefixes of at least ``min_match`` tokens are reused, and candidates are found through an
-    index on their first ``min_match`` tokens, so admitting a request costs the same whatever the
-    number of slots (the exact-law tests run batches of thousands)."""
-
-    def __init__(self, cache: KVCache, enabled: bool = True, min_match: int = 16) -> None:
+    def __init__(self, cache: KVCache, enabled: bool = True) -> None:
         self.cache = cache
         self.enabled = enabled
-        self.min_match = max(1, min_match)
-        self._held: dict[int, list[int]] = {}  # free slot -> the tokens its committed entries are for
-        self._stamp: dict[int, int] = {}  # free slot -> its allocation count at release (a later
-        # allocation by anyone else, e.g. a cost measurement, invalidates what it held)
-        self._lru: OrderedDict[int, None] = OrderedDict()  # held slots, least recently released first
-        self._index: dict[tuple[int, ...], set[int]] = {}  # key(tokens) -> held slots
+        self.block_size = cache.block_size
+        self._published: dict[int, tuple[int, bytes]] = {}  # slot -> (its blocks published, key of the last)
 
-    def key(self, tokens: list[int]) -> Optional[tuple[int, ...]]:
-        """The index key of a token sequence (its first ``min_match`` tokens), None if shorter."""
-        return tuple(tokens[:self.min_match]) if len(tokens) >= self.min_match else None
+    def acquire(self, prompt: list[int]) -> Acquired:
+        """A slot for a new sequence with ``prompt``, sharing the longest cached prefix of it in whole
+        blocks.  Raises :class:`engine.kv_cache.CacheFullError` if no slot is free."""
+        slot = self.cache.allocate()
+        blocks, key, bs = [], ROOT, self.block_size
+        if self.enabled:
+            for i in range((len(prompt) - 1) // bs):
+                nxt = block_key(key, prompt[i * bs:(i + 1) * bs])
+                block = self.cache.lookup(nxt)
+                if block is None:
+                    break
+                blocks.append(block)
+                key = nxt
+        self.cache.share(slot, blocks)
+        self._published[slot] = (len(blocks), key)
+        return Acquired(slot, len(blocks) * bs)
 
-    def prompt_key(self, prompt: list[int]) -> Optional[tuple[int, ...]]:
-        """The key a prompt is looked up by: that of all but its last token (never cached)."""
-        return self.key(prompt[:len(prompt) - 1])
+    def cached_prefix(self, prompt: list[int]) -> int:
+        """Leading tokens of ``prompt`` that :meth:`acquire` would share now (a probe: nothing changes)."""
+        key, n, bs = ROOT, 0, self.block_size
+        if self.enabled:
+            for i in range((len(prompt) - 1) // bs):
+                key = block_key(key, prompt[i * bs:(i + 1) * bs])
+                if self.cache.lookup(key) is None:
+                    break
+                n += bs
+        return n
 
-    @property
-    def held_tokens(self) -> int:
-        """Tokens held by free slots (reusable, evictable)."""
-        return sum(len(t) for t in self._held.values())
-
-    def acquire(self, prompt: list[int], live: Iterable[tuple[int, list[int]]] = ()) -> Acquired:
-        """A slot for a new sequence with ``prompt``, holding the longest reusable prefix of it.
-
-        ``live``: ``(slot, committed tokens)`` of running sequences to copy from (those sharing the
-        prompt's key: see :meth:`key`).  Raises :class:`engine.kv_cache.CacheFullError` if no slot
-        is free."""
-        limit = len(prompt) - 1
-        key = self.prompt_key(prompt) if self.enabled else None
-        best_slot, best = None, 0
-        for slot in list(self._index.get(key, ())) if key is not None else ():
-            if self._stamp[slot] != self.cache.allocations[slot]:
-                self._forget(slot)  # allocated behind our back since it was released
-                continue
-            n = min(common_prefix(prompt, self._held[slot]), limit)
-            if n > best:
-                best_slot, best = slot, n
-        source, copy_n = None, 0
-        if key is not None and limit > best:
-            for slot, tokens in live:
-                n = min(common_prefix(prompt, tokens), limit, int(self.cache.lens[slot]))
-                if n > max(best, copy_n):
-                    source, copy_n = slot, n
-        if best_slot is None or copy_n > best:
-            best_slot, best = self._coldest(), 0
-        slot = self.cache.allocate(best_slot)
-        self._forget(slot)
-        if source is not None and copy_n > best:
-            self.cache.copy_prefix(source, slot, copy_n)
-            return Acquired(slot, copy_n, True)
-        self.cache.restore(slot, best)
-        return Acquired(slot, best, False)
+    def publish(self, slot: int, tokens: list[int]) -> None:
+        """Publishes the slot's full committed blocks not yet published; ``tokens`` are those its
+        committed entries hold, in order (cache position i holds token i)."""
+        if not self.enabled:
+            return
+        done, key = self._published[slot]
+        full = min(len(tokens), int(self.cache.lens[slot])) // self.block_size
+        bs = self.block_size
+        for i in range(done, full):
+            key = block_key(key, tokens[i * bs:(i + 1) * bs])
+            self.cache.publish(slot, i, key)  # False when another block holds it already: this one stays private
+        if full > done:
+            self._published[slot] = (full, key)
 
     def release(self, slot: int, tokens: Optional[list[int]]) -> None:
-        """Frees ``slot``; ``tokens`` are those its committed entries hold, in order (None: unknown,
-        e.g. after a failed step; the slot is then reused only as empty)."""
+        """Frees ``slot`` after publishing what it holds (``tokens``; None: unknown, e.g. after a
+        failed step: only what was published before stays)."""
+        if tokens:
+            self.publish(slot, tokens)
+        del self._published[slot]
         self.cache.free(slot)
-        key = self.key(tokens) if self.enabled and tokens else None
-        if key is not None:
-            self._held[slot] = list(tokens)
-            self._stamp[slot] = self.cache.allocations[slot]
-            self._lru[slot] = None
-            self._index.setdefault(key, set()).add(slot)
-
-    def clear(self) -> None:
-        for slot in list(self._held):
-            self._forget(slot)
-
-    def _coldest(self) -> Optional[int]:
-        """The free slot to overwrite: one holding nothing (the oldest free first), else the least
-        recently released; None when no slot is free."""
-        for slot in self.cache.free_slot_ids():  # the free list's oldest entries first
-            if slot not in self._held:
-                return slot
-        for slot in list(self._lru):  # every free slot holds something: evict the least recently released
-            if self._stamp[slot] == self.cache.allocations[slot]:
-                return slot
-            self._forget(slot)  # allocated behind our back (and maybe still in use): not ours to give
-        return None
-
-    def _forget(self, slot: int) -> None:
-        tokens = self._held.pop(slot, None)
-        if tokens is None:
-            return
-        del self._stamp[slot], self._lru[slot]
-        members = self._index[self.key(tokens)]
-        members.discard(slot)
-        if not members:
-            del self._index[self.key(tokens)]

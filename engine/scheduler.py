@@ -29,15 +29,22 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: KVCache, draft_cache: Optional[KVCache]) -> None:
+    """``rows``: the most entries a decoding step appends to a sequence's target cache (its
+    verification block); ``entries``: to its draft cache (a draft tree).  Both come from the drafters
+    (``engine.speculative.drafter.limits``) and size what a step may need from the block pools."""
+
+    def __init__(self, config: EngineConfig, cache: KVCache, draft_cache: Optional[KVCache],
+                 rows: int = 1, entries: int = 0) -> None:
         self.config = config
         self.cache = cache
         self.draft_cache = draft_cache
+        self.rows, self.entries = rows + 1, entries + 1
         self.prefix = PrefixCache(cache, config.prefix_cache)
         self.draft_prefix = PrefixCache(draft_cache, config.prefix_cache) if draft_cache is not None else None
-        self.queried_tokens = 0  # prompt tokens admitted, and of those found cached, since take_prefix_counts
+        self.queried_tokens = 0  # prompt tokens admitted, and of those found cached, since take_counts
         self.hit_tokens = 0
-        self._sharing: dict[tuple[int, ...], list[Sequence]] = {}  # prefix key -> running sequences
+        self.preempted = 0  # sequences preempted, since take_counts
+        self._sharing: dict[tuple[int, ...], list[Sequence]] = {}  # prompt key -> running sequences
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
@@ -47,39 +54,73 @@ class Scheduler:
         self._by_id[seq.request_id] = seq
 
     def schedule(self) -> SchedulerOutput:
+        """The step's prefill chunks and decoding sequences.  When the pools cannot hold what they
+        would append, the most recently admitted sequences are preempted (their blocks freed, their
+        tokens kept) and recomputed later from the prefix cache, until the step fits."""
+        for seq in self.running:  # what earlier steps committed becomes shareable
+            self.prefix.publish(seq.slot, seq.tokens[:seq.target_cached])
+            if seq.draft_slot is not None:
+                self.draft_prefix.publish(seq.draft_slot, seq.tokens[:seq.draft_cached])
         self._admit()
+        while True:
+            out = self._plan()
+            if self._fits(out) or len(self.running) == 1:
+                break
+            self._preempt(self.running[-1])
+        for seq in out.decode:
+            seq.status = SeqStatus.RUNNING  # prefilled (or found cached) up to its root
+        return out
+
+    def _plan(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.prefill_chunk
         for seq in self.running:
+            goal = len(seq.tokens) - 1  # the last token is the first step's root (a preempted sequence's
+            # output is recomputed with its prompt)
             if seq.status is SeqStatus.PREFILLING and budget > 0:
-                goal = seq.num_prompt - 1  # the last prompt token is the first step's root
                 end = min(goal, seq.target_cached + budget)
                 if end > seq.target_cached:
                     out.prefill.append((seq, end))
                     budget -= end - seq.target_cached
                 if end == goal:
-                    seq.status = SeqStatus.RUNNING
-            if seq.status is SeqStatus.RUNNING:
+                    out.decode.append(seq)
+            elif seq.status is SeqStatus.RUNNING:
                 out.decode.append(seq)
         return out
 
+    def _fits(self, out: SchedulerOutput) -> bool:
+        """Whether the pools hold what the step appends: prefill chunks, then each decoding sequence's
+        verification block (and draft tree, after a catch-up of everything it has not seen)."""
+        ends = {id(seq): end for seq, end in out.prefill}
+        decoding = {id(seq) for seq in out.decode}
+        need = need_draft = 0
+        for seq in self.running:
+            end = ends.get(id(seq), seq.target_cached)
+            need += self.cache.blocks_needed(seq.slot, end + (self.rows if id(seq) in decoding else 0))
+            if seq.draft_slot is not None and id(seq) in decoding:
+                need_draft += self.draft_cache.blocks_needed(seq.draft_slot, len(seq.tokens) + self.entries)
+        return need <= self.cache.free_blocks and (self.draft_cache is None or need_draft <= self.draft_cache.free_blocks)
+
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_batch and self.cache.free_slots:
+            seq = self.waiting[0]
             if self.draft_cache is not None and not self.draft_cache.free_slots:
                 break
-            key = self._prefix_key(self.waiting[0])
+            key = self._prefix_key(seq)
             peers = self._sharing.get(key, []) if key is not None else []
-            if self.prefix.enabled and any(self._still_prefilling_for(p, self.waiting[0]) for p in peers):
-                break  # it will copy what a running sequence is about to cache rather than prefill it too
-            seq = self.waiting.popleft()
-            got = self.prefix.acquire(seq.tokens, ((s.slot, s.tokens[:s.target_cached]) for s in peers))
+            if self.prefix.enabled and any(self._still_prefilling_for(p, seq) for p in peers):
+                break  # it will share what a running sequence is about to cache rather than prefill it too
+            if not self._room_for(seq):
+                break
+            self.waiting.popleft()
+            got = self.prefix.acquire(seq.tokens)
             seq.slot, seq.target_cached = got.slot, got.cached
-            seq.cached_prompt_tokens = got.cached
-            self.queried_tokens += seq.num_prompt
+            if not seq.preemptions:
+                seq.cached_prompt_tokens = got.cached
+            self.queried_tokens += len(seq.tokens)
             self.hit_tokens += got.cached
             if self.draft_prefix is not None and seq.request.spec.enabled and seq.request.spec.method in NEEDS_DRAFT:
-                got = self.draft_prefix.acquire(seq.tokens, ((s.draft_slot, s.tokens[:s.draft_cached])
-                                                             for s in peers if s.draft_slot is not None))
+                got = self.draft_prefix.acquire(seq.tokens)
                 seq.draft_slot, seq.draft_cached = got.slot, got.cached
             seq.status = SeqStatus.PREFILLING
             self.running.append(seq)
@@ -87,24 +128,67 @@ class Scheduler:
                 peers.append(seq)
                 self._sharing[key] = peers
 
+    def _room_for(self, seq: Sequence) -> bool:
+        """Whether the target pool holds the sequence's prompt and first step beside what the running
+        sequences append next (admitting it must not preempt anyone at once)."""
+        growth = sum(self.cache.blocks_needed(s.slot, len(s.tokens) + self.rows) for s in self.running)
+        cached = self.prefix.cached_prefix(seq.tokens)
+        need = self.cache.blocks_needed(None, len(seq.tokens) + self.rows) - cached // self.cache.block_size
+        if need + growth > self.cache.free_blocks:
+            return False
+        if self.draft_cache is None or not (seq.request.spec.enabled and seq.request.spec.method in NEEDS_DRAFT):
+            return True
+        growth = sum(self.draft_cache.blocks_needed(s.draft_slot, len(s.tokens) + self.entries)
+                     for s in self.running if s.draft_slot is not None)
+        cached = self.draft_prefix.cached_prefix(seq.tokens)
+        need = self.draft_cache.blocks_needed(None, len(seq.tokens) + self.entries) - cached // self.draft_cache.block_size
+        return need + growth <= self.draft_cache.free_blocks
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Frees the sequence's blocks (publishing them: its recomputation may find them still cached)
+        and puts it first in the queue."""
+        self._leave(seq)
+        seq.preemptions += 1
+        self.preempted += 1
+        seq.target_cached = seq.draft_cached = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _leave(self, seq: Sequence, reusable: bool = True) -> None:
+        """Takes a running sequence out of the batch and frees its slots."""
+        self.running.remove(seq)
+        key = self._prefix_key(seq)
+        if key is not None:
+            self._sharing[key].remove(seq)
+            if not self._sharing[key]:
+                del self._sharing[key]
+        # cache position i holds token i; a stop string may have cut tokens the cache committed
+        self.prefix.release(seq.slot, seq.tokens[:seq.target_cached] if reusable else None)
+        seq.slot = None
+        if seq.draft_slot is not None:
+            self.draft_prefix.release(seq.draft_slot, seq.tokens[:seq.draft_cached] if reusable else None)
+            seq.draft_slot = None
+
     @staticmethod
     def _still_prefilling_for(peer: Sequence, seq: Sequence) -> bool:
         """Whether ``peer`` is still prefilling part of the prompt prefix it shares with ``seq``
         (requests arriving together with one system prompt: the first prefills it, the others wait
-        a step or so and copy it)."""
+        a step or so and share it)."""
         if peer.status is not SeqStatus.PREFILLING:
             return False
         shared = min(common_prefix(peer.tokens[:peer.num_prompt], seq.tokens), seq.num_prompt - 1)
         return peer.target_cached < shared
 
     def _prefix_key(self, seq: Sequence) -> Optional[tuple[int, ...]]:
-        """The prefix cache's index key of the sequence's prompt, or None."""
-        return self.prefix.prompt_key(seq.tokens[:seq.num_prompt])
+        """The key running sequences are indexed by (their prompt's first 16 tokens, or first block if
+        longer), None for a shorter prompt."""
+        n = max(16, self.cache.block_size)
+        return tuple(seq.tokens[:n]) if seq.num_prompt - 1 >= n else None
 
-    def take_prefix_counts(self) -> tuple[int, int]:
-        """(prompt tokens admitted, of those found in the prefix cache) since the last call."""
-        out = self.queried_tokens, self.hit_tokens
-        self.queried_tokens = self.hit_tokens = 0
+    def take_counts(self) -> tuple[int, int, int]:
+        """(tokens admitted, of those found in the prefix cache, sequences preempted) since the last call."""
+        out = self.queried_tokens, self.hit_tokens, self.preempted
+        self.queried_tokens = self.hit_tokens = self.preempted = 0
         return out
 
     @property
@@ -116,24 +200,12 @@ class Scheduler:
         return max(free, 0)
 
     def finish(self, seq: Sequence, reusable: bool = True) -> None:
-        """Frees the sequence's slots at once (finished or aborted).  Their committed entries stay
-        in the prefix cache unless ``reusable`` is False (a step failed: what they hold is unknown)."""
+        """Frees the sequence's slots at once (finished or aborted).  What they committed stays in the
+        prefix cache unless ``reusable`` is False (a step failed: what they hold is unknown)."""
         if seq in self.running:
-            self.running.remove(seq)
-            key = self._prefix_key(seq)
-            if key is not None:
-                self._sharing[key].remove(seq)
-                if not self._sharing[key]:
-                    del self._sharing[key]
+            self._leave(seq, reusable)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        # cache position i holds token i; a stop string may have cut tokens the cache committed
-        if seq.slot is not None:
-            self.prefix.release(seq.slot, seq.tokens[:seq.target_cached] if reusable else None)
-            seq.slot = None
-        if seq.draft_slot is not None and self.draft_prefix is not None:
-            self.draft_prefix.release(seq.draft_slot, seq.tokens[:seq.draft_cached] if reusable else None)
-            seq.draft_slot = None
         seq.status = SeqStatus.FINISHED
         self._by_id.pop(seq.request_id, None)
 

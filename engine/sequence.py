@@ -35,7 +35,8 @@ class Sequence:
     slot: Optional[int] = None  # target cache slot
     draft_slot: Optional[int] = None
     target_cached: int = 0  # tokens in the target cache (committed)
-    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache supplied at admission
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache supplied at (first) admission
+    preemptions: int = 0  # times its blocks were taken back and its tokens recomputed
     draft_cached: int = 0  # tokens in the draft cache (committed)
     status: SeqStatus = SeqStatus.WAITING
     arrival: float = field(default_factory=time.monotonic)

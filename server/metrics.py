@@ -19,7 +19,8 @@ mcsd:prefix_cache_queries / _hits               vllm:prefix_cache_queries / vllm
                                                 counted when a request is admitted)
 mcsd:request_success{finished_reason}           vllm:request_success{finished_reason}
 mcsd:num_requests_running / _waiting            vllm:num_requests_running / vllm:num_requests_waiting
-mcsd:kv_cache_usage_perc                        vllm:kv_cache_usage_perc (fraction 0..1)
+mcsd:kv_cache_usage_perc                        vllm:kv_cache_usage_perc (fraction 0..1 of the target pool's blocks)
+mcsd:num_preemptions                            vllm:num_preemptions (sequences preempted for blocks, recomputed)
 mcsd:time_to_first_token_seconds                vllm:time_to_first_token_seconds
 mcsd:inter_token_latency_seconds                vllm:inter_token_latency_seconds, but PER TOKEN:
                                                 a delta of k tokens after dt gives k samples dt/k
@@ -27,7 +28,9 @@ mcsd:e2e_request_latency_seconds                vllm:e2e_request_latency_seconds
 mcsd:request_queue_time_seconds                 vllm:request_queue_time_seconds
 ==============================================  ==============================================
 
-Series no incumbent has: ``mcsd:spec_decode_budget`` (tree budget chosen in the last step),
+Series no incumbent has: ``mcsd:kv_cache_blocks{state}`` (the target pool's blocks: ``used`` by
+sequences, ``cached``: unused but holding a prefix the cache can still hand out, ``free``),
+``mcsd:spec_decode_budget`` (tree budget chosen in the last step),
 ``mcsd:spec_decode_accepted_length`` (per sequence-step: 1 + accepted drafted tokens, so its mean
 is the "mean acceptance length"), ``mcsd:spec_decode_tree_nodes`` (nodes verified per step over the
 batch), ``mcsd:spec_decode_{draft,accepted}_tokens_by_depth{depth}`` (1-based) and ``..._by_rank
@@ -86,12 +89,15 @@ class ServerMetrics:
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens of finished requests.")
         self.prefix_queries = c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (admitted).")
         self.prefix_hits = c("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).")
+        self.preemptions = c("num_preemptions", "Sequences preempted when the KV cache pool ran out (recomputed).")
         self.generation_tokens = c("generation_tokens", "Generated tokens of finished requests.")
         self.request_success = c("request_success", "Finished requests.", ["finished_reason"])
         g = lambda name, doc: Gauge(P + name, doc, registry=r)  # noqa: E731
         self.running = g("num_requests_running", "Requests in the running batch.")
         self.waiting = g("num_requests_waiting", "Requests queued, not yet running.")
-        self.kv_usage = g("kv_cache_usage_perc", "KV cache usage, 0..1.")
+        self.kv_usage = g("kv_cache_usage_perc", "KV cache usage, 0..1 of the pool's blocks.")
+        self.kv_blocks = Gauge(P + "kv_cache_blocks", "KV cache pool blocks by state (used, cached, free).",
+                               ["state"], registry=r)
         self.budget = g("spec_decode_budget", "Tree budget (nodes per sequence) of the last step.")
         h = lambda name, doc, buckets: Histogram(P + name, doc, buckets=buckets, registry=r)  # noqa: E731
         self.ttft = h("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
@@ -111,6 +117,7 @@ class ServerMetrics:
         self.num_drafts.inc(s.num_spec_seqs)
         self.prefix_queries.inc(s.prefix_queried_tokens)
         self.prefix_hits.inc(s.prefix_hit_tokens)
+        self.preemptions.inc(s.preemptions)
         self.draft_tokens.inc(s.drafted_tokens)
         self.accepted_tokens.inc(s.accepted_tokens)
         self.draft_seconds.inc(s.draft_seconds)
@@ -154,6 +161,9 @@ class ServerMetrics:
         self.running.set(g.num_running)
         self.waiting.set(g.num_waiting)
         self.kv_usage.set(g.kv_cache_usage)
+        used, cached, total = g.kv_blocks
+        for state, n in (("used", used), ("cached", cached), ("free", total - used - cached)):
+            self.kv_blocks.labels(state=state).set(n)
         return generate_latest(self.registry)
 
 

@@ -150,6 +150,10 @@ class FakeCore:
     def kv_cache_usage(self) -> float:
         return len(self._running) / self.max_batch
 
+    @property
+    def kv_blocks(self) -> tuple[int, int, int]:
+        return len(self._running), 0, self.max_batch
+
     # ----------------------------------------------------------------- internals
     def _check_thread(self) -> None:
         """The real core is single-threaded: every mutating call must come from one thread."""

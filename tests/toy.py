@@ -51,7 +51,7 @@ class ToyModel(LlamaModel):
                 vocab=None):
         b, t = input_ids.shape
         counts = num_new if num_new is not None else [t] * b
-        cache.check_room(slots, t)
+        cache.reserve(slots, counts)
         ctx = self._context(cache, slots, positions, block_mask)
         hd = self.cfg.head_dim
         k = F.one_hot(positions, hd).float()[:, :, None, :]  # [batch, block, 1, hd]

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kv_cache import KVCache
+from engine.kv_cache import Addresses, KVCache
 from engine.models import cpu_kernels
 from engine.models.config import ModelConfig
 from engine.models.rope import RotaryTables, apply_rotary
@@ -78,10 +78,7 @@ class ForwardContext:
     """What every layer of one forward shares: cache addressing, rotary values and the mask."""
 
     cache: KVCache
-    slots: torch.Tensor  # [batch] slot ids
-    single_slot: Optional[int]  # set when batch == 1: the cache is read as a view, not gathered
-    single_start: int  # with single_slot: where the block is written (host-side, no device read per layer)
-    offsets: torch.Tensor  # [batch, block] absolute cache positions of the block
+    at: Addresses  # pool rows written and read (engine.kv_cache)
     kv_len: int  # keys read per sequence: max over the batch of (lens + pending + block)
     cos: torch.Tensor  # [batch, block, 1, head_dim]
     sin: torch.Tensor
@@ -89,17 +86,17 @@ class ForwardContext:
 
     def store_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: [batch, block, kv_heads, head_dim] -> cached + new: [batch, kv_heads, kv_len, head_dim]"""
-        cache = self.cache
-        if self.single_slot is not None:
-            s, start = self.single_slot, self.single_start
-            cache.k[layer, s, start:start + k.shape[1]] = k[0]
-            cache.v[layer, s, start:start + v.shape[1]] = v[0]
-            keys = cache.k[layer, s, : self.kv_len].unsqueeze(0)
-            values = cache.v[layer, s, : self.kv_len].unsqueeze(0)
+        ck, cv, at = self.cache.k[layer], self.cache.v[layer], self.at
+        if at.read is None:  # one sequence over consecutive blocks: slices, no gather
+            start = at.view_start + at.write_start
+            ck[start:start + k.shape[1]] = k[0]
+            cv[start:start + v.shape[1]] = v[0]
+            keys = ck[at.view_start:at.view_start + self.kv_len].unsqueeze(0)
+            values = cv[at.view_start:at.view_start + self.kv_len].unsqueeze(0)
         else:
-            cache.write(layer, self.slots, self.offsets, k, v)
-            keys = cache.k[layer][self.slots, : self.kv_len]
-            values = cache.v[layer][self.slots, : self.kv_len]
+            ck[at.write] = k
+            cv[at.write] = v
+            keys, values = ck[at.read], cv[at.read]  # [batch, kv_len, kv_heads, head_dim]
         return keys.transpose(1, 2), values.transpose(1, 2)
 
 
@@ -130,12 +127,16 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        """A cache sized for this model; also (re)builds the rotary tables for ``max_len`` positions."""
+    def new_cache(self, num_slots: int, max_len: int, block_size: int = 16,
+                  num_blocks: Optional[int] = None) -> KVCache:
+        """A paged cache for this model: ``num_slots`` sequences of at most ``max_len`` positions over a
+        pool of ``num_blocks`` blocks (default: room for all of them at full length).  Also (re)builds
+        the rotary tables for ``max_len`` positions."""
         if self.rope is None or self.rope.max_pos < max_len:
             self.rope = RotaryTables(self.cfg, max_len, self.dtype, self.device)
         c = self.cfg
-        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device,
+                       block_size, num_blocks)
 
     @torch.inference_mode()
     def forward(
@@ -157,7 +158,7 @@ class LlamaModel(nn.Module):
         """
         b, t = input_ids.shape
         counts = num_new if num_new is not None else [t] * b
-        cache.check_room(slots, t)
+        cache.reserve(slots, counts)
         ctx = self._context(cache, slots, positions, block_mask)
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
@@ -179,7 +180,6 @@ class LlamaModel(nn.Module):
         slot_t = torch.tensor(slots, dtype=torch.long)
         lens = cache.lens[slot_t]
         start = lens + cache.pending[slot_t]  # [batch] where each block is written
-        offsets = start[:, None] + torch.arange(t)  # [batch, block]
         kv_len = int(start.max()) + t  # host tensors: no device sync
         dev = self.device
         # the mask is built on the device from the small per-block mask: only [batch, block, width] and
@@ -187,10 +187,8 @@ class LlamaModel(nn.Module):
         mask = build_mask(lens.to(dev), start.to(dev), t, kv_len,
                           None if block_mask is None else block_mask.to(dev))
         cos, sin = self.rope.lookup(positions.to(dev))
-        return ForwardContext(
-            cache=cache, slots=slot_t.to(dev), single_slot=slots[0] if b == 1 else None, single_start=int(start[0]),
-            offsets=offsets.to(dev), kv_len=kv_len, cos=cos, sin=sin, mask=mask,
-        )
+        return ForwardContext(cache=cache, at=cache.addresses(slots, start, t, kv_len, dev), kv_len=kv_len,
+                              cos=cos, sin=sin, mask=mask)
 
 
 def build_mask(lens: torch.Tensor, start: torch.Tensor, block: int, kv_len: int,

@@ -1,5 +1,6 @@
-"""Prefix reuse (engine.prefix_cache): the slot bookkeeping, and the engine's output with the cache
-on equal to the output with it off, token for token, for chat turns and shared prompts."""
+"""The paged KV cache and prefix caching (engine.kv_cache, engine.prefix_cache): blocks, sharing,
+eviction, preemption; and the engine's output with the cache on, with pages of several sizes and
+with a pool too small for the batch, equal to the output with it off, token for token."""
 
 from __future__ import annotations
 
@@ -11,13 +12,30 @@ import torch
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.kv_cache import CacheFullError, KVCache
-from engine.prefix_cache import PrefixCache, common_prefix
+from engine.prefix_cache import PrefixCache, block_key, common_prefix, ROOT
 from engine.request import GenerationRequest, SamplingParams, SpecOptions
 
 
-# ------------------------------------------------------------------------------------------- slots
-def small_cache(slots: int = 3) -> KVCache:
-    return KVCache(num_layers=2, num_slots=slots, max_len=32, num_kv_heads=1, head_dim=2)
+# ------------------------------------------------------------------------------------------ blocks
+def small_cache(slots: int = 3, blocks: int = 12, block_size: int = 4, max_len: int = 32) -> KVCache:
+    return KVCache(num_layers=2, num_slots=slots, max_len=max_len, num_kv_heads=1, head_dim=2,
+                   block_size=block_size, num_blocks=blocks)
+
+
+def fill(cache: KVCache, slot: int, n: int, first: float = 0.0) -> None:
+    """Appends ``n`` pending entries whose keys are ``first, first + 1, ...`` (values the negatives)."""
+    start = int(cache.lens[slot] + cache.pending[slot])
+    cache.reserve([slot], [n])
+    rows = cache._rows(slot, torch.arange(start, start + n))
+    vals = torch.arange(first, first + n, dtype=torch.float32)[None, :, None, None]
+    cache.k[:, rows], cache.v[:, rows] = vals, -vals
+    cache.advance([slot], [n])
+
+
+def keys(cache: KVCache, slot: int) -> list[float]:
+    """The committed keys of a slot, in position order (layer 0)."""
+    n = int(cache.lens[slot])
+    return cache.k[0, cache._rows(slot, torch.arange(n)), 0, 0].tolist()
 
 
 def test_common_prefix():
@@ -29,98 +47,131 @@ def test_common_prefix():
         assert common_prefix(a, b) == expect == common_prefix(b, a)
 
 
-def test_a_released_slot_serves_the_longest_prefix_and_never_the_last_prompt_token():
+def test_blocks_follow_the_live_tokens_and_all_come_back():
     cache = small_cache()
-    pc = PrefixCache(cache, min_match=1)
-    first = pc.acquire([1, 2, 3, 4])
-    assert (first.cached, first.copied) == (0, False)
-    cache.lens[first.slot] = 4  # as if it ran 4 tokens
-    pc.release(first.slot, [1, 2, 3, 4])
-    assert pc.held_tokens == 4
-    again = pc.acquire([1, 2, 3, 4, 5, 6])
-    assert (again.slot, again.cached) == (first.slot, 4) and int(cache.lens[again.slot]) == 4
-    pc.release(again.slot, [1, 2, 3, 4])
-    same = pc.acquire([1, 2, 3, 4])  # the whole prompt is cached: its last token still runs
-    assert (same.slot, same.cached) == (first.slot, 3)
-    pc.release(same.slot, [1, 2, 3, 4])
-    other = pc.acquire([9, 9])  # no match: an empty slot, not the one holding a prefix
-    assert other.slot != first.slot and other.cached == 0
+    a, b = cache.allocate(), cache.allocate()
+    fill(cache, a, 5)
+    cache.commit(a)
+    assert cache.tables[a] and len(cache.tables[a]) == 2 and cache.used_blocks == 2
+    fill(cache, b, 3)
+    assert cache.used_blocks == 3
+    cache.discard(b)  # rolled back: its block is returned at once
+    assert cache.tables[b] == [] and cache.used_blocks == 2
+    fill(cache, a, 7, first=5)  # entries 5..11 pending: 3 blocks in all
+    cache.commit(a)
+    assert keys(cache, a) == list(range(12)) and len(cache.tables[a]) == 3
+    cache.free(a)
+    cache.free(b)
+    assert cache.used_blocks == 0 and cache.free_blocks == cache.num_blocks == 12 and cache.free_slots == 3
 
 
-def test_only_prefixes_of_min_match_tokens_are_reused():
+def test_keep_compacts_the_accepted_entries_across_block_boundaries_and_returns_the_rest():
     cache = small_cache()
-    pc = PrefixCache(cache, min_match=16)
-    held = list(range(20))
-    s = pc.acquire(held)
-    pc.release(s.slot, held)
-    few = pc.acquire(list(range(10)) + [99] * 10)  # 10 shared tokens: below the minimum
-    assert few.cached == 0 and few.slot != s.slot
-    many = pc.acquire(list(range(18)) + [99])
-    assert (many.slot, many.cached) == (s.slot, 18)
-    short = pc.acquire(list(range(12)))  # a prompt shorter than the minimum is never looked up
-    assert short.cached == 0 and pc.key(list(range(12))) is None
+    s = cache.allocate()
+    fill(cache, s, 3)
+    cache.commit(s)
+    fill(cache, s, 9, first=100)  # pending 100..108 at positions 3..11, over blocks 0-2
+    assert len(cache.tables[s]) == 3
+    cache.keep(s, [1, 2, 6])  # 101, 102, 106 move to positions 3, 4, 5
+    assert keys(cache, s) == [0, 1, 2, 101, 102, 106] and int(cache.pending[s]) == 0
+    assert len(cache.tables[s]) == 2 and cache.used_blocks == 2  # the third block came back
+    with pytest.raises(IndexError):
+        fill(cache, s, 2)
+        cache.keep(s, [2])
 
 
-def test_eviction_is_least_recently_released_first():
-    cache = small_cache(2)
-    pc = PrefixCache(cache, min_match=1)
-    a, b = pc.acquire([1, 1]), pc.acquire([2, 2])
-    pc.release(a.slot, [1, 1, 1])
-    pc.release(b.slot, [2, 2, 2])
-    c = pc.acquire([3, 3])  # both hold something: the older goes
-    assert c.slot == a.slot and c.cached == 0
-    assert pc.acquire([2, 2, 2, 5]).slot == b.slot  # the newer one still serves its prefix
+def test_the_pool_and_the_sequence_length_are_bounded():
+    cache = small_cache(slots=2, blocks=8, max_len=32)
+    a = cache.allocate()
+    with pytest.raises(CacheFullError, match="per sequence"):
+        cache.reserve([a], [33])
+    fill(cache, a, 32)
+    b = cache.allocate()
+    with pytest.raises(CacheFullError, match="pool is full"):
+        fill(cache, b, 1)
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        small_cache(blocks=7, max_len=32)
+
+
+def test_published_blocks_are_shared_then_kept_until_evicted_least_recently_freed_first():
+    cache = small_cache(slots=3, blocks=6, max_len=24)
+    a = cache.allocate()
+    fill(cache, a, 8)
+    cache.commit(a)
+    k0, k1 = block_key(ROOT, [1, 2, 3, 4]), block_key(block_key(ROOT, [1, 2, 3, 4]), [5, 6, 7, 8])
+    assert cache.publish(a, 0, k0) and cache.publish(a, 1, k1)
+    assert not cache.publish(a, 1, b"other")  # already published
+    b = cache.allocate()
+    cache.share(b, [cache.lookup(k0), cache.lookup(k1)])
+    assert cache.tables[b] == cache.tables[a] and int(cache.lens[b]) == 8 and cache.used_blocks == 2
+    assert keys(cache, b) == list(range(8))
+    cache.free(a)
+    assert cache.used_blocks == 2  # b still uses them
+    cache.free(b)
+    assert cache.used_blocks == 0 and cache.cached_blocks == 2 and cache.free_blocks == 6
+    c = cache.allocate()
+    fill(cache, c, 16)  # the 4 unused blocks first
+    assert cache.evictions == 0 and cache.lookup(k1) is not None
+    fill(cache, c, 4)  # then the tail block (freed first) is evicted first
+    assert cache.lookup(k1) is None and cache.lookup(k0) is not None and cache.evictions == 1
+    fill(cache, c, 2)
+    assert cache.lookup(k0) is None and cache.evictions == 2
+    cache.commit(c)
+    with pytest.raises(ValueError, match="not full"):
+        cache.publish(c, 5, b"partial")
     with pytest.raises(CacheFullError):
-        pc.acquire([4])
+        cache.reserve([cache.allocate()], [1])
 
 
-def test_a_running_sequences_prefix_is_copied():
+def test_a_prompt_shares_whole_cached_blocks_and_never_its_last_token():
     cache = small_cache()
-    pc = PrefixCache(cache, min_match=1)
-    src = pc.acquire([1, 2, 3, 4, 5])
-    cache.k[:, src.slot, :5] = torch.arange(5.0)[None, :, None, None]
-    cache.v[:, src.slot, :5] = -torch.arange(5.0)[None, :, None, None]
-    cache.lens[src.slot] = 5
-    got = pc.acquire([1, 2, 3, 9, 9], live=[(src.slot, [1, 2, 3, 4, 5])])
-    assert got.copied and got.cached == 3 and got.slot != src.slot
-    assert torch.equal(cache.k[:, got.slot, :3], cache.k[:, src.slot, :3])
-    assert torch.equal(cache.v[:, got.slot, :3], cache.v[:, src.slot, :3])
-    assert int(cache.lens[got.slot]) == 3
+    pc = PrefixCache(cache)
+    first = pc.acquire([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert first.cached == 0
+    fill(cache, first.slot, 9)
+    cache.commit(first.slot)
+    pc.release(first.slot, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert cache.cached_blocks == 2  # two full blocks; the partial third one is not published
+    again = pc.acquire([1, 2, 3, 4, 5, 6, 7, 8, 20, 21])
+    assert again.cached == 8 and keys(cache, again.slot) == list(range(8))
+    assert pc.cached_prefix([1, 2, 3, 4, 5, 6, 7, 8]) == 4  # the whole prompt cached: its last token still runs
+    assert pc.cached_prefix([1, 2, 3, 9, 5, 6, 7, 8, 9]) == 0  # a change in the first block: nothing
+    assert pc.cached_prefix([9, 2, 3, 4, 5, 6, 7, 8, 9]) == 0
+    off = PrefixCache(small_cache(), enabled=False)
+    s = off.acquire([1, 2, 3, 4, 5])
+    fill(off.cache, s.slot, 5)
+    off.cache.commit(s.slot)
+    off.release(s.slot, [1, 2, 3, 4, 5])
+    assert off.acquire([1, 2, 3, 4, 5, 6]).cached == 0 and off.cache.cached_blocks == 0
 
 
-def test_a_held_slot_taken_by_someone_else_is_never_handed_out():
-    cache = small_cache(2)
-    pc = PrefixCache(cache, min_match=1)
-    a, b = pc.acquire([1, 1]), pc.acquire([2, 2])
-    pc.release(a.slot, [1, 1, 1])
-    pc.release(b.slot, [2, 2, 2])
-    taken = cache.allocate(a.slot)  # the least recently released slot, allocated behind the cache's back
-    got = pc.acquire([3, 3])
-    assert got.slot == b.slot and got.slot != taken
-
-
-def test_a_slot_allocated_behind_the_caches_back_is_forgotten_and_disabled_reuses_nothing():
-    cache = small_cache(1)
-    pc = PrefixCache(cache, min_match=1)
-    s = pc.acquire([1, 2])
-    pc.release(s.slot, [1, 2, 3])
-    cache.free(cache.allocate())  # e.g. a cost measurement wrote into it
-    assert pc.acquire([1, 2, 3, 4]).cached == 0
-    off = PrefixCache(small_cache(1), enabled=False, min_match=1)
-    s = off.acquire([1, 2])
-    off.release(s.slot, [1, 2, 3])
-    assert off.acquire([1, 2, 3, 4]).cached == 0 and off.held_tokens == 0
+def test_a_running_sequences_blocks_are_shared_not_copied_and_a_failed_one_publishes_nothing_new():
+    cache = small_cache()
+    pc = PrefixCache(cache)
+    run = pc.acquire([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    fill(cache, run.slot, 6)
+    cache.commit(run.slot)
+    pc.publish(run.slot, [1, 2, 3, 4, 5, 6])  # as the scheduler does after each step
+    joined = pc.acquire([1, 2, 3, 4, 5, 6, 0, 0])
+    assert joined.cached == 4 and cache.tables[joined.slot] == cache.tables[run.slot][:1]
+    assert cache.ref[cache.tables[run.slot][0]] == 2
+    fill(cache, run.slot, 3, first=6)
+    cache.commit(run.slot)
+    pc.release(run.slot, None)  # a failed step: its second block is not published
+    assert pc.cached_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9, 10]) == 4
 
 
 # ------------------------------------------------------------------------------------------ engine
 def make_core(pair, prefix_cache: bool, **config) -> EngineCore:
     target, draft = pair
-    return EngineCore(target, draft, EngineConfig(max_batch=4, max_model_len=256, tree=(2, 2), load_aware=False,
-                                                  prefix_cache=prefix_cache, **config))
+    config = {"max_batch": 4, "max_model_len": 256, "tree": (2, 2), "load_aware": False, **config}
+    return EngineCore(target, draft, EngineConfig(prefix_cache=prefix_cache, **config))
 
 
-def drive(core: EngineCore, requests: list[GenerationRequest], add_at: list[int]) -> dict[str, tuple[list[int], int]]:
-    """Adds ``requests[i]`` at step ``add_at[i]``, steps to the end; request id -> (tokens, cached)."""
+def drive(core: EngineCore, requests: list[GenerationRequest], add_at: list[int],
+          each_step=None) -> dict[str, tuple[list[int], int]]:
+    """Adds ``requests[i]`` at step ``add_at[i]``, steps to the end (calling ``each_step(core)`` after
+    each step); request id -> (tokens, cached)."""
     out = {r.request_id: ([], 0) for r in requests}
     step = 0
     while step <= max(add_at) or core.has_unfinished():
@@ -130,6 +181,8 @@ def drive(core: EngineCore, requests: list[GenerationRequest], add_at: list[int]
         for o in core.step():
             tokens, _ = out[o.request_id]
             out[o.request_id] = (tokens + o.new_token_ids, o.cached_tokens)
+        if each_step is not None:
+            each_step(core)
         step += 1
     return out
 
@@ -143,41 +196,47 @@ def request(rid: str, prompt: list[int], method: str, temperature: float, max_to
 @pytest.mark.parametrize("method", ["mcsd", "maxgram", "cascade"])
 def test_chat_turns_reuse_the_conversation_and_answer_as_without_the_cache(tiny_pair, method, temperature):
     """Three turns, each prompt = the previous prompt + its answer + a new message: with the cache
-    each turn prefills only its new message (and the previous answer's last token), and every answer
-    is the same as without the cache."""
+    each turn shares every full block of the previous turn (pages of 4) and prefills the rest, and
+    every answer is the same as without the cache."""
     rng = random.Random(3)
     first = [rng.randrange(2, 100) for _ in range(20)]
     messages = [[rng.randrange(2, 100) for _ in range(6)] for _ in range(2)]
-    results = {}
+    results, held = {}, []
     for on in (True, False):
-        core = make_core(tiny_pair, on)
+        core = make_core(tiny_pair, on, kv_block_size=4)
         prompt, turns = first, []
         for turn in range(3):
             got = drive(core, [request(f"t{turn}", prompt, method, temperature)], [0])[f"t{turn}"]
             turns.append(got)
+            if on:
+                held.append(len(prompt) + len(got[0]) - 1)  # what the turn committed (its last token is a root)
             if turn < 2:
                 prompt = prompt + got[0] + messages[turn]
         results[on] = turns
+        assert core.cache.used_blocks == 0
     assert [t for t, _ in results[True]] == [t for t, _ in results[False]]
     assert [c for _, c in results[False]] == [0, 0, 0]
     cached = [c for _, c in results[True]]
-    assert cached[0] == 0 and cached[1] >= 20 + 12 - 1 and cached[2] >= cached[1] + 12 + 6
+    assert cached == [0, held[0] // 4 * 4, held[1] // 4 * 4]
 
 
-def test_a_shared_prompt_is_copied_from_a_running_sequence(tiny_pair):
-    """Requests joining while one with the same long prefix runs copy its entries; the output is
-    that of the cache-off engine."""
+def test_a_shared_prompt_is_shared_with_a_running_sequence(tiny_pair):
+    """Requests joining while one with the same long prefix runs share its published blocks (the
+    same pool blocks, not copies); the output is that of the cache-off engine."""
     rng = random.Random(1)
     system = [rng.randrange(2, 100) for _ in range(40)]
     prompts = [system + [rng.randrange(2, 100) for _ in range(4)] for _ in range(3)]
-    runs, cores = {}, {}
+    runs, cores, shared = {}, {}, []
     for on in (True, False):
-        cores[on] = make_core(tiny_pair, on)
+        cores[on] = core = make_core(tiny_pair, on)
         reqs = [request(f"a{i}", p, "mcsd", 0.0, max_tokens=16) for i, p in enumerate(prompts)]
-        runs[on] = drive(cores[on], reqs, [0, 1, 2])
+        runs[on] = drive(core, reqs, [0, 1, 2],
+                         each_step=lambda c: shared.append(len({tuple(c.cache.tables[s.slot][:2])
+                                                                for s in c.scheduler.running})))
     assert {k: t for k, (t, _) in runs[True].items()} == {k: t for k, (t, _) in runs[False].items()}
-    assert [runs[True][f"a{i}"][1] for i in range(3)] == [0, 40, 40]
-    for on, hits in ((True, 80), (False, 0)):
+    assert [runs[True][f"a{i}"][1] for i in range(3)] == [0, 32, 32]  # two blocks of 16
+    assert 1 in shared[:5]  # with the cache, the three running sequences' first two blocks are the same ones
+    for on, hits in ((True, 64), (False, 0)):
         stats = cores[on].drain_step_stats()
         assert sum(s.prefix_queried_tokens for s in stats) == 3 * 44
         assert sum(s.prefix_hit_tokens for s in stats) == hits
@@ -185,8 +244,8 @@ def test_a_shared_prompt_is_copied_from_a_running_sequence(tiny_pair):
 
 def test_requests_arriving_together_prefill_their_shared_prompt_once(tiny_pair):
     """Three requests with one 40-token system prompt, added in the same step: the first prefills
-    it, the others wait until it is cached and copy it.  Same outputs as without the cache, and
-    80 fewer prompt tokens prefilled."""
+    it, the others wait until it is cached and share it.  Same outputs as without the cache, and
+    64 fewer prompt tokens prefilled (two blocks each)."""
     rng = random.Random(2)
     system = [rng.randrange(2, 100) for _ in range(40)]
     prompts = [system + [rng.randrange(2, 100) for _ in range(4)] for _ in range(3)]
@@ -197,5 +256,75 @@ def test_requests_arriving_together_prefill_their_shared_prompt_once(tiny_pair):
                          [0, 0, 0])
         prefilled[on] = sum(s.prefill_tokens for s in core.drain_step_stats())
     assert {k: t for k, (t, _) in runs[True].items()} == {k: t for k, (t, _) in runs[False].items()}
-    assert [runs[True][f"b{i}"][1] for i in range(3)] == [0, 40, 40]
-    assert prefilled[False] - prefilled[True] == 80
+    assert [runs[True][f"b{i}"][1] for i in range(3)] == [0, 32, 32]
+    assert prefilled[False] - prefilled[True] == 64
+
+
+# ------------------------------------------------------------------------------- pages and the pool
+def mixed_requests(rng: random.Random, method: str, n: int = 6) -> list[GenerationRequest]:
+    system = [rng.randrange(2, 100) for _ in range(24)]
+    reqs = []
+    for i in range(n):
+        tail = [rng.randrange(2, 100) for _ in range(rng.randrange(1, 30))]
+        prompt = system + tail if i % 2 else tail + system  # half share a prefix
+        reqs.append(request(f"m{i}", prompt, method, 0.0 if i % 3 == 0 else 0.8, max_tokens=rng.randrange(8, 40)))
+    return reqs
+
+
+@pytest.mark.parametrize("method", ["mcsd", "maxgram", "cascade"])
+def test_pages_of_any_size_give_the_same_outputs(tiny_pair, method):
+    """Greedy and seeded sampled requests of several lengths joining at different steps: the same
+    tokens with pages of 1, 3, 16 and 64 positions as with one page per sequence and no prefix cache;
+    a tree's accepted path crosses block boundaries all the time with pages of 1 and 3."""
+    reqs = mixed_requests(random.Random(5), method)
+    add_at = [0, 0, 1, 3, 3, 7]
+    ref = drive(make_core(tiny_pair, False, kv_block_size=512), reqs, add_at)
+    for bs in (1, 3, 16, 64):
+        core = make_core(tiny_pair, True, kv_block_size=bs)
+        got = drive(core, reqs, add_at)
+        assert {k: t for k, (t, _) in got.items()} == {k: t for k, (t, _) in ref.items()}, bs
+        assert core.cache.used_blocks == 0 and core.runner.proposer.cache.used_blocks == 0
+
+
+@pytest.mark.parametrize("method", ["mcsd", "maxgram"])
+def test_a_pool_too_small_for_the_batch_preempts_and_gives_the_same_outputs(tiny_pair, method):
+    """A pool of 136 positions (little more than one sequence's worth) for six requests: sequences are
+    preempted when it runs out, recomputed later (from their own cached blocks when still there), and every
+    request ends with the tokens it gets from a pool that holds them all; no block is left in use."""
+    reqs = mixed_requests(random.Random(6), method)
+    add_at = [0, 0, 0, 1, 1, 2]
+    ref = drive(make_core(tiny_pair, False), reqs, add_at)
+    core = make_core(tiny_pair, True, kv_block_size=8, max_model_len=96, kv_cache_tokens=136)
+    got = drive(core, reqs, add_at)
+    assert {k: t for k, (t, _) in got.items()} == {k: t for k, (t, _) in ref.items()}
+    stats = core.drain_step_stats()
+    assert sum(s.preemptions for s in stats) > 0
+    assert core.cache.used_blocks == 0 and core.runner.proposer.cache.used_blocks == 0
+    assert core.cache.free_slots == core.cache.num_slots
+
+
+def test_a_storm_of_aborts_leaks_no_block(tiny_pair):
+    """Forty requests on a small pool, a third of them aborted at random steps (waiting, prefilling,
+    decoding, preempted): at the end every block and slot of both pools is free."""
+    rng = random.Random(7)
+    core = make_core(tiny_pair, True, kv_block_size=4, max_model_len=80, kv_cache_tokens=160)
+    reqs = [request(f"s{i}", [rng.randrange(2, 100) for _ in range(rng.randrange(2, 50))], "mcsd", 0.7,
+                    max_tokens=rng.randrange(4, 30)) for i in range(40)]
+    doomed = {r.request_id: rng.randrange(0, 30) for r in rng.sample(reqs, 13)}
+    for r in reqs:
+        core.add_request(r)
+    step = 0
+    while core.has_unfinished():
+        for rid, at in doomed.items():
+            if at == step:
+                core.abort_request(rid)
+        assert not [o.error for o in core.step() if o.error]
+        step += 1
+    for cache in (core.cache, core.runner.proposer.cache):
+        assert cache.used_blocks == 0 and cache.free_slots == cache.num_slots
+        assert sum(cache.ref) == 0
+
+
+def test_a_pool_smaller_than_one_request_is_refused_at_start_up(tiny_pair):
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        make_core(tiny_pair, True, max_model_len=256, kv_cache_tokens=200)

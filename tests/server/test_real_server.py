@@ -36,8 +36,10 @@ def tiny_loaded(kind: str, seed: int, tokenizer) -> LoadedModel:
 def srv():
     tok = make_tokenizer()
     core = EngineCore(tiny_loaded("qwen2", 0, tok), tiny_loaded("qwen2", 1, tok),
-                      EngineConfig(max_batch=4, max_model_len=128, tree=(2, 2), load_aware=False), model_name=MODEL)
+                      EngineConfig(max_batch=4, max_model_len=128, tree=(2, 2), load_aware=False, kv_block_size=4),
+                      model_name=MODEL)
     with ServerThread(create_app(Settings(served_model_name=MODEL), AsyncEngine(core, max_queue=32))) as s:
+        s.core = core
         yield s
 
 
@@ -174,7 +176,8 @@ def test_a_chat_turn_reports_the_prefix_it_found_cached(srv, oai):
     messages = [{"role": "user", "content": "tell me about foxes"}]
     first = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
                                         extra_body={"ignore_eos": True})
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # only the chat template's opening (a block of 4 that earlier requests also started with) can be cached
+    assert first.usage.prompt_tokens_details.cached_tokens <= 4
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
                  {"role": "user", "content": "and dogs?"}]
     before = counters(srv)
@@ -186,3 +189,16 @@ def test_a_chat_turn_reports_the_prefix_it_found_cached(srv, oai):
     assert after["mcsd:prefix_cache_hits_total"] - before.get("mcsd:prefix_cache_hits_total", 0) == cached
     assert after["mcsd:prefix_cache_queries_total"] - before.get("mcsd:prefix_cache_queries_total", 0) == \
         second.usage.prompt_tokens
+    assert "mcsd:num_preemptions_total" in after
+
+
+def test_the_pool_blocks_are_exported_by_state(srv, oai):
+    """``mcsd:kv_cache_blocks{state}``: used + cached + free is the pool; after a request ends nothing
+    is used and what it committed stays cached."""
+    oai.completions.create(model=MODEL, prompt="a fox " * 12, max_tokens=8, temperature=0,
+                           extra_body={"ignore_eos": True})
+    text = httpx.get(srv.url + "/metrics").text
+    blocks = {s.labels["state"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == "mcsd:kv_cache_blocks"}
+    assert sum(blocks.values()) == srv.core.cache.num_blocks
+    assert blocks["used"] == 0 and blocks["cached"] >= 8  # 30-odd prompt tokens + 7 answer ones, in blocks of 4
