@@ -25,8 +25,9 @@ then the least recently freed one is evicted (LRU).
 Addressing: position ``p`` of a slot is pool row ``table[p // block_size] * block_size +
 p % block_size``.  Block 0 is a scratch block never handed out: table entries past a slot's blocks
 point to it, so padded rows of a batched forward write there and reads past a sequence's end (always
-masked) see finite values.  A forward gathers each sequence's rows (SDPA over gathered pages); a
-batch of one whose blocks are consecutive in the pool reads a view instead.
+masked) see finite values.  On the CPU the attention reads the pool in place through those rows
+(``cpu_kernels.paged_attention``); elsewhere a forward gathers each sequence's rows (SDPA over
+gathered pages), and a batch of one whose blocks are consecutive in the pool reads a view instead.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ class CacheFullError(RuntimeError):
 class Addresses:
     """Where one forward writes its block and what it reads, per sequence (see :meth:`KVCache.addresses`)."""
 
-    write: Optional[torch.Tensor]  # [batch, block] pool rows on the device (None: the view below)
-    read: Optional[torch.Tensor]  # [batch, kv_len] pool rows on the device
-    view_start: int = 0  # batch of one over consecutive blocks: its pool row 0, written and read as a slice
+    write: torch.Tensor  # [batch, block] pool rows on the device
+    read: torch.Tensor  # [batch, kv_len] pool rows on the device
+    view_start: Optional[int] = None  # a batch of one over consecutive blocks: its pool row 0 (a slice)
     write_start: int = 0  # with the view: the slot position the block is written at
 
 
@@ -244,8 +245,10 @@ class KVCache:
         bs = self.block_size
         if len(slots) == 1:
             table = self.tables[slots[0]]
-            if table and self._consecutive[slots[0]] and len(table) * bs >= kv_len:
-                return Addresses(None, None, table[0] * bs, int(start[0]))  # consecutive: a view
+            if table and self._consecutive[slots[0]] and len(table) * bs >= kv_len:  # consecutive: a view
+                read = torch.arange(table[0] * bs, table[0] * bs + kv_len, device=device)[None]
+                s0 = int(start[0])
+                return Addresses(read[:, s0:s0 + block], read, table[0] * bs, s0)
         nb = self.blocks_for(kv_len)
         tables = torch.zeros(len(slots), nb, dtype=torch.long)
         width = min(nb, self.max_blocks)

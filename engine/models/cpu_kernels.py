@@ -19,6 +19,8 @@ API::
     should_use(weight)      -> bool  use our kernel for this weight? (decided once per mode)
     linear(x, w, b)         -> Tensor  ours when should_use(w), else F.linear
     attention(q, k, v, m)   -> Tensor  batch-invariant attention on the CPU, else SDPA
+    paged_attention(q, k_pool, v_pool, rows, lens, start, block_mask)
+                            -> Tensor  the same, read straight from a paged cache's pool (CPU)
     set_batch_invariant(on) / batch_invariant()  the process's mode (on by default; see below)
 
 ``MCSD_CPU_KERNELS=0`` / ``=1`` forces :func:`should_use` off / on (on: if available); like the
@@ -309,6 +311,25 @@ def _invariant_attention() -> bool:
     if env:
         log.warning("ignoring %s=%r (expected 0 or 1)", _ATTENTION_SWITCH, env)
     return _batch_invariant and available()
+
+
+def paged_attention_applies(q: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Whether :func:`paged_attention` runs for these queries and this cache pool (else gather + attention)."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and q.dtype == pool.dtype
+            and _invariant_attention())
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                    lens: torch.Tensor, start: torch.Tensor, block_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """:func:`attention` read straight from a paged cache (``csrc/attention.cpp``, CPU only: see
+    :func:`paged_attention_applies`), bitwise equal to it over the gathered rows and the full mask.
+
+    q [B, Hq, T, D]; k_pool, v_pool [R, Hkv, D]; rows [B, L] pool row of each position; lens, start [B]
+    committed entries and where the block sits; block_mask [B, T, W] bool over the pending entries and
+    the block (None: causal).  Committed entries are always visible, and each query sees itself."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    return torch.ops.mcsd_cpu.paged_attention(q, k_pool, v_pool, rows, lens, start, block_mask, q.shape[-1] ** -0.5)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:

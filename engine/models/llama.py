@@ -66,8 +66,7 @@ class DecoderLayer(nn.Module):
         qk = apply_rotary(qk.reshape(b, t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), ctx.cos, ctx.sin)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=2)
         v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        keys, values = ctx.store_and_read(layer, k, v)  # [batch, kv_heads, kv_len, head_dim]
-        attn = cpu_kernels.attention(q.transpose(1, 2), keys, values, ctx.mask)  # [batch, heads, block, head_dim]
+        attn = ctx.attend(layer, q.transpose(1, 2), k, v)  # [batch, heads, block, head_dim]
         x = x + linear(attn.transpose(1, 2).reshape(b, t, self.q_size), self.o_proj.weight)
         gate, up = linear(self.post_attention_layernorm(x), self.gate_up_proj.weight).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.down_proj.weight)
@@ -75,27 +74,61 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class ForwardContext:
-    """What every layer of one forward shares: cache addressing, rotary values and the mask."""
+    """What every layer of one forward shares: cache addressing, rotary values and the mask inputs.
+
+    The mask is given over the new block only: committed entries (``< lens``) are visible to every
+    query, ``block_mask`` says what each query sees of the pending entries and the block (None:
+    causal).  On the CPU the attention reads the pool in place with that description
+    (``cpu_kernels.paged_attention``); elsewhere the rows are gathered and the full mask is built
+    once per forward on the device (SDPA over gathered pages)."""
 
     cache: KVCache
     at: Addresses  # pool rows written and read (engine.kv_cache)
     kv_len: int  # keys read per sequence: max over the batch of (lens + pending + block)
     cos: torch.Tensor  # [batch, block, 1, head_dim]
     sin: torch.Tensor
-    mask: Optional[torch.Tensor]  # [batch, 1, block, kv_len] bool, True = attend; None = attend all
+    lens: torch.Tensor  # [batch] committed entries, on the device
+    start: torch.Tensor  # [batch] cache position of the block's first token, on the device
+    block_mask: Optional[torch.Tensor]  # [batch, block, width] bool on the device, or None (causal)
+    _mask: Optional[torch.Tensor] = None
+    _mask_built: bool = False
 
-    def store_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: [batch, block, kv_heads, head_dim] -> cached + new: [batch, kv_heads, kv_len, head_dim]"""
+    @property
+    def mask(self) -> Optional[torch.Tensor]:
+        """The full mask [batch, 1, block, kv_len] (True = attend; None = attend all), built once."""
+        if not self._mask_built:
+            self._mask = build_mask(self.lens, self.start, self.cos.shape[1], self.kv_len, self.block_mask)
+            self._mask_built = True
+        return self._mask
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Stores the block's keys and values and attends: q [batch, heads, block, head_dim], k, v
+        [batch, block, kv_heads, head_dim] -> [batch, heads, block, head_dim]."""
+        if cpu_kernels.paged_attention_applies(q, self.cache.k):
+            self._store(layer, k, v)
+            return cpu_kernels.paged_attention(q, self.cache.k[layer], self.cache.v[layer], self.at.read,
+                                               self.lens, self.start, self.block_mask)
+        keys, values = self.store_and_read(layer, k, v)
+        return cpu_kernels.attention(q, keys, values, self.mask)
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         ck, cv, at = self.cache.k[layer], self.cache.v[layer], self.at
-        if at.read is None:  # one sequence over consecutive blocks: slices, no gather
+        if at.view_start is not None:
             start = at.view_start + at.write_start
             ck[start:start + k.shape[1]] = k[0]
             cv[start:start + v.shape[1]] = v[0]
-            keys = ck[at.view_start:at.view_start + self.kv_len].unsqueeze(0)
-            values = cv[at.view_start:at.view_start + self.kv_len].unsqueeze(0)
         else:
             ck[at.write] = k
             cv[at.write] = v
+
+    def store_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: [batch, block, kv_heads, head_dim] -> cached + new: [batch, kv_heads, kv_len, head_dim]"""
+        self._store(layer, k, v)
+        ck, cv, at = self.cache.k[layer], self.cache.v[layer], self.at
+        if at.view_start is not None:  # one sequence over consecutive blocks: a slice, no gather
+            keys = ck[at.view_start:at.view_start + self.kv_len].unsqueeze(0)
+            values = cv[at.view_start:at.view_start + self.kv_len].unsqueeze(0)
+        else:
             keys, values = ck[at.read], cv[at.read]  # [batch, kv_len, kv_heads, head_dim]
         return keys.transpose(1, 2), values.transpose(1, 2)
 
@@ -182,13 +215,11 @@ class LlamaModel(nn.Module):
         start = lens + cache.pending[slot_t]  # [batch] where each block is written
         kv_len = int(start.max()) + t  # host tensors: no device sync
         dev = self.device
-        # the mask is built on the device from the small per-block mask: only [batch, block, width] and
-        # two [batch] vectors cross to it, not [batch, block, kv_len]
-        mask = build_mask(lens.to(dev), start.to(dev), t, kv_len,
-                          None if block_mask is None else block_mask.to(dev))
+        # only the small per-block mask [batch, block, width] and two [batch] vectors cross to the device
         cos, sin = self.rope.lookup(positions.to(dev))
         return ForwardContext(cache=cache, at=cache.addresses(slots, start, t, kv_len, dev), kv_len=kv_len,
-                              cos=cos, sin=sin, mask=mask)
+                              cos=cos, sin=sin, lens=lens.to(dev), start=start.to(dev),
+                              block_mask=None if block_mask is None else block_mask.to(dev))
 
 
 def build_mask(lens: torch.Tensor, start: torch.Tensor, block: int, kv_len: int,

@@ -21,6 +21,8 @@
 // Layouts.  q [B, Hq, T, D], k and v [B, Hkv, L, D] (Hq a multiple of Hkv: grouped-query attention),
 // any strides with the head dimension contiguous; mask bool [B, 1, T, L] or absent (attend to all);
 // fp32 or bf16 (computed in fp32, rounded once at the end).  Output [B, Hq, T, D] contiguous.
+// torch.ops.mcsd_cpu.paged_attention reads the keys and values straight from the paged cache's pool
+// instead (see attend_paged), with the mask given over the new block only.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -132,71 +134,130 @@ inline void exp_shifted(float* s, int64_t n, float m) {
 #endif
 
 // One work item: the `group` query heads that share kv head hk, at query t of sequence b.  They share
-// the mask row, so the allowed keys are listed once, and each key / value row is converted to fp32
-// once for all of them; every query's own arithmetic is the per-query recipe above.
+// the allowed keys, listed once, and each key / value row is converted to fp32 once for all of them;
+// every query's own arithmetic is the per-query recipe above.  `key(j)` / `value(j)` point at key j's
+// rows (a dense [L, D] slice, or a paged pool's row); qf holds the group's queries in fp32.
+template <typename T, typename KeyRow, typename ValueRow>
+void attend_one(const float* qf, int64_t group, int64_t D, const int64_t* keys, int64_t n, KeyRow key, ValueRow value,
+                float scale, float* s, int64_t s_stride, float* m, float* l, float* o, float* row, T* const* orows) {
+  if (n == 0) {  // nothing to attend to: zeros (SDPA would give NaN)
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < D; ++d) orows[g][d] = static_cast<T>(0.0f);
+    return;
+  }
+  std::fill(m, m + group, -std::numeric_limits<float>::infinity());
+  for (int64_t r = 0; r < n; ++r) {
+    to_f32_row(key(keys[r]), row, D);
+    for (int64_t g = 0; g < group; ++g) {
+      const float sc = scale * dot(qf + g * D, row, D);
+      s[g * s_stride + r] = sc;
+      m[g] = std::max(m[g], sc);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) exp_shifted(s + g * s_stride, n, m[g]);
+  std::fill(o, o + group * D, 0.0f);
+  std::fill(l, l + group, 0.0f);
+  for (int64_t r = 0; r < n; ++r) {
+    to_f32_row(value(keys[r]), row, D);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = s[g * s_stride + r];
+      l[g] += p;
+      axpy(p, row, o + g * D, D);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.0f / l[g];
+    for (int64_t d = 0; d < D; ++d) orows[g][d] = static_cast<T>(o[g * D + d] * inv);
+  }
+}
+
+// Scratch of one thread: the group's queries, scores, running max / sum, output and one row in fp32.
+struct Scratch {
+  std::vector<float> qf, o, s, row, m, l;
+  std::vector<int64_t> keys;
+  Scratch(int64_t group, int64_t L, int64_t D)
+      : qf(group * D), o(group * D), s(group * L), row(D), m(group), l(group), keys(L) {}
+};
+
+template <typename T>
+void load_queries(const at::Tensor& q, int64_t b, int64_t hk, int64_t t, int64_t group, float* qf) {
+  const auto qs = q.strides();
+  const T* qp = q.data_ptr<T>();
+  const int64_t D = q.size(3);
+  for (int64_t g = 0; g < group; ++g)
+    to_f32_row(qp + b * qs[0] + (hk * group + g) * qs[1] + t * qs[2], qf + g * D, D);
+}
+
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask, int64_t mask_sb,
             int64_t mask_st, float scale, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), L = k.size(2), group = Hq / Hkv;
-  const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const auto qs = q.strides(), ks = k.strides(), vs = v.strides();
+  const auto ks = k.strides(), vs = v.strides();
   // Small calls (tiny models, short contexts) run inline: a parallel region costs more than they do.
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, group * L * D));
   at::parallel_for(0, B * Hkv * T_, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> qf(static_cast<size_t>(group * D)), o(static_cast<size_t>(group * D));
-    std::vector<float> s(static_cast<size_t>(group * L)), row(static_cast<size_t>(D));
-    std::vector<int64_t> keys(static_cast<size_t>(L));
-    std::vector<float> m(static_cast<size_t>(group)), l(static_cast<size_t>(group));
+    Scratch w(group, L, D);
+    std::vector<T*> orows(group);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (Hkv * T_), hk = (i / T_) % Hkv, t = i % T_;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* qrow = qp + b * qs[0] + (hk * group + g) * qs[1] + t * qs[2];
-        to_f32_row(qrow, qf.data() + g * D, D);
-      }
+      load_queries<T>(q, b, hk, t, group, w.qf.data());
       const T* kb = kp + b * ks[0] + hk * ks[1];
       const T* vb = vp + b * vs[0] + hk * vs[1];
       const bool* allowed = mask != nullptr ? mask + b * mask_sb + t * mask_st : nullptr;
       int64_t n = 0;  // allowed keys, in increasing j
       for (int64_t j = 0; j < L; ++j)
-        if (allowed == nullptr || allowed[j]) keys[n++] = j;
-      if (n == 0) {  // nothing to attend to: zeros (SDPA would give NaN)
-        for (int64_t g = 0; g < group; ++g) {
-          T* orow = op + ((b * Hq + hk * group + g) * T_ + t) * D;
-          for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(0.0f);
-        }
-        continue;
+        if (allowed == nullptr || allowed[j]) w.keys[n++] = j;
+      for (int64_t g = 0; g < group; ++g) orows[g] = op + ((b * Hq + hk * group + g) * T_ + t) * D;
+      attend_one<T>(w.qf.data(), group, D, w.keys.data(), n, [&](int64_t j) { return kb + j * ks[2]; },
+                    [&](int64_t j) { return vb + j * vs[2]; }, scale, w.s.data(), L, w.m.data(), w.l.data(),
+                    w.o.data(), w.row.data(), orows.data());
+    }
+  });
+}
+
+// The same attention read straight from a paged pool: key j of sequence b is pool row rows[b, j]
+// (k_pool, v_pool [R, Hkv, D]), and the mask is never built over the keys: query t of sequence b (at
+// cache position start[b] + t) sees every committed entry (j < lens[b]), then, in the pending entries
+// and the block (lens[b] <= j < lens[b] + W), what block_mask[b, t, j - lens[b]] allows, or with no
+// block mask every j <= start[b] + t (causal); and always itself.  Same allowed keys in the same order
+// as `attend` over the gathered rows and the full mask: bitwise the same outputs.
+template <typename T>
+void attend_paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, const int64_t* rows,
+                  const int64_t* lens, const int64_t* start, const bool* bm, int64_t W, int64_t L, float scale,
+                  at::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3);
+  const int64_t Hkv = kp_.size(1), group = Hq / Hkv;
+  const T* kp = kp_.data_ptr<T>();
+  const T* vp = vp_.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const auto ks = kp_.strides(), vs = vp_.strides();
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, group * L * D));
+  at::parallel_for(0, B * Hkv * T_, grain, [&](int64_t i0, int64_t i1) {
+    Scratch w(group, L, D);
+    std::vector<T*> orows(group);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / (Hkv * T_), hk = (i / T_) % Hkv, t = i % T_;
+      load_queries<T>(q, b, hk, t, group, w.qf.data());
+      const int64_t* rb = rows + b * L;
+      const int64_t committed = std::min(lens[b], L), self = start[b] + t;
+      int64_t n = 0;
+      for (int64_t j = 0; j < committed; ++j) w.keys[n++] = j;
+      if (bm != nullptr) {
+        const bool* allowed = bm + (b * T_ + t) * W;
+        for (int64_t j = committed; j < L; ++j)
+          if ((j - committed < W && allowed[j - committed]) || j == self) w.keys[n++] = j;
+      } else {
+        for (int64_t j = committed; j < L && j <= self; ++j) w.keys[n++] = j;
       }
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      for (int64_t r = 0; r < n; ++r) {
-        const T* krow = kb + keys[r] * ks[2];
-        to_f32_row(krow, row.data(), D);
-        for (int64_t g = 0; g < group; ++g) {
-          const float sc = scale * dot(qf.data() + g * D, row.data(), D);
-          s[g * L + r] = sc;
-          m[g] = std::max(m[g], sc);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) exp_shifted(s.data() + g * L, n, m[g]);
-      std::fill(o.begin(), o.end(), 0.0f);
-      std::fill(l.begin(), l.end(), 0.0f);
-      for (int64_t r = 0; r < n; ++r) {
-        const T* vrow = vb + keys[r] * vs[2];
-        to_f32_row(vrow, row.data(), D);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = s[g * L + r];
-          l[g] += p;
-          axpy(p, row.data(), o.data() + g * D, D);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        const float inv = 1.0f / l[g];
-        T* orow = op + ((b * Hq + hk * group + g) * T_ + t) * D;
-        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(o[g * D + d] * inv);
-      }
+      for (int64_t g = 0; g < group; ++g) orows[g] = op + ((b * Hq + hk * group + g) * T_ + t) * D;
+      attend_one<T>(w.qf.data(), group, D, w.keys.data(), n,
+                    [&](int64_t j) { return kp + rb[j] * ks[0] + hk * ks[1]; },
+                    [&](int64_t j) { return vp + rb[j] * vs[0] + hk * vs[1]; }, scale, w.s.data(), L, w.m.data(),
+                    w.l.data(), w.o.data(), w.row.data(), orows.data());
     }
   });
 }
@@ -235,10 +296,59 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out;
 }
 
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& rows, const at::Tensor& lens, const at::Tensor& start,
+                           const c10::optional<at::Tensor>& block_mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes(),
+              "paged_attention: q must be [B, Hq, T, D], the pools [R, Hkv, D]");
+  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
+              "paged_attention: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "paged_attention: q and the pools must all be float32 or all bfloat16");
+  TORCH_CHECK(k_pool.size(2) == q.size(3) && k_pool.size(1) > 0 && q.size(1) % k_pool.size(1) == 0,
+              "paged_attention: head sizes do not match");
+  TORCH_CHECK(q.stride(3) == 1 && k_pool.stride(2) == 1 && v_pool.stride(2) == 1,
+              "paged_attention: the head dimension must be contiguous");
+  const int64_t B = q.size(0);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.size(0) == B, "paged_attention: rows [B, L] int64");
+  TORCH_CHECK(lens.scalar_type() == at::kLong && start.scalar_type() == at::kLong && lens.numel() == B &&
+                  start.numel() == B, "paged_attention: lens and start [B] int64");
+  const at::Tensor r = rows.contiguous(), ln = lens.contiguous(), st = start.contiguous();
+  const int64_t L = r.size(1), R = k_pool.size(0);
+  TORCH_CHECK(r.numel() == 0 || (r.min().item<int64_t>() >= 0 && r.max().item<int64_t>() < R),
+              "paged_attention: rows out of the pool");
+  const bool* bm = nullptr;
+  int64_t W = 0;
+  at::Tensor m;
+  if (block_mask.has_value() && block_mask->defined()) {
+    m = block_mask->contiguous();
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 3 && m.size(0) == B && m.size(1) == q.size(2),
+                "paged_attention: the block mask must be bool [B, T, W]");
+    bm = m.data_ptr<bool>();
+    W = m.size(2);
+  }
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out;
+  const float s = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat)
+    attend_paged<float>(q, k_pool, v_pool, r.data_ptr<int64_t>(), ln.data_ptr<int64_t>(), st.data_ptr<int64_t>(), bm,
+                        W, L, s, out);
+  else
+    attend_paged<c10::BFloat16>(q, k_pool, v_pool, r.data_ptr<int64_t>(), ln.data_ptr<int64_t>(),
+                                st.data_ptr<int64_t>(), bm, W, L, s, out);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mcsd_cpu, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor rows, Tensor lens, Tensor start, "
+        "Tensor? block_mask, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(mcsd_cpu, CPU, m) { m.impl("attention", &attention); }
+TORCH_LIBRARY_IMPL(mcsd_cpu, CPU, m) {
+  m.impl("attention", &attention);
+  m.impl("paged_attention", &paged_attention);
+}

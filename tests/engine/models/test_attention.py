@@ -126,3 +126,30 @@ def test_a_quantized_model_is_batch_invariant_end_to_end():
         batched.append(out[0, 0])
         cache.commit(s), cache.commit(o)
     assert torch.equal(torch.stack(batched), steps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tree", [True, False], ids=["block-mask", "causal"])
+def test_paged_attention_equals_attention_over_the_gathered_rows(dtype, tree):
+    """``paged_attention`` reads scattered pool rows with the mask given over the new block only;
+    ``attention`` over the same rows gathered, with the full mask ``build_mask`` makes, gives bitwise
+    the same output (same allowed keys, same order), for sequences of different lengths in one batch."""
+    from engine.models.llama import build_mask
+
+    g = torch.Generator().manual_seed(3)
+    b, hq, hkv, t, d, pool = 3, 4, 2, 5, 32, 200
+    lens = torch.tensor([7, 0, 21])
+    pending = torch.tensor([2, 0, 4]) if tree else torch.zeros(3, dtype=torch.long)
+    start = lens + pending
+    kv_len = int(start.max()) + t
+    rows = torch.stack([torch.randperm(pool, generator=g)[:kv_len] for _ in range(b)])  # scattered pages
+    k_pool = torch.randn(pool, hkv, d, generator=g).to(dtype)
+    v_pool = torch.randn(pool, hkv, d, generator=g).to(dtype)
+    q = torch.randn(b, hq, t, d, generator=g).to(dtype)
+    block_mask = (torch.rand(b, t, int(pending.max()) + t, generator=g) < 0.6) if tree else None
+    got = cpu_kernels.paged_attention(q, k_pool, v_pool, rows, lens, start, block_mask)
+    keys, values = k_pool[rows].transpose(1, 2), v_pool[rows].transpose(1, 2)  # [b, hkv, kv_len, d]
+    want = run(q, keys, values, build_mask(lens, start, t, kv_len, block_mask))
+    assert got.dtype == dtype and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="out of the pool"):
+        cpu_kernels.paged_attention(q, k_pool, v_pool, rows + pool, lens, start, block_mask)
