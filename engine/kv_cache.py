@@ -65,7 +65,7 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        block_size: int = 16,
+        block_size: int = 4,
         num_blocks: Optional[int] = None,
     ) -> None:
         """``max_len``: the most positions one sequence may hold; ``num_blocks``: the pool (default:

@@ -141,6 +141,7 @@ def _status() -> tuple[bool, str]:
             return False, "CPU lacks AVX2+FMA (or is not x86-64)"
         _load_library()
         torch.ops.mcsd_cpu.bf16_linear  # resolves the operator, raises if registration failed
+        _register_fakes()
         return True, ""
     except Exception as exc:  # noqa: BLE001 - anything here means "use torch instead"
         text = " ".join(str(exc).split())
@@ -149,6 +150,31 @@ def _status() -> tuple[bool, str]:
         reason = f"building/loading the bf16 CPU kernels failed ({type(exc).__name__}: {text})"
         log.warning("%s; falling back to torch.nn.functional.linear", reason)
         return False, reason
+
+
+def _register_fakes() -> None:
+    """Shape-only versions of the operators, so that ``torch.compile`` traces through them (the
+    forward compiles as one graph: ``tests/engine/models/test_compile.py``)."""
+    def linear_out(x, weight, bias=None):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    def attention_out(q, *args):
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+    def quant_linear_out(x, weight, type_id, k):
+        return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+
+    def quant_dequantize_out(weight, type_id, k):
+        return weight.new_empty(weight.shape[0], k, dtype=torch.float32)
+
+    for name, fn in (("bf16_linear", linear_out), ("f32_linear", linear_out), ("attention", attention_out),
+                     ("paged_attention", attention_out), ("quant_linear", quant_linear_out),
+                     ("quant_dequantize", quant_dequantize_out)):
+        try:
+            torch.library.register_fake(f"mcsd_cpu::{name}", fn)
+        except RuntimeError as exc:  # already registered in this process (a reloaded module)
+            if "already" not in str(exc):
+                raise
 
 
 def available() -> bool:
@@ -241,6 +267,7 @@ def _enabled() -> bool:
     return True if forced or _batch_invariant else _ours_is_faster()
 
 
+@torch.compiler.assume_constant_result  # decided once per mode: a compiled forward bakes the answer in
 def should_use(weight: torch.Tensor) -> bool:
     """Whether our kernel should replace ``F.linear`` for this weight.
 
@@ -263,6 +290,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if not isinstance(weight, torch.Tensor):
         return weight.linear(x, bias)
     if x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype) and should_use(weight):
+        if torch.compiler.is_compiling():  # traced: name the operator (_op's cache is host-side state)
+            return (torch.ops.mcsd_cpu.bf16_linear if x.dtype == torch.bfloat16 else torch.ops.mcsd_cpu.f32_linear)(
+                x, weight, bias)
         return _op(x.dtype)(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -90,6 +90,7 @@ class ForwardContext:
     lens: torch.Tensor  # [batch] committed entries, on the device
     start: torch.Tensor  # [batch] cache position of the block's first token, on the device
     block_mask: Optional[torch.Tensor]  # [batch, block, width] bool on the device, or None (causal)
+    paged: bool = False  # the attention reads the pool in place (cpu_kernels.paged_attention_applies)
     _mask: Optional[torch.Tensor] = None
     _mask_built: bool = False
 
@@ -104,7 +105,7 @@ class ForwardContext:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Stores the block's keys and values and attends: q [batch, heads, block, head_dim], k, v
         [batch, block, kv_heads, head_dim] -> [batch, heads, block, head_dim]."""
-        if cpu_kernels.paged_attention_applies(q, self.cache.k):
+        if self.paged:
             self._store(layer, k, v)
             return cpu_kernels.paged_attention(q, self.cache.k[layer], self.cache.v[layer], self.at.read,
                                                self.lens, self.start, self.block_mask)
@@ -160,7 +161,7 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
-    def new_cache(self, num_slots: int, max_len: int, block_size: int = 16,
+    def new_cache(self, num_slots: int, max_len: int, block_size: int = 4,
                   num_blocks: Optional[int] = None) -> KVCache:
         """A paged cache for this model: ``num_slots`` sequences of at most ``max_len`` positions over a
         pool of ``num_blocks`` blocks (default: room for all of them at full length).  Also (re)builds
@@ -193,15 +194,21 @@ class LlamaModel(nn.Module):
         counts = num_new if num_new is not None else [t] * b
         cache.reserve(slots, counts)
         ctx = self._context(cache, slots, positions, block_mask)
-        x = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, i, ctx)
+        hidden = self.hidden_states(input_ids, ctx)
         cache.advance(slots, counts)
-        hidden = self.norm(x)
         rows = hidden if logits_rows is None else torch.gather(
             hidden, 1, logits_rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         logits = linear(rows, self.lm_head.weight).float() if vocab is None else vocab.logits(rows)
         return ForwardOutput(logits=logits, hidden=hidden)
+
+    def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The decoder stack: [batch, block] token ids -> final-norm hidden states [batch, block, hidden],
+        writing the block's keys and values into the cache.  Device work only (no host reads), so it
+        compiles as one graph (``torch.compile(fullgraph=True)``: tests/engine/models/test_compile.py)."""
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, i, ctx)
+        return self.norm(x)
 
     def _context(self, cache: KVCache, slots: list[int], positions: torch.Tensor,
                  block_mask: Optional[torch.Tensor]) -> ForwardContext:
@@ -219,7 +226,8 @@ class LlamaModel(nn.Module):
         cos, sin = self.rope.lookup(positions.to(dev))
         return ForwardContext(cache=cache, at=cache.addresses(slots, start, t, kv_len, dev), kv_len=kv_len,
                               cos=cos, sin=sin, lens=lens.to(dev), start=start.to(dev),
-                              block_mask=None if block_mask is None else block_mask.to(dev))
+                              block_mask=None if block_mask is None else block_mask.to(dev),
+                              paged=cpu_kernels.paged_attention_applies(cos, cache.k))
 
 
 def build_mask(lens: torch.Tensor, start: torch.Tensor, block: int, kv_len: int,

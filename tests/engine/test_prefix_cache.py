@@ -234,9 +234,9 @@ def test_a_shared_prompt_is_shared_with_a_running_sequence(tiny_pair):
                          each_step=lambda c: shared.append(len({tuple(c.cache.tables[s.slot][:2])
                                                                 for s in c.scheduler.running})))
     assert {k: t for k, (t, _) in runs[True].items()} == {k: t for k, (t, _) in runs[False].items()}
-    assert [runs[True][f"a{i}"][1] for i in range(3)] == [0, 32, 32]  # two blocks of 16
+    assert [runs[True][f"a{i}"][1] for i in range(3)] == [0, 40, 40]  # ten blocks of 4
     assert 1 in shared[:5]  # with the cache, the three running sequences' first two blocks are the same ones
-    for on, hits in ((True, 64), (False, 0)):
+    for on, hits in ((True, 80), (False, 0)):
         stats = cores[on].drain_step_stats()
         assert sum(s.prefix_queried_tokens for s in stats) == 3 * 44
         assert sum(s.prefix_hit_tokens for s in stats) == hits
@@ -245,7 +245,7 @@ def test_a_shared_prompt_is_shared_with_a_running_sequence(tiny_pair):
 def test_requests_arriving_together_prefill_their_shared_prompt_once(tiny_pair):
     """Three requests with one 40-token system prompt, added in the same step: the first prefills
     it, the others wait until it is cached and share it.  Same outputs as without the cache, and
-    64 fewer prompt tokens prefilled (two blocks each)."""
+    80 fewer prompt tokens prefilled."""
     rng = random.Random(2)
     system = [rng.randrange(2, 100) for _ in range(40)]
     prompts = [system + [rng.randrange(2, 100) for _ in range(4)] for _ in range(3)]
@@ -256,8 +256,8 @@ def test_requests_arriving_together_prefill_their_shared_prompt_once(tiny_pair):
                          [0, 0, 0])
         prefilled[on] = sum(s.prefill_tokens for s in core.drain_step_stats())
     assert {k: t for k, (t, _) in runs[True].items()} == {k: t for k, (t, _) in runs[False].items()}
-    assert [runs[True][f"b{i}"][1] for i in range(3)] == [0, 32, 32]
-    assert prefilled[False] - prefilled[True] == 64
+    assert [runs[True][f"b{i}"][1] for i in range(3)] == [0, 40, 40]
+    assert prefilled[False] - prefilled[True] == 80
 
 
 # ------------------------------------------------------------------------------- pages and the pool

@@ -36,7 +36,7 @@ def tiny_loaded(kind: str, seed: int, tokenizer) -> LoadedModel:
 def srv():
     tok = make_tokenizer()
     core = EngineCore(tiny_loaded("qwen2", 0, tok), tiny_loaded("qwen2", 1, tok),
-                      EngineConfig(max_batch=4, max_model_len=128, tree=(2, 2), load_aware=False, kv_block_size=4),
+                      EngineConfig(max_batch=4, max_model_len=128, tree=(2, 2), load_aware=False),
                       model_name=MODEL)
     with ServerThread(create_app(Settings(served_model_name=MODEL), AsyncEngine(core, max_queue=32))) as s:
         s.core = core
