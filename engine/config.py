@@ -6,14 +6,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from engine.speculative.methods import METHODS, check_method
+from engine.speculative.methods import check_method, method_names
 from engine.speculative.tree import parse_widths
 
 
 def setting(default, help: str, *, server: bool = True, **bounds):  # noqa: A002 - the field's help text
     """An :class:`EngineConfig` field with its help text and bounds (``ge``, ``gt``, ``le``, ``lt``,
-    ``choices``): the one declaration the server's settings, flags and environment variables are
-    generated from (``server.settings``).  ``server=False`` keeps a field out of the server's settings."""
+    ``choices``: a collection, or a function returning one): the one declaration the server's settings,
+    flags and environment variables are generated from (``server.settings``).  ``server=False`` keeps a
+    field out of the server's settings."""
     return field(default=default, metadata={"help": help, "server": server, **bounds})
 
 
@@ -49,7 +50,7 @@ class EngineConfig:
                                                 "temperature); none = online calibration")
     load_aware: bool = setting(True, "measure the cost curve at start-up and choose the budget per step")
     # drafters (engine.speculative.methods): the method requests get when they do not name one, and its knobs
-    spec_method: str = setting("mcsd", "drafter for requests that do not say", choices=METHODS)
+    spec_method: str = setting("mcsd", "drafter for requests that do not say", choices=method_names)
     maxgram_len: int = setting(8, "most tokens per Max-Gram proposal from the root", ge=1, le=64)
     maxgram_branches: int = setting(1, "Max-Gram proposals (distinct first tokens) per step", ge=1, le=8)
     maxgram_max_ngram: int = setting(4, "longest suffix Max-Gram tries", ge=1, le=16)

@@ -30,9 +30,7 @@ from engine.speculative.cost_model import measure_curve
 from engine.speculative.drafter import DrafterContext, build_drafters
 from engine.speculative.drafter import limits as drafter_limits
 from engine.speculative.maxgram import BigramTable, LengthChooser, MaxGramDrafter
-from engine.speculative.methods import LOSSY, MJSD_LOSSY, NEEDS_DRAFT
-from engine.speculative.mjsd import LOSSY_NOTE as MJSD_NOTE
-from engine.speculative.target_init import LOSSY_NOTE as TARGET_INIT_NOTE
+from engine.speculative.methods import method
 from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.planner import Planner
 from engine.speculative.tree import TreeTopology
@@ -139,11 +137,12 @@ class EngineCore:
         seq.sampling_tensors = SamplingTensors.from_params([req.sampling], self.vocab_size, device=self.target.model.device)
         if req.spec.method is None:
             req.spec.method = self.config.spec_method
-        if req.spec.enabled and req.spec.method in LOSSY and self.runner.proposer:
-            seq.spec.note = MJSD_NOTE if req.spec.method == MJSD_LOSSY else TARGET_INIT_NOTE
+        m = method(req.spec.method)
+        if req.spec.enabled and m.lossy_note and self.runner.proposer:
+            seq.spec.note = m.lossy_note
         if req.spec.enabled and req.spec.adaptive and not isinstance(self.policy, AdaptiveSpeculation):
             seq.spec.note = "adaptive speculation is off on this server (start it with --adaptive); the tree is fixed"
-        if not self.runner.proposer and req.spec.enabled and req.spec.method in NEEDS_DRAFT:
+        if not self.runner.proposer and req.spec.enabled and m.needs_draft:
             seq.request.spec.enabled = False
             seq.spec.note = (f"speculation is off: the server runs without a draft model, which method "
                              f"{req.spec.method!r} needs (method 'maxgram' needs none)")
@@ -173,9 +172,9 @@ class EngineCore:
         if max(req.sampling.logit_bias, default=-1) >= self.vocab_size:
             raise RequestRejected(f"logit_bias token ids must be < {self.vocab_size}", "logit_bias",
                                   "token_id_out_of_range")
-        if req.spec.method == MJSD_LOSSY and req.sampling.needs_history:
-            raise RequestRejected("speculative.method 'mjsd-lossy' does not support presence/frequency/repetition "
-                                  "penalties", "speculative.method")
+        if req.spec.method is not None and not method(req.spec.method).penalties and req.sampling.needs_history:
+            raise RequestRejected(f"speculative.method {req.spec.method!r} does not support presence/frequency/"
+                                  "repetition penalties", "speculative.method")
         if req.spec.tree is not None and req.spec.enabled:
             try:
                 self.topology.subtree(req.spec.tree)

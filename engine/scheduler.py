@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.prefix_cache import PrefixCache, common_prefix
 from engine.sequence import Sequence, SeqStatus
-from engine.speculative.methods import NEEDS_DRAFT
+from engine.speculative.methods import uses_draft
 
 
 @dataclass
@@ -119,7 +119,7 @@ class Scheduler:
                 seq.cached_prompt_tokens = got.cached
             self.queried_tokens += len(seq.tokens)
             self.hit_tokens += got.cached
-            if self.draft_prefix is not None and seq.request.spec.enabled and seq.request.spec.method in NEEDS_DRAFT:
+            if self.draft_prefix is not None and uses_draft(seq):
                 got = self.draft_prefix.acquire(seq.tokens)
                 seq.draft_slot, seq.draft_cached = got.slot, got.cached
             seq.status = SeqStatus.PREFILLING
@@ -136,7 +136,7 @@ class Scheduler:
         need = self.cache.blocks_needed(None, len(seq.tokens) + self.rows) - cached // self.cache.block_size
         if need + growth > self.cache.free_blocks:
             return False
-        if self.draft_cache is None or not (seq.request.spec.enabled and seq.request.spec.method in NEEDS_DRAFT):
+        if self.draft_cache is None or not uses_draft(seq):
             return True
         growth = sum(self.draft_cache.blocks_needed(s.draft_slot, len(s.tokens) + self.entries)
                      for s in self.running if s.draft_slot is not None)

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from engine.request import SamplingParams, SpecOptions
-from engine.speculative.methods import METHODS
+from engine.speculative.methods import method_names
 
 MAX_STOP = 16  # OpenAI allows 4; be lenient
 MAX_STOP_CHARS = 1024  # per stop string (matching holds back at most this much text)
@@ -71,7 +71,7 @@ class SpeculativeOptions(_Request):
     enabled: bool = True
     max_depth: Optional[Annotated[int, Field(ge=0, le=64), INTEGRAL]] = None
     tree: Optional[Annotated[list[Annotated[int, Field(ge=1, le=64), INTEGRAL]], Field(max_length=32)]] = None
-    method: Optional[Literal[METHODS]] = None
+    method: Optional[Literal[method_names()]] = None
     adaptive: Optional[bool] = None
 
     def to_spec_options(self) -> SpecOptions:

@@ -136,7 +136,8 @@ def _engine_fields() -> dict[str, Any]:
         meta = f.metadata
         if not meta.get("server", True):
             continue
-        kind = Literal[tuple(meta["choices"])] if "choices" in meta else hints[f.name]
+        choices = meta.get("choices")
+        kind = Literal[tuple(choices() if callable(choices) else choices)] if choices else hints[f.name]
         bounds = {k: meta[k] for k in ("ge", "gt", "le", "lt") if k in meta}
         out[f.name] = (kind, Field(f.default, description=meta.get("help", ""), **bounds))
     return out

@@ -26,13 +26,15 @@ method in ``engine.speculative.methods`` naming it so requests can ask for it, p
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Protocol
 
 from engine.config import EngineConfig
 from engine.sequence import Sequence
 from engine.speculative.draft_tree import DraftTree
-from engine.speculative.methods import METHOD_DRAFTERS, DraftPlan
+from engine.speculative.methods import DraftPlan, methods
 from engine.speculative.tree import TreeTopology
 
 if TYPE_CHECKING:
@@ -92,8 +94,8 @@ def limits(config: EngineConfig, topology: TreeTopology) -> tuple[int, int]:
     add up: they grow the same tree)."""
     _load_builtin()
     rows = entries = 0
-    for stages in METHOD_DRAFTERS.values():
-        r, e = zip(*(_REGISTRY[name].limits(config, topology) for name in stages))
+    for m in methods():
+        r, e = zip(*(_REGISTRY[name].limits(config, topology) for name in m.drafters))
         rows, entries = max(rows, sum(r)), max(entries, sum(e))
     return rows, entries
 
@@ -104,5 +106,16 @@ def registered() -> list[str]:
 
 
 def _load_builtin() -> None:
-    """Imports the modules whose import registers the built-in drafters."""
-    from engine.speculative import cascade, maxgram, mjsd, proposer  # noqa: F401
+    """Imports every module of ``engine.speculative``: importing a drafter's module registers it (and
+    its method, ``methods.register_method``), so a new drafter is one new file there."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    import engine.speculative as package
+
+    for info in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{info.name}")
+
+
+_loaded = False

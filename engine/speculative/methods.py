@@ -29,26 +29,20 @@ the output.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-from engine.speculative.tree import SubTree
+from engine.speculative.tree import SubTree, TreeTopology
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.sequence import Sequence
 
 MCSD, MAXGRAM, MCSD_MAXGRAM, CASCADE = "mcsd", "maxgram", "mcsd+maxgram", "cascade"
 MJSD_LOSSY, TARGET_INIT_LOSSY = "mjsd-lossy", "target-init-lossy"
-METHODS = (MCSD, MAXGRAM, MCSD_MAXGRAM, CASCADE, MJSD_LOSSY, TARGET_INIT_LOSSY)
-NEEDS_DRAFT = {MCSD, MCSD_MAXGRAM, CASCADE, MJSD_LOSSY, TARGET_INIT_LOSSY}
-LOSSY = {MJSD_LOSSY, TARGET_INIT_LOSSY}
-#: the drafters (``engine.speculative.drafter``) each method's trees come from
-METHOD_DRAFTERS = {
-    MCSD: ("draft-tree",), MAXGRAM: ("maxgram",), MCSD_MAXGRAM: ("draft-tree", "maxgram"),
-    CASCADE: ("cascade", "maxgram"), MJSD_LOSSY: ("mjsd",), TARGET_INIT_LOSSY: ("draft-tree",),
-}
-
-
-def check_method(method: str) -> str:
-    if method not in METHODS:
-        raise ValueError(f"unknown speculation method {method!r}; choose one of {', '.join(METHODS)}")
-    return method
+MJSD_NOTE = ("lossy: joint decoding (MJSD) accepts draft tokens by joint likelihood, so the output is not "
+             "distributed as the target's sampling would be")
+TARGET_INIT_NOTE = ("lossy: target-initialised candidates keep the target-sampled token whose draft continuation "
+                    "survives longest, which biases the output towards tokens the draft predicts well")
 
 
 @dataclass(frozen=True)
@@ -67,3 +61,132 @@ class DraftPlan:
     maxgram_class: Optional[int] = None  # the root proposal's match class, when the length chooser capped it
     trusted: bool = False  # Max-Gram alone this step: its suffix match reached ``trust`` (the planner's choice)
     step: Optional[object] = None  # the policy's StepBudget for the step (engine.speculative.adaptive), shared
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """What a method's plan reads for one sequence in one step (the planner builds it)."""
+
+    seq: "Sequence"
+    config: "EngineConfig"
+    room: int  # tokens it may still draft beyond the next one (what remains, and the request's max_depth)
+    draft_ok: bool  # the step's budget lets the draft model run for it (False: plain decoding is cheaper)
+    sub: SubTree  # the draft model's tree: the request's (or the engine's), within the budget and the room
+    empty: SubTree
+    init_topology: TreeTopology  # the target-initialised mode's (k, 1, ...) tree
+
+
+@dataclass(frozen=True)
+class Method:
+    """A speculation method: its drafters (``engine.speculative.drafter``, in the order they grow the
+    tree), its plan (how much each may draft this step), and what the engine must know about it."""
+
+    name: str
+    drafters: tuple[str, ...]
+    plan: Callable[[PlanInput], "DraftPlan"]
+    needs_draft: bool = True  # runs the draft model (without one, the server turns speculation off)
+    lossy_note: Optional[str] = None  # a lossy method's note on every response (None: lossless)
+    penalties: bool = True  # supports presence / frequency / repetition penalties
+
+
+def _mcsd(p: PlanInput) -> "DraftPlan":
+    return DraftPlan(MCSD, p.sub if p.room > 0 else p.empty)
+
+
+def _maxgram(p: PlanInput) -> "DraftPlan":
+    if p.room <= 0:
+        return DraftPlan(MAXGRAM, p.empty)
+    cfg = p.config
+    return DraftPlan(MAXGRAM, p.empty, maxgram=min(cfg.maxgram_len, p.room), branches=cfg.maxgram_branches)
+
+
+def _mcsd_maxgram(p: PlanInput) -> "DraftPlan":
+    if p.room <= 0:
+        return DraftPlan(MCSD_MAXGRAM, p.empty)
+    cfg, sub = p.config, p.sub
+    return DraftPlan(MCSD_MAXGRAM, sub, maxgram=min(cfg.maxgram_len, p.room), branches=cfg.maxgram_branches,
+                     tail=min(cfg.maxgram_tail, p.room - sub.max_depth) if sub.num_nodes else 0,
+                     trust=cfg.maxgram_trust)
+
+
+def _cascade(p: PlanInput) -> "DraftPlan":
+    if p.room <= 0:
+        return DraftPlan(CASCADE, p.empty)
+    cfg = p.config
+    depth = min(cfg.cascade_depth, p.room) if p.draft_ok else 0  # the review runs the draft model
+    return DraftPlan(CASCADE, p.empty, maxgram=min(cfg.maxgram_len, p.room), cascade=depth,
+                     tail=min(cfg.maxgram_tail, p.room - depth), trust=cfg.maxgram_trust)
+
+
+def _mjsd(p: PlanInput) -> "DraftPlan":
+    if p.room <= 0:
+        return DraftPlan(MJSD_LOSSY, p.empty)
+    return DraftPlan(MJSD_LOSSY, p.empty, mjsd=min(p.config.mjsd_depth, p.room) if p.draft_ok else 0)
+
+
+def _target_init(p: PlanInput) -> "DraftPlan":
+    if p.seq.init_candidates is None:  # the first step only draws candidates
+        return DraftPlan(TARGET_INIT_LOSSY, p.empty, init=True)
+    depth = min(p.config.target_init_depth, p.room + 1)  # the candidate itself, then its chain
+    return DraftPlan(TARGET_INIT_LOSSY, p.init_topology.subtree(p.init_topology.widths[:depth]), init=True)
+
+
+_REGISTRY: dict[str, Method] = {}
+
+
+def register_method(method: Method) -> Method:
+    """Makes ``method`` one a request can name (``speculative.method``)."""
+    if method.name in _REGISTRY:
+        raise ValueError(f"speculation method {method.name!r} is registered twice")
+    _REGISTRY[method.name] = method
+    return method
+
+
+for _m in (Method(MCSD, ("draft-tree",), _mcsd),
+           Method(MAXGRAM, ("maxgram",), _maxgram, needs_draft=False),
+           Method(MCSD_MAXGRAM, ("draft-tree", "maxgram"), _mcsd_maxgram),
+           Method(CASCADE, ("cascade", "maxgram"), _cascade),
+           Method(MJSD_LOSSY, ("mjsd",), _mjsd, lossy_note=MJSD_NOTE, penalties=False),
+           Method(TARGET_INIT_LOSSY, ("draft-tree",), _target_init, lossy_note=TARGET_INIT_NOTE)):
+    register_method(_m)
+
+METHODS = tuple(_REGISTRY)  # the built-in ones (method_names(): with the drafter modules' own)
+
+
+def _load_all() -> None:
+    from engine.speculative.drafter import _load_builtin  # late: drafters import this module
+
+    _load_builtin()
+
+
+def method(name: str) -> Method:
+    """The registered method ``name`` (ValueError with the choices if unknown)."""
+    if name not in _REGISTRY:
+        _load_all()  # a drafter module not imported yet may register it
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown speculation method {name!r}; choose one of {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def methods() -> list[Method]:
+    """Every registered method, the built-in ones first."""
+    _load_all()
+    return list(_REGISTRY.values())
+
+
+def method_names() -> tuple[str, ...]:
+    """Names of every registered method (the settings' and the API's choices)."""
+    return tuple(m.name for m in methods())
+
+
+def check_method(name: str) -> str:
+    method(name)
+    return name
+
+
+def uses_draft(seq: "Sequence") -> bool:
+    """Whether the sequence's request speculates with a method that runs the draft model."""
+    spec = seq.request.spec
+    return bool(spec.enabled) and method(spec.method).needs_draft
+
+

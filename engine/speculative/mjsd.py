@@ -36,8 +36,6 @@ from engine.speculative.tree import SubTree
 from engine.speculative.walk import VerifyResult
 
 MJSD = "mjsd"  # drafter name in statistics
-LOSSY_NOTE = ("lossy: joint decoding (MJSD) accepts draft tokens by joint likelihood, so the output is not "
-              "distributed as the target's sampling would be")
 
 
 def joint_logprobs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:

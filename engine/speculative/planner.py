@@ -24,9 +24,7 @@ from engine.config import EngineConfig
 from engine.sequence import Sequence
 from engine.speculative.adaptive import SpecPolicy, StepBudget
 from engine.speculative.maxgram import MATCH_CLASSES, LengthChooser, MaxGramDrafter, match_class
-from engine.speculative.methods import (
-    CASCADE, MAXGRAM, MCSD, MCSD_MAXGRAM, MJSD_LOSSY, TARGET_INIT_LOSSY, DraftPlan,
-)
+from engine.speculative.methods import MCSD, DraftPlan, PlanInput, method
 from engine.speculative.tree import SubTree, TreeTopology
 
 if TYPE_CHECKING:
@@ -105,9 +103,10 @@ class Planner:
                                              plan.maxgram)
 
     def _plan(self, seq: Sequence, step: Optional[StepBudget] = None) -> DraftPlan:
-        """What each drafter of the request's method may draft this step.  The budget caps the draft
-        model's tree (a budget of plain decoding also stops the vertical cascade, which runs the draft
-        model); Max-Gram has no drafting cost and always proposes."""
+        """What each drafter of the request's method may draft this step: the method's own plan
+        (``engine.speculative.methods``), given the room, the draft model's tree within the budget, and
+        whether the budget lets the draft model run (a budget of plain decoding also stops the vertical
+        cascade and MJSD, which run it; Max-Gram has no drafting cost and always proposes)."""
         budget = step.widths if step is not None else None
         spec, cfg = seq.request.spec, self.config
         empty = self.topology.subtree(())
@@ -120,30 +119,12 @@ class Planner:
         room = seq.remaining - 1
         if spec.max_depth is not None:
             room = min(room, spec.max_depth)
-        if spec.enabled and spec.method == TARGET_INIT_LOSSY and seq.draft_slot is not None:
-            if seq.init_candidates is None:  # the first step only draws candidates
-                return DraftPlan(TARGET_INIT_LOSSY, empty, init=True)
-            depth = min(cfg.target_init_depth, room + 1)  # the candidate itself, then its chain
-            return DraftPlan(TARGET_INIT_LOSSY, self.init_topology.subtree(self.init_topology.widths[:depth]),
-                             init=True)
-        if not spec.enabled or room <= 0:
+        if not spec.enabled:
             return DraftPlan(spec.method or MCSD, empty)
-        if spec.method == MAXGRAM:
-            return DraftPlan(MAXGRAM, empty, maxgram=min(cfg.maxgram_len, room), branches=cfg.maxgram_branches)
-        if seq.draft_slot is None:
+        m = method(spec.method)
+        if m.needs_draft and seq.draft_slot is None:
             return DraftPlan(spec.method, empty)
-        if spec.method == MJSD_LOSSY:
-            return DraftPlan(MJSD_LOSSY, empty, mjsd=min(cfg.mjsd_depth, room) if budget != () else 0)
-        if spec.method == CASCADE:
-            depth = min(cfg.cascade_depth, room) if budget != () else 0
-            return DraftPlan(CASCADE, empty, maxgram=min(cfg.maxgram_len, room), cascade=depth,
-                             tail=min(cfg.maxgram_tail, room - depth), trust=cfg.maxgram_trust)
-        sub = self._subtree(seq, budget)
-        if spec.method == MCSD_MAXGRAM:
-            return DraftPlan(MCSD_MAXGRAM, sub, maxgram=min(cfg.maxgram_len, room), branches=cfg.maxgram_branches,
-                             tail=min(cfg.maxgram_tail, room - sub.max_depth) if sub.num_nodes else 0,
-                             trust=cfg.maxgram_trust)
-        return DraftPlan(MCSD, sub)
+        return m.plan(PlanInput(seq, cfg, room, budget != (), self._subtree(seq, budget), empty, self.init_topology))
 
     def _subtree(self, seq: Sequence, budget: Optional[tuple[int, ...]] = None) -> SubTree:
         """The largest tree this sequence may draft this step: its request's tree (or the engine's),

@@ -31,9 +31,6 @@ from engine.speculative.draft_tree import DEAD
 from engine.speculative.verify import TreeBatch, residual_rows
 from engine.speculative.walk import Coins, VerifyResult
 
-LOSSY_NOTE = ("lossy: target-initialised candidates keep the target-sampled token whose draft continuation "
-              "survives longest, which biases the output towards tokens the draft predicts well")
-
 
 def verify_target_init(accept: Callable[[int, int], bool], tokens: list[int],
                        children: list[list[int]]) -> tuple[VerifyResult, bool]:
