@@ -114,11 +114,15 @@ async def soak(base: str, pid: int, args) -> dict:
         after = await canary(http)
         rss1 = rss_mb(pid)
     kv = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("mcsd:kv_cache_usage")]
+    blocks = {line.split('"')[1]: float(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith("mcsd:kv_cache_blocks{")}
+    preempted = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("mcsd:num_preemptions_total")]
     five_xx = sum(n for k, n in counts.items() if "-> 5" in k)
     return dict(counts=dict(counts), requests=sum(counts.values()), five_xx=five_xx,
                 unexpected=sum(n for k, n in counts.items() if "unexpected" in k or "transport" in k),
                 running_after=health.get("running"), waiting_after=health.get("waiting"),
                 unfinished_after=health.get("unfinished"), kv_usage_after=kv[0] if kv else None,
+                kv_blocks_after=blocks, preemptions=preempted[0] if preempted else None,
                 rss_before_mb=rss0, rss_after_mb=rss1, rss_drift=(rss1 - rss0) / rss0,
                 canary_identical=before == after)
 
@@ -158,7 +162,8 @@ def main() -> None:
         print(f"{key:40s} {n:6d}")
     print(f"\nrequests {result['requests']}, 5xx {result['five_xx']}, unexpected {result['unexpected']}, "
           f"after: running {result['running_after']} waiting {result['waiting_after']} "
-          f"unfinished {result['unfinished_after']} kv usage {result['kv_usage_after']}, "
+          f"unfinished {result['unfinished_after']} kv usage {result['kv_usage_after']} "
+          f"(blocks {result['kv_blocks_after']}), preemptions {result['preemptions']}, "
           f"RSS {result['rss_before_mb']:.0f} -> {result['rss_after_mb']:.0f} MiB ({100 * result['rss_drift']:+.2f}%), "
           f"canary identical: {result['canary_identical']}")
     write_json("soak.json", dict(machine=machine(), args=vars(args), **result), args.out)
