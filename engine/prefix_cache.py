@@ -94,13 +94,16 @@ class PrefixCache:
                 n += bs
         return n
 
-    def publish(self, slot: int, tokens: list[int]) -> None:
-        """Publishes the slot's full committed blocks not yet published; ``tokens`` are those its
-        committed entries hold, in order (cache position i holds token i)."""
+    def publish(self, slot: int, tokens: list[int], count: Optional[int] = None) -> None:
+        """Publishes the slot's full committed blocks not yet published; ``tokens[:count]`` are those
+        its committed entries hold, in order (cache position i holds token i)."""
         if not self.enabled:
             return
         done, key = self._published[slot]
-        full = min(len(tokens), int(self.cache.lens[slot])) // self.block_size
+        n = len(tokens) if count is None else min(count, len(tokens))
+        full = min(n, int(self.cache.lens[slot])) // self.block_size
+        if full <= done:
+            return
         bs = self.block_size
         for i in range(done, full):
             key = block_key(key, tokens[i * bs:(i + 1) * bs])

@@ -58,9 +58,9 @@ class Scheduler:
         would append, the most recently admitted sequences are preempted (their blocks freed, their
         tokens kept) and recomputed later from the prefix cache, until the step fits."""
         for seq in self.running:  # what earlier steps committed becomes shareable
-            self.prefix.publish(seq.slot, seq.tokens[:seq.target_cached])
+            self.prefix.publish(seq.slot, seq.tokens, seq.target_cached)
             if seq.draft_slot is not None:
-                self.draft_prefix.publish(seq.draft_slot, seq.tokens[:seq.draft_cached])
+                self.draft_prefix.publish(seq.draft_slot, seq.tokens, seq.draft_cached)
         self._admit()
         while True:
             out = self._plan()
@@ -102,6 +102,14 @@ class Scheduler:
         return need <= self.cache.free_blocks and (self.draft_cache is None or need_draft <= self.draft_cache.free_blocks)
 
     def _admit(self) -> None:
+        # blocks left beside what the running sequences append next, per pool (updated per admission:
+        # admitting thousands of sequences stays linear)
+        room = [self.cache.free_blocks - sum(self.cache.blocks_needed(s.slot, len(s.tokens) + self.rows)
+                                             for s in self.running)]
+        if self.draft_cache is not None:
+            room.append(self.draft_cache.free_blocks - sum(
+                self.draft_cache.blocks_needed(s.draft_slot, len(s.tokens) + self.entries)
+                for s in self.running if s.draft_slot is not None))
         while self.waiting and len(self.running) < self.config.max_batch and self.cache.free_slots:
             seq = self.waiting[0]
             if self.draft_cache is not None and not self.draft_cache.free_slots:
@@ -110,8 +118,10 @@ class Scheduler:
             peers = self._sharing.get(key, []) if key is not None else []
             if self.prefix.enabled and any(self._still_prefilling_for(p, seq) for p in peers):
                 break  # it will share what a running sequence is about to cache rather than prefill it too
-            if not self._room_for(seq):
+            need = self._needs(seq)
+            if any(n > r for n, r in zip(need, room)):
                 break
+            room = [r - n for r, n in zip(room, need)]
             self.waiting.popleft()
             got = self.prefix.acquire(seq.tokens)
             seq.slot, seq.target_cached = got.slot, got.cached
@@ -128,21 +138,18 @@ class Scheduler:
                 peers.append(seq)
                 self._sharing[key] = peers
 
-    def _room_for(self, seq: Sequence) -> bool:
-        """Whether the target pool holds the sequence's prompt and first step beside what the running
-        sequences append next (admitting it must not preempt anyone at once)."""
-        growth = sum(self.cache.blocks_needed(s.slot, len(s.tokens) + self.rows) for s in self.running)
-        cached = self.prefix.cached_prefix(seq.tokens)
-        need = self.cache.blocks_needed(None, len(seq.tokens) + self.rows) - cached // self.cache.block_size
-        if need + growth > self.cache.free_blocks:
-            return False
-        if self.draft_cache is None or not uses_draft(seq):
-            return True
-        growth = sum(self.draft_cache.blocks_needed(s.draft_slot, len(s.tokens) + self.entries)
-                     for s in self.running if s.draft_slot is not None)
-        cached = self.draft_prefix.cached_prefix(seq.tokens)
-        need = self.draft_cache.blocks_needed(None, len(seq.tokens) + self.entries) - cached // self.draft_cache.block_size
-        return need + growth <= self.draft_cache.free_blocks
+    def _needs(self, seq: Sequence) -> list[int]:
+        """Blocks a waiting sequence takes from each pool for its prompt and first step (what the prefix
+        cache holds for it is not new), so that admitting it never forces a preemption at once."""
+        bs = self.cache.block_size
+        need = [self.cache.blocks_needed(None, len(seq.tokens) + self.rows) - self.prefix.cached_prefix(seq.tokens) // bs]
+        if self.draft_cache is not None:
+            if uses_draft(seq):
+                cached = self.draft_prefix.cached_prefix(seq.tokens) // self.draft_cache.block_size
+                need.append(self.draft_cache.blocks_needed(None, len(seq.tokens) + self.entries) - cached)
+            else:
+                need.append(0)
+        return need
 
     def _preempt(self, seq: Sequence) -> None:
         """Frees the sequence's blocks (publishing them: its recomputation may find them still cached)
