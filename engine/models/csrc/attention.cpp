@@ -188,15 +188,13 @@ void load_queries(const at::Tensor& q, int64_t b, int64_t hk, int64_t t, int64_t
     to_f32_row(qp + b * qs[0] + (hk * group + g) * qs[1] + t * qs[2], qf + g * D, D);
 }
 
-template <typename T>
-void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask, int64_t mask_sb,
-            int64_t mask_st, float scale, at::Tensor& out) {
-  const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), L = k.size(2), group = Hq / Hkv;
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
+// Every work item (b, hk, t) of a call: `keys_of(b, t, keys)` lists the allowed keys in increasing
+// order and returns how many; `key_row(b, hk, j)` / `value_row(b, hk, j)` point at key j's rows.
+template <typename T, typename KeysOf, typename KeyRow, typename ValueRow>
+void attend_all(const at::Tensor& q, int64_t Hkv, int64_t L, float scale, at::Tensor& out, KeysOf keys_of,
+                KeyRow key_row, ValueRow value_row) {
+  const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3), group = Hq / Hkv;
   T* op = out.data_ptr<T>();
-  const auto ks = k.strides(), vs = v.strides();
   // Small calls (tiny models, short contexts) run inline: a parallel region costs more than they do.
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, group * L * D));
   at::parallel_for(0, B * Hkv * T_, grain, [&](int64_t i0, int64_t i1) {
@@ -205,18 +203,33 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (Hkv * T_), hk = (i / T_) % Hkv, t = i % T_;
       load_queries<T>(q, b, hk, t, group, w.qf.data());
-      const T* kb = kp + b * ks[0] + hk * ks[1];
-      const T* vb = vp + b * vs[0] + hk * vs[1];
-      const bool* allowed = mask != nullptr ? mask + b * mask_sb + t * mask_st : nullptr;
-      int64_t n = 0;  // allowed keys, in increasing j
-      for (int64_t j = 0; j < L; ++j)
-        if (allowed == nullptr || allowed[j]) w.keys[n++] = j;
+      const int64_t n = keys_of(b, t, w.keys.data());
       for (int64_t g = 0; g < group; ++g) orows[g] = op + ((b * Hq + hk * group + g) * T_ + t) * D;
-      attend_one<T>(w.qf.data(), group, D, w.keys.data(), n, [&](int64_t j) { return kb + j * ks[2]; },
-                    [&](int64_t j) { return vb + j * vs[2]; }, scale, w.s.data(), L, w.m.data(), w.l.data(),
+      attend_one<T>(w.qf.data(), group, D, w.keys.data(), n, [&](int64_t j) { return key_row(b, hk, j); },
+                    [&](int64_t j) { return value_row(b, hk, j); }, scale, w.s.data(), L, w.m.data(), w.l.data(),
                     w.o.data(), w.row.data(), orows.data());
     }
   });
+}
+
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask, int64_t mask_sb,
+            int64_t mask_st, float scale, at::Tensor& out) {
+  const int64_t L = k.size(2);
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const auto ks = k.strides(), vs = v.strides();
+  attend_all<T>(
+      q, k.size(1), L, scale, out,
+      [&](int64_t b, int64_t t, int64_t* keys) {
+        const bool* allowed = mask != nullptr ? mask + b * mask_sb + t * mask_st : nullptr;
+        int64_t n = 0;
+        for (int64_t j = 0; j < L; ++j)
+          if (allowed == nullptr || allowed[j]) keys[n++] = j;
+        return n;
+      },
+      [&](int64_t b, int64_t hk, int64_t j) { return kp + b * ks[0] + hk * ks[1] + j * ks[2]; },
+      [&](int64_t b, int64_t hk, int64_t j) { return vp + b * vs[0] + hk * vs[1] + j * vs[2]; });
 }
 
 // The same attention read straight from a paged pool: key j of sequence b is pool row rows[b, j]
@@ -229,37 +242,27 @@ template <typename T>
 void attend_paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, const int64_t* rows,
                   const int64_t* lens, const int64_t* start, const bool* bm, int64_t W, int64_t L, float scale,
                   at::Tensor& out) {
-  const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3);
-  const int64_t Hkv = kp_.size(1), group = Hq / Hkv;
+  const int64_t T_ = q.size(2);
   const T* kp = kp_.data_ptr<T>();
   const T* vp = vp_.data_ptr<T>();
-  T* op = out.data_ptr<T>();
   const auto ks = kp_.strides(), vs = vp_.strides();
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, group * L * D));
-  at::parallel_for(0, B * Hkv * T_, grain, [&](int64_t i0, int64_t i1) {
-    Scratch w(group, L, D);
-    std::vector<T*> orows(group);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / (Hkv * T_), hk = (i / T_) % Hkv, t = i % T_;
-      load_queries<T>(q, b, hk, t, group, w.qf.data());
-      const int64_t* rb = rows + b * L;
-      const int64_t committed = std::min(lens[b], L), self = start[b] + t;
-      int64_t n = 0;
-      for (int64_t j = 0; j < committed; ++j) w.keys[n++] = j;
-      if (bm != nullptr) {
-        const bool* allowed = bm + (b * T_ + t) * W;
-        for (int64_t j = committed; j < L; ++j)
-          if ((j - committed < W && allowed[j - committed]) || j == self) w.keys[n++] = j;
-      } else {
-        for (int64_t j = committed; j < L && j <= self; ++j) w.keys[n++] = j;
-      }
-      for (int64_t g = 0; g < group; ++g) orows[g] = op + ((b * Hq + hk * group + g) * T_ + t) * D;
-      attend_one<T>(w.qf.data(), group, D, w.keys.data(), n,
-                    [&](int64_t j) { return kp + rb[j] * ks[0] + hk * ks[1]; },
-                    [&](int64_t j) { return vp + rb[j] * vs[0] + hk * vs[1]; }, scale, w.s.data(), L, w.m.data(),
-                    w.l.data(), w.o.data(), w.row.data(), orows.data());
-    }
-  });
+  attend_all<T>(
+      q, kp_.size(1), L, scale, out,
+      [&](int64_t b, int64_t t, int64_t* keys) {
+        const int64_t committed = std::min(lens[b], L), self = start[b] + t;
+        int64_t n = 0;
+        for (int64_t j = 0; j < committed; ++j) keys[n++] = j;
+        if (bm != nullptr) {
+          const bool* allowed = bm + (b * T_ + t) * W;
+          for (int64_t j = committed; j < L; ++j)
+            if ((j - committed < W && allowed[j - committed]) || j == self) keys[n++] = j;
+        } else {
+          for (int64_t j = committed; j < L && j <= self; ++j) keys[n++] = j;
+        }
+        return n;
+      },
+      [&](int64_t b, int64_t hk, int64_t j) { return kp + rows[b * L + j] * ks[0] + hk * ks[1]; },
+      [&](int64_t b, int64_t hk, int64_t j) { return vp + rows[b * L + j] * vs[0] + hk * vs[1]; });
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
