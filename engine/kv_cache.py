@@ -33,7 +33,6 @@ gathered pages), and a batch of one whose blocks are consecutive in the pool rea
 from __future__ import annotations
 
 import heapq
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
@@ -75,7 +74,7 @@ class KVCache:
         self.num_slots = num_slots
         self.max_len = max_len
         self.block_size = block_size
-        self.max_blocks = math.ceil(max_len / block_size)  # per sequence
+        self.max_blocks = self.blocks_for(max_len)  # per sequence
         self.num_blocks = num_slots * self.max_blocks if num_blocks is None else num_blocks
         if self.num_blocks < self.max_blocks:
             raise ValueError(f"a pool of {self.num_blocks} blocks of {block_size} ({self.num_blocks * block_size} "
@@ -136,7 +135,7 @@ class KVCache:
         return len(self._cached)
 
     def blocks_for(self, positions: int) -> int:
-        return math.ceil(positions / self.block_size)
+        return -(-positions // self.block_size)
 
     def blocks_needed(self, slot: Optional[int], positions: int) -> int:
         """More blocks ``slot`` (None: a new sequence) needs to hold ``positions`` entries."""

@@ -70,6 +70,18 @@ class PrefixCache:
         """A slot for a new sequence with ``prompt``, sharing the longest cached prefix of it in whole
         blocks.  Raises :class:`engine.kv_cache.CacheFullError` if no slot is free."""
         slot = self.cache.allocate()
+        blocks, key = self._walk(prompt)
+        self.cache.share(slot, blocks)
+        self._published[slot] = (len(blocks), key)
+        return Acquired(slot, len(blocks) * self.block_size)
+
+    def cached_prefix(self, prompt: list[int]) -> int:
+        """Leading tokens of ``prompt`` that :meth:`acquire` would share now (a probe: nothing changes)."""
+        return len(self._walk(prompt)[0]) * self.block_size
+
+    def _walk(self, prompt: list[int]) -> tuple[list[int], bytes]:
+        """The published blocks holding the prompt's leading whole blocks (never its last token), and
+        the key of the last one found."""
         blocks, key, bs = [], ROOT, self.block_size
         if self.enabled:
             for i in range((len(prompt) - 1) // bs):
@@ -79,20 +91,7 @@ class PrefixCache:
                     break
                 blocks.append(block)
                 key = nxt
-        self.cache.share(slot, blocks)
-        self._published[slot] = (len(blocks), key)
-        return Acquired(slot, len(blocks) * bs)
-
-    def cached_prefix(self, prompt: list[int]) -> int:
-        """Leading tokens of ``prompt`` that :meth:`acquire` would share now (a probe: nothing changes)."""
-        key, n, bs = ROOT, 0, self.block_size
-        if self.enabled:
-            for i in range((len(prompt) - 1) // bs):
-                key = block_key(key, prompt[i * bs:(i + 1) * bs])
-                if self.cache.lookup(key) is None:
-                    break
-                n += bs
-        return n
+        return blocks, key
 
     def publish(self, slot: int, tokens: list[int], count: Optional[int] = None) -> None:
         """Publishes the slot's full committed blocks not yet published; ``tokens[:count]`` are those
@@ -100,16 +99,15 @@ class PrefixCache:
         if not self.enabled:
             return
         done, key = self._published[slot]
-        n = len(tokens) if count is None else min(count, len(tokens))
-        full = min(n, int(self.cache.lens[slot])) // self.block_size
-        if full <= done:
-            return
         bs = self.block_size
+        n = len(tokens) if count is None else min(count, len(tokens))
+        if n // bs <= done:  # the common case on every step: no new full block (and no cache read)
+            return
+        full = min(n, int(self.cache.lens[slot])) // bs
         for i in range(done, full):
             key = block_key(key, tokens[i * bs:(i + 1) * bs])
             self.cache.publish(slot, i, key)  # False when another block holds it already: this one stays private
-        if full > done:
-            self._published[slot] = (full, key)
+        self._published[slot] = (full, key)
 
     def release(self, slot: int, tokens: Optional[list[int]]) -> None:
         """Frees ``slot`` after publishing what it holds (``tokens``; None: unknown, e.g. after a

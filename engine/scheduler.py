@@ -98,18 +98,16 @@ class Scheduler:
             end = ends.get(id(seq), seq.target_cached)
             need += self.cache.blocks_needed(seq.slot, end + (self.rows if id(seq) in decoding else 0))
             if seq.draft_slot is not None and id(seq) in decoding:
-                need_draft += self.draft_cache.blocks_needed(seq.draft_slot, len(seq.tokens) + self.entries)
+                need_draft += self._draft_step(seq, seq.draft_slot)
         return need <= self.cache.free_blocks and (self.draft_cache is None or need_draft <= self.draft_cache.free_blocks)
 
     def _admit(self) -> None:
         # blocks left beside what the running sequences append next, per pool (updated per admission:
         # admitting thousands of sequences stays linear)
-        room = [self.cache.free_blocks - sum(self.cache.blocks_needed(s.slot, len(s.tokens) + self.rows)
-                                             for s in self.running)]
+        room = [self.cache.free_blocks - sum(self._target_step(s, s.slot) for s in self.running)]
         if self.draft_cache is not None:
-            room.append(self.draft_cache.free_blocks - sum(
-                self.draft_cache.blocks_needed(s.draft_slot, len(s.tokens) + self.entries)
-                for s in self.running if s.draft_slot is not None))
+            room.append(self.draft_cache.free_blocks - sum(self._draft_step(s, s.draft_slot) for s in self.running
+                                                           if s.draft_slot is not None))
         while self.waiting and len(self.running) < self.config.max_batch and self.cache.free_slots:
             seq = self.waiting[0]
             if self.draft_cache is not None and not self.draft_cache.free_slots:
@@ -141,15 +139,21 @@ class Scheduler:
     def _needs(self, seq: Sequence) -> list[int]:
         """Blocks a waiting sequence takes from each pool for its prompt and first step (what the prefix
         cache holds for it is not new), so that admitting it never forces a preemption at once."""
-        bs = self.cache.block_size
-        need = [self.cache.blocks_needed(None, len(seq.tokens) + self.rows) - self.prefix.cached_prefix(seq.tokens) // bs]
+        need = [self._target_step(seq, None) - self.prefix.cached_prefix(seq.tokens) // self.cache.block_size]
         if self.draft_cache is not None:
-            if uses_draft(seq):
-                cached = self.draft_prefix.cached_prefix(seq.tokens) // self.draft_cache.block_size
-                need.append(self.draft_cache.blocks_needed(None, len(seq.tokens) + self.entries) - cached)
-            else:
-                need.append(0)
+            need.append(self._draft_step(seq, None) - self.draft_prefix.cached_prefix(seq.tokens)
+                        // self.draft_cache.block_size if uses_draft(seq) else 0)
         return need
+
+    def _target_step(self, seq: Sequence, slot: Optional[int]) -> int:
+        """More target blocks ``slot`` (None: a new one) needs for the sequence's tokens and a
+        verification block."""
+        return self.cache.blocks_needed(slot, len(seq.tokens) + self.rows)
+
+    def _draft_step(self, seq: Sequence, slot: Optional[int]) -> int:
+        """More draft blocks ``slot`` (None: a new one) needs for the sequence's tokens (a catch-up) and
+        a draft tree."""
+        return self.draft_cache.blocks_needed(slot, len(seq.tokens) + self.entries)
 
     def _preempt(self, seq: Sequence) -> None:
         """Frees the sequence's blocks (publishing them: its recomputation may find them still cached)

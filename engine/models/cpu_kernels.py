@@ -343,10 +343,10 @@ def _invariant_attention() -> bool:
     return _batch_invariant and available()
 
 
-def paged_attention_applies(q: torch.Tensor, pool: torch.Tensor) -> bool:
-    """Whether :func:`paged_attention` runs for these queries and this cache pool (else gather + attention)."""
-    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and q.dtype == pool.dtype
-            and _invariant_attention())
+def paged_attention_applies(pool: torch.Tensor) -> bool:
+    """Whether :func:`paged_attention` runs over this cache pool (else gather + attention); the queries
+    are in the pool's dtype (the model's)."""
+    return pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16) and _invariant_attention()
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,

@@ -15,6 +15,7 @@ batch-invariant on the CPU, SDPA elsewhere.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -91,16 +92,11 @@ class ForwardContext:
     start: torch.Tensor  # [batch] cache position of the block's first token, on the device
     block_mask: Optional[torch.Tensor]  # [batch, block, width] bool on the device, or None (causal)
     paged: bool = False  # the attention reads the pool in place (cpu_kernels.paged_attention_applies)
-    _mask: Optional[torch.Tensor] = None
-    _mask_built: bool = False
 
-    @property
+    @functools.cached_property
     def mask(self) -> Optional[torch.Tensor]:
         """The full mask [batch, 1, block, kv_len] (True = attend; None = attend all), built once."""
-        if not self._mask_built:
-            self._mask = build_mask(self.lens, self.start, self.cos.shape[1], self.kv_len, self.block_mask)
-            self._mask_built = True
-        return self._mask
+        return build_mask(self.lens, self.start, self.cos.shape[1], self.kv_len, self.block_mask)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Stores the block's keys and values and attends: q [batch, heads, block, head_dim], k, v
@@ -227,7 +223,7 @@ class LlamaModel(nn.Module):
         return ForwardContext(cache=cache, at=cache.addresses(slots, start, t, kv_len, dev), kv_len=kv_len,
                               cos=cos, sin=sin, lens=lens.to(dev), start=start.to(dev),
                               block_mask=None if block_mask is None else block_mask.to(dev),
-                              paged=cpu_kernels.paged_attention_applies(cos, cache.k))
+                              paged=cpu_kernels.paged_attention_applies(cache.k))
 
 
 def build_mask(lens: torch.Tensor, start: torch.Tensor, block: int, kv_len: int,

@@ -188,5 +188,3 @@ def uses_draft(seq: "Sequence") -> bool:
     """Whether the sequence's request speculates with a method that runs the draft model."""
     spec = seq.request.spec
     return bool(spec.enabled) and method(spec.method).needs_draft
-
-
