@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -731,6 +732,285 @@ void tile_times_panel(const WTile& w, int nrows, const QActs& a, int64_t m0, int
   if (m < m1) micro<1, kSigned, kScaled, kOffsets>(w, nrows, a, m, y + m * N, N);
 }
 
+// ------------------------------------------------------------------------------------ k-quants, direct
+// Q4_K, Q5_K and Q6_K are multiplied straight from their blocks, the way llama.cpp's ggml-cpu
+// pairs them with "Q8_K" activations (our own code):
+//
+//  1. Activations are rounded to int8 per 256 (one super-block): dx = max|x| / 127 (fp32), q =
+//     round(x / dx), ties to even, and per 16 the exact sum of q (int16).
+//  2. A weight row's super-block is unpacked in registers, never stored: nibbles (and fifth / high
+//     bits) become unsigned bytes u, the 6-bit (Q4_K, Q5_K) or int8 (Q6_K) sub-block scales int16
+//     lanes.  For every activation row c of the call (up to 4 at a time, sharing the unpacked bytes)
+//        isum = sum_sub sc_sub * sum_{i in sub} u_i q_i          (maddubs, madd: int32, exact)
+//     Q6_K's zero point -32 is subtracted in integers: isum -= 32 * sum_sub sc_sub * bsum_sub.
+//     Q4_K / Q5_K's mins:  msum = sum_sub m_sub * bsum_sub (int32, exact).
+//  3. Then once per super-block, in fp32 lanes:  acc += (d * dx) * isum,  acc_m += (dmin * dx) * msum,
+//     and y = reduce(acc) - reduce(acc_m) with the fixed reduction of lanes.h.
+//
+// So one multiply-add in floats per 256 weights, and every float operation of y[m, n] is the same
+// whatever M is and whichever rows share the call (batch-invariant).  Error against fp32 math: at
+// most sum_k |w_k| dx_{sb(k)} / 2, dx now per 256.
+//
+// Sums stay in range: Q4_K / Q5_K 8 sub-blocks x 63 x 32 x 31 x 127 < 2^31; Q6_K 16 x 127 x 16 x 63
+// x 127 < 2^31; a maddubs pair at most 2 x 63 x 127 < 2^15.
+
+constexpr int kSuper = 256;
+
+// Activations for the k-quants: q [M, K], dx [M, K/256], bsum [M, K/16] (int16).
+struct QActsK {
+  std::vector<int8_t> q;
+  std::vector<float> dx;
+  std::vector<int16_t> bsum;
+  int64_t K, supers;
+};
+
+QActsK quantize_acts_k(const float* x, int64_t M, int64_t K) {
+  QActsK a;
+  a.K = K;
+  a.supers = K / kSuper;
+  a.q.resize(static_cast<size_t>(M * K));
+  a.dx.resize(static_cast<size_t>(M * a.supers));
+  a.bsum.resize(static_cast<size_t>(M * K / 16));
+  at::parallel_for(0, M, std::max<int64_t>(8, (1 << 16) / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t s = 0; s < a.supers; ++s) {
+        const float* xs = x + m * K + s * kSuper;
+        float amax = 0.0f;
+        for (int i = 0; i < kSuper; ++i) amax = std::max(amax, std::fabs(xs[i]));
+        const float d = amax / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t* qs = a.q.data() + m * K + s * kSuper;
+        int16_t* bs = a.bsum.data() + (m * K + s * kSuper) / 16;
+        for (int h = 0; h < kSuper / 16; ++h) {
+          int sum = 0;
+          for (int i = 16 * h; i < 16 * h + 16; ++i) {
+            const int v = static_cast<int>(std::nearbyint(xs[i] * id));
+            qs[i] = static_cast<int8_t>(v);
+            sum += v;
+          }
+          bs[h] = static_cast<int16_t>(sum);
+        }
+        a.dx[m * a.supers + s] = d;
+      }
+    }
+  });
+  return a;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256i load_x(const QActsK& a, int64_t m, int64_t s, int off) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + m * a.K + s * kSuper + off));
+}
+inline __m256i load_bsum(const QActsK& a, int64_t m, int64_t s) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum.data() + (m * a.K + s * kSuper) / 16));
+}
+// 16 int16 lanes holding lane j of the 8 int16 in `v8` (j = 0..7, a compile-time constant).
+template <int J>
+inline __m256i lane16(__m256i v8x2) {
+  const __m256i pick = _mm256_set1_epi16(static_cast<int16_t>((2 * J) | ((2 * J + 1) << 8)));
+  return _mm256_shuffle_epi8(v8x2, pick);
+}
+
+// Q4_K (kFifth = false) and Q5_K: d, dmin, scales[12], [qh[32],] qs[128].  Weight row `w` (nsb
+// super-blocks) times activation rows m .. m + C - 1: y[c * ldy].
+template <int C, bool kFifth>
+void k4_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) {
+  constexpr int kBytes = kFifth ? 176 : 144;
+  __m256 acc[C], accm[C];
+  for (int c = 0; c < C; ++c) acc[c] = accm[c] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+  for (int64_t s = 0; s < a.supers; ++s) {
+    const uint8_t* b = w + s * kBytes;
+    const float d = fp16_to_f32(rd16(b)), dmin = fp16_to_f32(rd16(b + 2));
+    alignas(16) uint8_t sc8[16], m8[16];
+    kscale_bytes(b + 4, sc8, m8);
+    const __m128i scv = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc8)));
+    const __m256i sc2 = _mm256_broadcastsi128_si256(scv);  // the 8 scales as int16, in both halves
+    const __m128i m8v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m8));
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8v, m8v));  // m_j for bsums 2j, 2j+1
+    const uint8_t* qs = b + (kFifth ? 48 : 16);
+    __m256i hbits = kFifth ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
+    __m256i isum[C];
+    for (int c = 0; c < C; ++c) isum[c] = _mm256_setzero_si256();
+    const auto chunk = [&](auto jc) {
+      constexpr int j = decltype(jc)::value;
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+      __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      if (kFifth) {
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hbits, one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 1), one), 4));
+        hbits = _mm256_srli_epi16(hbits, 2);
+      }
+      const __m256i s0 = lane16<2 * j>(sc2), s1 = lane16<2 * j + 1>(sc2);
+      for (int c = 0; c < C; ++c) {
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load_x(a, m + c, s, 64 * j)), s0);
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load_x(a, m + c, s, 64 * j + 32)), s1);
+        isum[c] = _mm256_add_epi32(isum[c], _mm256_add_epi32(p0, p1));
+      }
+    };
+    chunk(std::integral_constant<int, 0>{});
+    chunk(std::integral_constant<int, 1>{});
+    chunk(std::integral_constant<int, 2>{});
+    chunk(std::integral_constant<int, 3>{});
+    for (int c = 0; c < C; ++c) {
+      const float dx = a.dx[(m + c) * a.supers + s];
+      const __m256i msum = _mm256_madd_epi16(mins, load_bsum(a, m + c, s));
+      acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum[c]), acc[c]);
+      accm[c] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(msum), accm[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) y[c * ldy] = mcsd::reduce_lanes(acc[c]) - mcsd::reduce_lanes(accm[c]);
+}
+
+// Q6_K: ql[128], qh[64], int8 scales[16], d.  Per half (128 weights) four runs of 32: run p takes
+// the low (p < 2) or high nibbles of ql[32 (p % 2) ...] and bits 2p, 2p + 1 of qh; its two 16s have
+// scales 2p and 2p + 1 of the half.
+template <int C>
+void q6k_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) {
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0f), x30 = _mm256_set1_epi8(0x30);
+  for (int64_t s = 0; s < a.supers; ++s) {
+    const uint8_t* b = w + s * 210;
+    const float d = fp16_to_f32(rd16(b + 208));
+    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);  // all 16 scales, int16
+    __m256i isum[C];
+    for (int c = 0; c < C; ++c) isum[c] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                                          _mm256_slli_epi32(_mm256_madd_epi16(sc16, load_bsum(a, m + c, s)), 5));
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* ql = b + 64 * half;
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+      // the half's 8 scales as int16, in both 128-bit halves: run p's pair is lanes 2p, 2p + 1
+      const __m256i s8 = _mm256_broadcastsi128_si256(half == 0 ? _mm256_castsi256_si128(sc16)
+                                                               : _mm256_extracti128_si256(sc16, 1));
+      const __m256i u[4] = {
+          _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), x30)),
+          _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), x30)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(h, x30)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                          _mm256_and_si256(_mm256_srli_epi16(h, 2), x30))};
+      const __m256i pick0 = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,  //
+                                             2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+      for (int p = 0; p < 4; ++p) {
+        const __m256i sp = _mm256_shuffle_epi8(s8, _mm256_add_epi8(pick0, _mm256_set1_epi8(static_cast<char>(4 * p))));
+        for (int c = 0; c < C; ++c) {
+          const __m256i prod = _mm256_maddubs_epi16(u[p], load_x(a, m + c, s, 128 * half + 32 * p));
+          isum[c] = _mm256_add_epi32(isum[c], _mm256_madd_epi16(prod, sp));
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const float dx = a.dx[(m + c) * a.supers + s];
+      acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum[c]), acc[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) y[c * ldy] = mcsd::reduce_lanes(acc[c]);
+}
+#else  // portable: the same integer sums per super-block, one float multiply-add each
+template <int C, bool kFifth>
+void k4_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) {
+  constexpr int kBytes = kFifth ? 176 : 144;
+  for (int c = 0; c < C; ++c) {
+    float acc = 0.0f, accm = 0.0f;
+    for (int64_t s = 0; s < a.supers; ++s) {
+      const uint8_t* b = w + s * kBytes;
+      const float d = fp16_to_f32(rd16(b)), dmin = fp16_to_f32(rd16(b + 2));
+      uint8_t sc8[8], m8[8];
+      kscale_bytes(b + 4, sc8, m8);
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (kFifth ? 48 : 16);
+      const int8_t* x = a.q.data() + (m + c) * a.K + s * kSuper;
+      const int16_t* bs = a.bsum.data() + ((m + c) * a.K + s * kSuper) / 16;
+      int32_t isum = 0, msum = 0;
+      for (int j = 0; j < 4; ++j) {
+        int32_t lo = 0, hi = 0;
+        for (int l = 0; l < 32; ++l) {
+          const int h = kFifth ? qh[l] >> (2 * j) : 0;
+          lo += ((qs[32 * j + l] & 0x0f) | ((h & 1) << 4)) * x[64 * j + l];
+          hi += ((qs[32 * j + l] >> 4) | (((h >> 1) & 1) << 4)) * x[64 * j + 32 + l];
+        }
+        isum += sc8[2 * j] * lo + sc8[2 * j + 1] * hi;
+      }
+      for (int j = 0; j < 8; ++j) msum += m8[j] * (bs[2 * j] + bs[2 * j + 1]);
+      const float dx = a.dx[(m + c) * a.supers + s];
+      acc += (d * dx) * static_cast<float>(isum);
+      accm += (dmin * dx) * static_cast<float>(msum);
+    }
+    y[c * ldy] = acc - accm;
+  }
+}
+
+template <int C>
+void q6k_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) {
+  for (int c = 0; c < C; ++c) {
+    float acc = 0.0f;
+    for (int64_t s = 0; s < a.supers; ++s) {
+      const uint8_t* b = w + s * 210;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = fp16_to_f32(rd16(b + 208));
+      alignas(16) uint8_t u[256];
+      six_bits128(b, b + 128, u);
+      six_bits128(b + 64, b + 160, u + 128);
+      const int8_t* x = a.q.data() + (m + c) * a.K + s * kSuper;
+      int32_t isum = 0;
+      for (int sub = 0; sub < 16; ++sub) {
+        int32_t part = 0;
+        for (int i = 16 * sub; i < 16 * sub + 16; ++i) part += (static_cast<int>(u[i]) - 32) * x[i];
+        isum += sc[sub] * part;
+      }
+      acc += (d * a.dx[(m + c) * a.supers + s]) * static_cast<float>(isum);
+    }
+    y[c * ldy] = acc;
+  }
+}
+#endif
+
+using KRowsFn = void (*)(const uint8_t*, const QActsK&, int64_t, float*, int64_t);
+
+template <int C>
+void q4k_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) { k4_rows<C, false>(w, a, m, y, ldy); }
+template <int C>
+void q5k_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) { k4_rows<C, true>(w, a, m, y, ldy); }
+
+struct KKernel {
+  int64_t id;
+  KRowsFn rows4, rows2, rows1;
+};
+constexpr KKernel kKKernels[] = {
+    {12, q4k_rows<4>, q4k_rows<2>, q4k_rows<1>},
+    {13, q5k_rows<4>, q5k_rows<2>, q5k_rows<1>},
+    {14, q6k_rows<4>, q6k_rows<2>, q6k_rows<1>},
+};
+
+const KKernel* k_kernel(int64_t id) {
+  for (const auto& k : kKKernels)
+    if (k.id == id) return &k;
+  return nullptr;
+}
+
+// y [M, N] for a k-quant weight: threads split the weight rows; each row meets the activation rows
+// 4 at a time (then 2, 1), so its bytes are read from memory once and from L1 after.
+void k_linear(const KKernel& k, const uint8_t* wp, int64_t row_bytes, int64_t N, const float* x, int64_t M,
+              int64_t K, float* yp) {
+  const QActsK a = quantize_acts_k(x, M, K);
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, K * M));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* w = wp + n * row_bytes;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) k.rows4(w, a, m, yp + m * N + n, N);
+      if (M - m >= 2) {
+        k.rows2(w, a, m, yp + m * N + n, N);
+        m += 2;
+      }
+      if (m < M) k.rows1(w, a, m, yp + m * N + n, N);
+    }
+  });
+}
+
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K) {
   const BlockType& t = check_weight(w, type, K);
   const Unpacker& up = unpacker(type);
@@ -741,6 +1021,10 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t typ
   out_shape.back() = N;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y.reshape(out_shape);
+  if (const KKernel* kk = k_kernel(type)) {
+    k_linear(*kk, w.data_ptr<uint8_t>(), row_bytes, N, x.data_ptr<float>(), M, K, y.data_ptr<float>());
+    return y.reshape(out_shape);
+  }
   const QActs a = quantize_acts(x.data_ptr<float>(), M, K);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();

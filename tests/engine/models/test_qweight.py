@@ -1,6 +1,6 @@
 """GGUF block kernels (engine/models/csrc/quant_gemm.cpp): every block type against the ``gguf``
 package's dequantize + an fp64 matmul of the kernel's rounded activations (exact up to fp32), and
-within the activation rounding of the unrounded product; every row count 1..64 batch-invariant, odd
+within the activation rounding of the unrounded product (per 32, or per 256 for the k-quants); every row count 1..64 batch-invariant, odd
 shapes refused."""
 
 import numpy as np
@@ -56,11 +56,17 @@ def test_dequantize_matches_the_gguf_package(type_id):
     assert torch.equal(w.dequantize(rows), ours[rows])
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's activation rounding, in float32 as it does it: per group of 32, dx = max|x| / 127
-    and q = round(x * (1 / dx)), ties to even.  Returns (q [M, K] as float64, dx [M, K/32])."""
+def activation_group(type_id: int) -> int:
+    """The kernel rounds activations per 32 for the 32-weight blocks, per 256 (a super-block) for the
+    k-quants."""
+    return BLOCK_TYPES[type_id][1]
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation rounding, in float32 as it does it: per group, dx = max|x| / 127 and
+    q = round(x * (1 / dx)), ties to even.  Returns (q [M, K] as float64, dx [M, K/group])."""
     m, k = x.shape
-    g = x.float().reshape(m, k // 32, 32)
+    g = x.float().reshape(m, k // group, group)
     d = g.abs().amax(-1) / 127.0
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(g * inv[..., None])
@@ -69,12 +75,13 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("type_id", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
 def test_linear_is_the_exact_product_of_the_rounded_activations(type_id):
-    """The kernel computes sum_g dx_g * sum_i q_i w_i; in fp64 from the gguf package's dequantized
+    """The kernel computes sum_g dx_g * sum_i q_i w_i (g: groups of 32, or 256 for the k-quants); in fp64 from the gguf package's dequantized
     weights that is the same number up to fp32 rounding (relative 1e-6 of the magnitudes)."""
     w = random_blocks(type_id, 37, 768, seed=type_id)  # N not a multiple of the row tile
     x = torch.randn(5, 768, generator=torch.Generator().manual_seed(1))
-    q, dx = quantize_activations(x)
-    xq = (q.view(5, -1, 32) * dx[..., None]).view(5, 768)
+    group = activation_group(type_id)
+    q, dx = quantize_activations(x, group)
+    xq = (q.view(5, -1, group) * dx[..., None]).view(5, 768)
     ref = reference(w).double()
     want = xq @ ref.T
     got = w.linear(x)
@@ -93,8 +100,9 @@ def test_linear_is_within_the_activation_rounding_of_fp32_math(type_id):
     w = random_blocks(type_id, 37, 768, seed=type_id)
     x = torch.randn(5, 768, generator=torch.Generator().manual_seed(1))
     ref = reference(w).double()
-    _, dx = quantize_activations(x)
-    step = dx.repeat_interleave(32, dim=1)  # [M, K]
+    group = activation_group(type_id)
+    _, dx = quantize_activations(x, group)
+    step = dx.repeat_interleave(group, dim=1)  # [M, K]
     bound = step @ ref.abs().T / 2
     scale = x.double().abs() @ ref.abs().T
     err = (w.linear(x).double() - x.double() @ ref.T).abs()
@@ -106,8 +114,8 @@ def test_linear_is_within_the_activation_rounding_of_fp32_math(type_id):
 def test_every_row_count_is_batch_invariant(type_id):
     """Row r of a call with M rows is bitwise the row computed alone, for M = 1..64, and the same
     with one thread and with two."""
-    w = random_blocks(type_id, 19, 256, seed=3)
-    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+    w = random_blocks(type_id, 19, 512, seed=3)
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(2))
     alone = torch.cat([w.linear(x[r:r + 1]) for r in range(64)])
     for m in range(1, 65):
         assert torch.equal(w.linear(x[:m]), alone[:m]), m
@@ -118,7 +126,7 @@ def test_every_row_count_is_batch_invariant(type_id):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, alone)
-    assert torch.equal(w.linear(x.view(4, 16, 256)), alone.view(4, 16, 19))  # leading dims kept
+    assert torch.equal(w.linear(x.view(4, 16, 512)), alone.view(4, 16, 19))  # leading dims kept
 
 
 def test_odd_shapes_are_refused_with_a_clear_error():
