@@ -7,7 +7,8 @@
 // the type's layout (B = 32 for Q4_0, Q4_1, Q5_0, Q8_0; B = 256 for the k-quants Q4_K, Q5_K, Q6_K),
 // exactly as llama.cpp writes them, so a GGUF file is used as it is: no conversion, no copy.
 //
-// How.  Integer dot products on activations quantized per 32 to int8 (see "the product" below); the
+// How.  Integer dot products on activations quantized to int8 per 32 or, for the k-quants, per 256
+// (see "the product" below); the
 // dequantizers here serve quant_dequantize (embedding rows, tests).  Dequantized values follow the
 // `gguf` package's formulas (fp32 d * scale * q - dmin * m).
 
@@ -344,25 +345,33 @@ const BlockType& check_weight(const at::Tensor& w, int64_t type, int64_t K) {
 }
 
 // ------------------------------------------------------------------------------------ the product
-// Integer dot products, as llama.cpp's ggml-cpu does them (our own code).  Per call:
+// Integer dot products, as llama.cpp's ggml-cpu does them (our own code).  Two kernels, one per
+// family of layouts; a type always takes the same one, so each is batch-invariant on its own.
 //
+// The 32-weight types (Q4_0, Q4_1, Q5_0, Q8_0).  Per call:
 //  1. Activations.  Each row of x is quantized per group of 32: scale dx = max|x| / 127 (fp32) and
 //     int8 q = round(x / dx) (nearest, ties to even), plus, per 16, the scaled sum dx * sum(q).
 //  2. Weights.  A thread takes 4 weight rows at a time and unpacks their blocks into a small scratch
-//     (in L1/L2): per weight one byte, unsigned 0..63 (Q8_0: signed -128..127), and per group of 32
-//     an fp32 scale dg and an int16 multiplier per 16 (Q6_K's sub-block scales; 1 elsewhere), and per
-//     16 an fp32 "offset" coefficient mn (Q4_1 / k-quant mins, and the -8 / -16 / -32 zero points of
-//     Q4_0 / Q5_0 / Q6_K, which keep the bytes unsigned).  So a weight is dg * sc * u + mn.
+//     (in L1/L2): per weight one byte, unsigned 0..31 (Q8_0: signed -128..127), per group of 32 an
+//     fp32 scale dg, and per 16 an fp32 "offset" coefficient mn (Q4_1's mins, and the -8 / -16 zero
+//     points of Q4_0 / Q5_0, which keep the bytes unsigned).  So a weight is dg * u + mn.
 //  3. The product of weight row r and activation row c is
-//         sum_g (dg * dx_g) * int32(sum_{i in g} sc_i * u_i * q_i)  +  sum_{h of 16} mn_h * (dx * sum q)_h,
+//         sum_g (dg * dx_g) * int32(sum_{i in g} u_i * q_i)  +  sum_{h of 16} mn_h * (dx * sum q)_h,
 //     the first with maddubs / madd (32 products per instruction pair) into 8 fp32 lanes, the second a
 //     short fp32 dot over K / 16 terms.
+// Folding 4 weight rows into one vector (hadd) shares each activation load and each float
+// multiply-add among 4 rows, which pays from a few activation rows on.  (Unpacking in registers with
+// one multiply-add per block and row, as the k-quants below do, was 10-20% faster at one row and up
+// to 1.6x slower at 8 to 64 rows, measured.)
+//
+// The k-quants (Q4_K, Q5_K, Q6_K) are multiplied straight from their blocks: see "k-quants, direct".
 //
 // Numerics (batch invariance).  The integer sums are exact; every float operation of y[m, n] is the
 // same whatever M is, whatever the other rows hold and however many threads run (lane l of the
 // accumulator takes the groups in increasing order, then a fixed reduction), so greedy speculative
 // decoding sees exactly the logits of single-row decoding steps.  Against fp32 math the error is the
-// activation rounding: at most sum_k |w_k| * dx_{g(k)} / 2 (tests/test_qweight.py checks that bound).
+// activation rounding: at most sum_k |w_k| * dx_{g(k)} / 2 (tests/engine/models/test_qweight.py
+// checks that bound).
 
 constexpr int kGroup = 32;
 constexpr int kTileRows = 4;   // weight rows unpacked together
@@ -409,21 +418,12 @@ QActs quantize_acts(const float* x, int64_t M, int64_t K) {
   return a;
 }
 
-// One weight row, unpacked: u [K] bytes, dg [K/32], sc [K/32] (two int16: first and second 16),
-// mn [pad8(K/16)] (zero tail).
+// One weight row, unpacked: u [K] bytes, dg [K/32], mn [pad8(K/16)] (zero tail).
 struct WRow {
   uint8_t* u;
   float* dg;
-  uint32_t* sc;
   float* mn;
 };
-
-constexpr uint32_t kOnes = 0x00010001u;
-
-inline uint32_t sc_pair(int a, int b) {
-  return static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(a))) |
-         (static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(b))) << 16);
-}
 
 // Byte work of the unpackers, AVX2 and portable.
 #if defined(__AVX2__)
@@ -449,29 +449,6 @@ inline void nibbles16(const uint8_t* qs, uint8_t* u, uint32_t fifth_bits) {
   store32(u, _mm256_or_si256(q, bits_to_16s(fifth_bits)));
 }
 
-// k-quant layout: 32 bytes hold weights l (low nibble) and l + 32 (high nibble) of a run of 64; the
-// fifth bits (Q5_K) are bits `bit` and `bit + 1` of qh[l].
-inline void nibbles32(const uint8_t* q, const uint8_t* qh, int bit, uint8_t* u) {
-  const __m256i v = load32(q);
-  __m256i lo = nib_lo32(v), hi = nib_hi32(v);
-  if (qh != nullptr) {
-    const __m256i h = load32(qh), b1 = _mm256_set1_epi8(static_cast<char>(1 << bit));
-    const __m256i b2 = _mm256_set1_epi8(static_cast<char>(2 << bit)), x10 = _mm256_set1_epi8(0x10);
-    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b1), b1), x10));
-    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b2), b2), x10));
-  }
-  store32(u, lo);
-  store32(u + 32, hi);
-}
-
-// Q6_K: 128 weights from ql[64] (4 low bits) and qh[32] (2 high bits each, four runs of 32).
-inline void six_bits128(const uint8_t* ql, const uint8_t* qh, uint8_t* o) {
-  const __m256i l0 = load32(ql), l1 = load32(ql + 32), h = load32(qh), x30 = _mm256_set1_epi8(0x30);
-  store32(o, _mm256_or_si256(nib_lo32(l0), _mm256_and_si256(_mm256_slli_epi16(h, 4), x30)));
-  store32(o + 32, _mm256_or_si256(nib_lo32(l1), _mm256_and_si256(_mm256_slli_epi16(h, 2), x30)));
-  store32(o + 64, _mm256_or_si256(nib_hi32(l0), _mm256_and_si256(h, x30)));
-  store32(o + 96, _mm256_or_si256(nib_hi32(l1), _mm256_and_si256(_mm256_srli_epi16(h, 2), x30)));
-}
 #else
 inline void nibbles16(const uint8_t* qs, uint8_t* u, uint32_t fifth_bits) {
   for (int j = 0; j < 16; ++j) {
@@ -480,40 +457,23 @@ inline void nibbles16(const uint8_t* qs, uint8_t* u, uint32_t fifth_bits) {
   }
 }
 
-inline void nibbles32(const uint8_t* q, const uint8_t* qh, int bit, uint8_t* u) {
-  for (int l = 0; l < 32; ++l) {
-    const int h = qh != nullptr ? qh[l] >> bit : 0;
-    u[l] = static_cast<uint8_t>((q[l] & 0x0f) | ((h & 1) << 4));
-    u[l + 32] = static_cast<uint8_t>((q[l] >> 4) | (((h >> 1) & 1) << 4));
-  }
-}
-
-inline void six_bits128(const uint8_t* ql, const uint8_t* qh, uint8_t* o) {
-  for (int l = 0; l < 32; ++l) {
-    o[l] = static_cast<uint8_t>((ql[l] & 0x0f) | ((qh[l] & 3) << 4));
-    o[l + 32] = static_cast<uint8_t>((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4));
-    o[l + 64] = static_cast<uint8_t>((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
-    o[l + 96] = static_cast<uint8_t>((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
-  }
-}
 #endif
 
-// Unpackers: block `b` into weights [0, B) of u, groups [0, B/32) of dg, halves [0, B/16) of mn, and
-// for Q6_K (the only type with sub-scales) groups [0, 8) of sc; the others leave sc at its ones.
-inline void unpack_q4_0(const uint8_t* b, uint8_t* u, float* dg, uint32_t* /*sc*/, float* mn) {
+// Unpackers: block `b` into weights [0, 32) of u, group 0 of dg and halves 0, 1 of mn.
+inline void unpack_q4_0(const uint8_t* b, uint8_t* u, float* dg, float* mn) {
   const float d = fp16_to_f32(rd16(b));
   nibbles16(b + 2, u, 0);
   dg[0] = d;
   mn[0] = mn[1] = -8.0f * d;
 }
 
-inline void unpack_q4_1(const uint8_t* b, uint8_t* u, float* dg, uint32_t* /*sc*/, float* mn) {
+inline void unpack_q4_1(const uint8_t* b, uint8_t* u, float* dg, float* mn) {
   nibbles16(b + 4, u, 0);
   dg[0] = fp16_to_f32(rd16(b));
   mn[0] = mn[1] = fp16_to_f32(rd16(b + 2));
 }
 
-inline void unpack_q5_0(const uint8_t* b, uint8_t* u, float* dg, uint32_t* /*sc*/, float* mn) {
+inline void unpack_q5_0(const uint8_t* b, uint8_t* u, float* dg, float* mn) {
   const float d = fp16_to_f32(rd16(b));
   uint32_t qh;
   std::memcpy(&qh, b + 2, 4);
@@ -522,66 +482,14 @@ inline void unpack_q5_0(const uint8_t* b, uint8_t* u, float* dg, uint32_t* /*sc*
   mn[0] = mn[1] = -16.0f * d;
 }
 
-inline void unpack_q8_0(const uint8_t* b, uint8_t* u, float* dg, uint32_t* /*sc*/, float* mn) {
+inline void unpack_q8_0(const uint8_t* b, uint8_t* u, float* dg, float* mn) {
   std::memcpy(u, b + 2, 32);  // signed bytes, taken as such by the Q8_0 product
   dg[0] = fp16_to_f32(rd16(b));
   mn[0] = mn[1] = 0.0f;
 }
 
-// Q4_K (fifth = false) and Q5_K (fifth = true): d, dmin, scales[12], [qh[32],] qs[128].  Group j's
-// scale is d * sc[j], its offset -(dmin * m[j]) on both halves (the products rounded as kscales does).
-template <bool kFifth>
-inline void unpack_k4(const uint8_t* b, uint8_t* u, float* dg, uint32_t* /*sc: unused, unscaled*/, float* mn) {
-  const float d = fp16_to_f32(rd16(b));
-  const float dmin = fp16_to_f32(rd16(b + 2));
-  alignas(8) uint8_t sc8[8], m8[8];
-  kscale_bytes(b + 4, sc8, m8);
-  const uint8_t* qh = kFifth ? b + 16 : nullptr;
-  const uint8_t* q = b + (kFifth ? 48 : 16);
-  for (int j = 0; j < 4; ++j) nibbles32(q + 32 * j, qh, 2 * j, u + 64 * j);
-#if defined(__AVX2__)
-  const auto widen = [](const uint8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  };
-  _mm256_storeu_ps(dg, _mm256_mul_ps(_mm256_set1_ps(d), widen(sc8)));
-  const __m256 mins = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(dmin), widen(m8)));
-  const __m256 lo = _mm256_unpacklo_ps(mins, mins), hi = _mm256_unpackhi_ps(mins, mins);  // each twice
-  _mm256_storeu_ps(mn, _mm256_permute2f128_ps(lo, hi, 0x20));
-  _mm256_storeu_ps(mn + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
-#else
-  for (int j = 0; j < 8; ++j) {
-    dg[j] = d * static_cast<float>(sc8[j]);
-    mn[2 * j] = mn[2 * j + 1] = -(dmin * static_cast<float>(m8[j]));
-  }
-#endif
-}
+using UnpackFn = void (*)(const uint8_t*, uint8_t*, float*, float*);
 
-// Q6_K: ql[128], qh[64], int8 scales[16], d.  Group g (32 weights) has sub-block scales s[2g] and
-// s[2g + 1], so sc[g] is that pair, and half i's offset is -32 d s[i].
-inline void unpack_q6_k(const uint8_t* b, uint8_t* u, float* dg, uint32_t* sc, float* mn) {
-  const int8_t* s = reinterpret_cast<const int8_t*>(b + 192);
-  const float d = fp16_to_f32(rd16(b + 208));
-  six_bits128(b, b + 128, u);
-  six_bits128(b + 64, b + 160, u + 128);
-#if defined(__AVX2__)
-  const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc), _mm256_cvtepi8_epi16(s16));  // int16 pairs
-  _mm256_storeu_ps(dg, _mm256_set1_ps(d));
-  const __m256 off = _mm256_set1_ps(-32.0f * d);
-  _mm256_storeu_ps(mn, _mm256_mul_ps(off, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s16))));
-  _mm256_storeu_ps(mn + 8, _mm256_mul_ps(off, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s16, 8)))));
-#else
-  for (int g = 0; g < 8; ++g) {
-    dg[g] = d;
-    sc[g] = sc_pair(s[2 * g], s[2 * g + 1]);
-  }
-  for (int i = 0; i < 16; ++i) mn[i] = (-32.0f * d) * static_cast<float>(s[i]);
-#endif
-}
-
-using UnpackFn = void (*)(const uint8_t*, uint8_t*, float*, uint32_t*, float*);
-
-// A row of nblocks blocks of B weights (bytes each).
 // A row of nblocks blocks of B weights (kBytes each), prefetching the bytes `ahead` further on (the
 // same row of the thread's next tile) into L2 while it works.
 template <UnpackFn F, int B, int kBytes>
@@ -592,24 +500,21 @@ void unpack_row(const uint8_t* wr, int64_t nblocks, int64_t ahead, const WRow& r
 #if defined(__SSE__)
     for (int off = 0; off < kBytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(b + ahead + off), _MM_HINT_T1);
 #endif
-    F(b, row.u + blk * B, row.dg + blk * kGroups, row.sc + blk * kGroups, row.mn + blk * 2 * kGroups);
+    F(b, row.u + blk * B, row.dg + blk * kGroups, row.mn + blk * 2 * kGroups);
   }
 }
 
 struct Unpacker {
   int64_t id;
   void (*row)(const uint8_t*, int64_t, int64_t, const WRow&);
-  bool is_signed, scaled, offsets;  // Q8_0's bytes are signed; Q6_K has sub-scales; all but Q8_0 offsets
+  bool is_signed;  // Q8_0's bytes are signed and it has no offsets; the others' bytes are unsigned
 };
 
 constexpr Unpacker kUnpackers[] = {
-    {2, unpack_row<unpack_q4_0, 32, 18>, false, false, true},
-    {3, unpack_row<unpack_q4_1, 32, 20>, false, false, true},
-    {6, unpack_row<unpack_q5_0, 32, 22>, false, false, true},
-    {8, unpack_row<unpack_q8_0, 32, 34>, true, false, false},
-    {12, unpack_row<unpack_k4<false>, 256, 144>, false, false, true},
-    {13, unpack_row<unpack_k4<true>, 256, 176>, false, false, true},
-    {14, unpack_row<unpack_q6_k, 256, 210>, false, true, true},
+    {2, unpack_row<unpack_q4_0, 32, 18>, false},
+    {3, unpack_row<unpack_q4_1, 32, 20>, false},
+    {6, unpack_row<unpack_q5_0, 32, 22>, false},
+    {8, unpack_row<unpack_q8_0, 32, 34>, true},
 };
 
 const Unpacker& unpacker(int64_t id) {
@@ -635,45 +540,32 @@ inline float offset_dot(const float* mn, const float* s16, int64_t halves) {
   return reduce_lanes(acc);
 }
 
-// The int16 multipliers of a group as 16 lanes: the first 8 (first 16 weights) take the low half of
-// `pair`, the last 8 the high half.
-inline __m256i group_scales(uint32_t pair) {
-  const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,  //
-                                        2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-  return _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(pair)), pick);
-}
-
 // The tile's 4 weight rows times C quantized activation rows: y[c * ldy + r], r < nrows.
 // Per group g and activation row c, the 4 rows' sums are folded by three hadds into one vector of
-// int32 (lanes r and 4 + r: row r; for weights under 32 the hadds run on int16, exact), converted, scaled by dg4[g] * dx[c, g] and added to
-// one accumulator per c; at the end y[r] = lane r + lane 4 + r.  The same operations for every C.
-template <int C, bool kSigned, bool kScaled, bool kOffsets>
+// int32 (lanes r and 4 + r: row r; for the unsigned 4-5 bit weights the hadds run on int16, exact),
+// converted, scaled by dg4[g] * dx[c, g] and added to one accumulator per c; at the end
+// y[r] = lane r + lane 4 + r.  The same operations for every C.
+template <int C, bool kSigned>
 void micro(const WTile& w, int nrows, const QActs& a, int64_t m, float* y, int64_t ldy) {
-  constexpr bool kNarrow = !kSigned && !kScaled;  // Q4_0, Q4_1, Q5_0, Q4_K, Q5_K: unsigned 4-5 bit weights
+  constexpr bool kOffsets = !kSigned;  // Q4_0 / Q4_1 / Q5_0 zero points and mins
   const int64_t groups = a.groups, K = a.K;
   __m256 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < groups; ++g) {
-    __m256i wv[kTileRows], scv[kTileRows];
-    for (int r = 0; r < kTileRows; ++r) {
-      wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.row[r].u + g * kGroup));
-      scv[r] = kScaled ? group_scales(w.row[r].sc[g]) : ones;
-    }
+    __m256i wv[kTileRows];
+    for (int r = 0; r < kTileRows; ++r) wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.row[r].u + g * kGroup));
     const __m256 dg = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(w.dg4 + 4 * g));
     for (int c = 0; c < C; ++c) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m + c) * K + g * kGroup));
       __m256i p[kTileRows], s;
-      if (kNarrow) {  // weights < 32: a lane of 8 products fits int16 (8 * 31 * 127 < 2^15)
+      if (!kSigned) {  // weights < 32: a lane of 8 products fits int16 (8 * 31 * 127 < 2^15)
         for (int r = 0; r < kTileRows; ++r) p[r] = _mm256_maddubs_epi16(wv[r], xv);
         const __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
         s = _mm256_madd_epi16(h, ones);
       } else {
-        for (int r = 0; r < kTileRows; ++r) {
-          const __m256i prod = kSigned ? _mm256_maddubs_epi16(_mm256_sign_epi8(wv[r], wv[r]), _mm256_sign_epi8(xv, wv[r]))
-                                       : _mm256_maddubs_epi16(wv[r], xv);
-          p[r] = _mm256_madd_epi16(prod, scv[r]);
-        }
+        for (int r = 0; r < kTileRows; ++r)
+          p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv[r], wv[r]), _mm256_sign_epi8(xv, wv[r])), ones);
         s = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
       }
       const __m256 scale = _mm256_mul_ps(dg, _mm256_broadcast_ss(a.dx.data() + (m + c) * groups + g));
@@ -697,8 +589,9 @@ inline float offset_dot(const float* mn, const float* s16, int64_t halves) {
   return acc;
 }
 
-template <int C, bool kSigned, bool kScaled, bool kOffsets>
+template <int C, bool kSigned>
 void micro(const WTile& w, int nrows, const QActs& a, int64_t m, float* y, int64_t ldy) {
+  constexpr bool kOffsets = !kSigned;
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < nrows; ++r) {
       const int8_t* x = a.q.data() + (m + c) * a.K;
@@ -706,13 +599,11 @@ void micro(const WTile& w, int nrows, const QActs& a, int64_t m, float* y, int64
       const WRow& row = w.row[r];
       float acc = 0.0f;
       for (int64_t g = 0; g < a.groups; ++g) {
-        int32_t half[2] = {0, 0};
+        int32_t sum = 0;
         for (int i = 0; i < kGroup; ++i) {
           const int wi = kSigned ? static_cast<int8_t>(row.u[g * kGroup + i]) : row.u[g * kGroup + i];
-          half[i / 16] += wi * x[g * kGroup + i];
+          sum += wi * x[g * kGroup + i];
         }
-        const uint32_t s = row.sc[g];
-        const int32_t sum = half[0] * static_cast<int16_t>(s & 0xffffu) + half[1] * static_cast<int16_t>(s >> 16);
         acc += static_cast<float>(sum) * (w.dg4[4 * g + r] * dx[g]);
       }
       if (kOffsets) acc += offset_dot(row.mn, a.s16.data() + (m + c) * a.halves, a.halves);
@@ -721,15 +612,15 @@ void micro(const WTile& w, int nrows, const QActs& a, int64_t m, float* y, int64
 }
 #endif
 
-template <bool kSigned, bool kScaled, bool kOffsets>
+template <bool kSigned>
 void tile_times_panel(const WTile& w, int nrows, const QActs& a, int64_t m0, int64_t m1, float* y, int64_t N) {
   int64_t m = m0;
-  for (; m + 4 <= m1; m += 4) micro<4, kSigned, kScaled, kOffsets>(w, nrows, a, m, y + m * N, N);
+  for (; m + 4 <= m1; m += 4) micro<4, kSigned>(w, nrows, a, m, y + m * N, N);
   if (m1 - m >= 2) {
-    micro<2, kSigned, kScaled, kOffsets>(w, nrows, a, m, y + m * N, N);
+    micro<2, kSigned>(w, nrows, a, m, y + m * N, N);
     m += 2;
   }
-  if (m < m1) micro<1, kSigned, kScaled, kOffsets>(w, nrows, a, m, y + m * N, N);
+  if (m < m1) micro<1, kSigned>(w, nrows, a, m, y + m * N, N);
 }
 
 // ------------------------------------------------------------------------------------ k-quants, direct
@@ -950,18 +841,23 @@ void q6k_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ld
     for (int64_t s = 0; s < a.supers; ++s) {
       const uint8_t* b = w + s * 210;
       const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-      const float d = fp16_to_f32(rd16(b + 208));
-      alignas(16) uint8_t u[256];
-      six_bits128(b, b + 128, u);
-      six_bits128(b + 64, b + 160, u + 128);
-      const int8_t* x = a.q.data() + (m + c) * a.K + s * kSuper;
+      const int8_t* x = (a.q.data() + (m + c) * a.K + s * kSuper);
       int32_t isum = 0;
-      for (int sub = 0; sub < 16; ++sub) {
-        int32_t part = 0;
-        for (int i = 16 * sub; i < 16 * sub + 16; ++i) part += (static_cast<int>(u[i]) - 32) * x[i];
-        isum += sc[sub] * part;
+      for (int half = 0; half < 2; ++half) {
+        const uint8_t* ql = b + 64 * half;
+        const uint8_t* qh = b + 128 + 32 * half;
+        for (int p = 0; p < 4; ++p)
+          for (int sub = 0; sub < 2; ++sub) {
+            int32_t part = 0;
+            for (int l = 16 * sub; l < 16 * sub + 16; ++l) {
+              const int low = (p < 2 ? ql[32 * (p & 1) + l] : ql[32 * (p & 1) + l] >> 4) & 0x0f;
+              const int u = low | (((qh[l] >> (2 * p)) & 3) << 4);
+              part += (u - 32) * x[128 * half + 32 * p + l];
+            }
+            isum += sc[8 * half + 2 * p + sub] * part;
+          }
       }
-      acc += (d * a.dx[(m + c) * a.supers + s]) * static_cast<float>(isum);
+      acc += (fp16_to_f32(rd16(b + 208)) * a.dx[(m + c) * a.supers + s]) * static_cast<float>(isum);
     }
     y[c * ldy] = acc;
   }
@@ -1013,7 +909,6 @@ void k_linear(const KKernel& k, const uint8_t* wp, int64_t row_bytes, int64_t N,
 
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K) {
   const BlockType& t = check_weight(w, type, K);
-  const Unpacker& up = unpacker(type);
   TORCH_CHECK(x_in.size(-1) == K, "quant_linear: x has ", x_in.size(-1), " columns, the weight K = ", K);
   const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
   const int64_t M = x.size(0), N = w.size(0), nblocks = K / t.block, row_bytes = w.size(1);
@@ -1025,6 +920,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t typ
     k_linear(*kk, w.data_ptr<uint8_t>(), row_bytes, N, x.data_ptr<float>(), M, K, y.data_ptr<float>());
     return y.reshape(out_shape);
   }
+  const Unpacker& up = unpacker(type);
   const QActs a = quantize_acts(x.data_ptr<float>(), M, K);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
@@ -1035,11 +931,10 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t typ
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     std::vector<uint8_t> u(static_cast<size_t>(kTileRows * K), 0);
     std::vector<float> dg(static_cast<size_t>(kTileRows * groups), 0.0f), dg4(dg.size(), 0.0f);
-    std::vector<uint32_t> sc(static_cast<size_t>(kTileRows * groups), kOnes);
     std::vector<float> mn(static_cast<size_t>(kTileRows * halves), 0.0f);
     WTile tile{{}, dg4.data()};
     for (int r = 0; r < kTileRows; ++r)
-      tile.row[r] = {u.data() + r * K, dg.data() + r * groups, sc.data() + r * groups, mn.data() + r * halves};
+      tile.row[r] = {u.data() + r * K, dg.data() + r * groups, mn.data() + r * halves};
     for (int64_t ti = t0; ti < t1; ++ti) {
       const int64_t n0 = ti * kTileRows;
       const int nrows = static_cast<int>(std::min<int64_t>(kTileRows, N - n0));
@@ -1052,11 +947,9 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t typ
         const int64_t m1 = std::min(M, m0 + kPanel);
         float* yt = yp + n0;
         if (up.is_signed)
-          tile_times_panel<true, false, false>(tile, nrows, a, m0, m1, yt, N);
-        else if (up.scaled)
-          tile_times_panel<false, true, true>(tile, nrows, a, m0, m1, yt, N);
+          tile_times_panel<true>(tile, nrows, a, m0, m1, yt, N);
         else
-          tile_times_panel<false, false, true>(tile, nrows, a, m0, m1, yt, N);
+          tile_times_panel<false>(tile, nrows, a, m0, m1, yt, N);
       }
     }
   });
