@@ -49,6 +49,9 @@ class EngineConfig:
     acceptance_heads: tuple[str, ...] = setting((), "trained acceptance head files, comma separated (one per "
                                                 "temperature); none = online calibration")
     load_aware: bool = setting(True, "measure the cost curve at start-up and choose the budget per step")
+    cost_model_cache: bool = setting(True, "load_aware: reuse the cost curves an earlier start measured on this "
+                                     "machine for the same models, kernels and settings ($MCSD_CACHE/cost-model); "
+                                     "off: measure at every start (and store the new curves)")
     # drafters (engine.speculative.methods): the method requests get when they do not name one, and its knobs
     spec_method: str = setting("mcsd", "drafter for requests that do not say", choices=method_names)
     maxgram_len: int = setting(8, "most tokens per Max-Gram proposal from the root", ge=1, le=64)

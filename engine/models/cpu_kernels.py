@@ -182,6 +182,12 @@ def available() -> bool:
     return _status()[0]
 
 
+def build_name() -> str:
+    """The loaded library's build (a hash of its sources and flags), or "unavailable": what timings
+    measured with these kernels depend on."""
+    return _extension_name() if available() else "unavailable"
+
+
 def unavailable_reason() -> Optional[str]:
     """Why :func:`available` is False (None when it is True)."""
     ok, reason = _status()

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from engine.speculative.acceptance_head import AcceptanceHead
-from engine.speculative.cost_model import BudgetChooser, CostModel
+from engine.speculative.cost_model import BudgetChooser, CostModel, cost_key
 from engine.speculative.features import NodeFeatures
 from engine.speculative.tree import TreeTopology
 
@@ -229,8 +229,16 @@ class AdaptiveSpeculation(SpecPolicy):
         cost = None
         if config.load_aware:
             maxgram_rows = config.maxgram_branches * config.maxgram_len + config.maxgram_tail
-            cost = CostModel.measure(target.model, target_cache, draft.model, draft_cache, config.max_batch, topology,
-                                     max_block=1 + topology.num_nodes + maxgram_rows, draft_vocab=draft_vocab)
+            max_block = 1 + topology.num_nodes + maxgram_rows
+
+            def measure() -> CostModel:
+                return CostModel.measure(target.model, target_cache, draft.model, draft_cache, config.max_batch,
+                                         topology, max_block=max_block, draft_vocab=draft_vocab)
+
+            key = cost_key(target, draft, max_batch=config.max_batch, tree=list(topology.widths), max_block=max_block,
+                           draft_vocab=None if draft_vocab is None else int(draft_vocab.ids.numel()),
+                           batch_invariant=config.batch_invariant, kv_block_size=config.kv_block_size)
+            cost = measure() if key is None else CostModel.stored(key, measure, reuse=config.cost_model_cache)
             log.info("cost model: target %s, draft %s", cost.target, cost.draft)
         return cls(topology, config.adaptive_threshold, config.adaptive_min_depth,
                    config.adaptive_max_depth, heads, cost)

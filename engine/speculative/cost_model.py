@@ -23,12 +23,18 @@ otherwise it decodes without the draft model this step (and is asked again next 
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
+import logging
 import math
+import os
+import platform
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -37,6 +43,8 @@ from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
 from engine.models.vocab import OutputVocab
 from engine.speculative.tree import TreeTopology, count_nodes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,36 @@ class CostModel:
                    measure_curve(draft, draft_cache, list(itertools.product(batches, levels)) + catch_up, reps,
                                  draft_vocab))
 
+    @classmethod
+    def stored(cls, key: dict, measure: Callable[[], "CostModel"], reuse: bool = True,
+               directory: Optional[Path] = None) -> "CostModel":
+        """The curves stored under ``key`` (everything the timings depend on: see :func:`cost_key`) when
+        ``reuse`` and an earlier start measured them, else ``measure()``, stored for the next start.
+        ``directory``: default ``$MCSD_CACHE/cost-model``.  An unreadable file is measured over."""
+        from engine.models.fetch import default_cache_dir
+
+        directory = Path(directory) if directory is not None else default_cache_dir() / "cost-model"
+        name = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=12).hexdigest()
+        path = directory / f"{name}.json"
+        if reuse and path.is_file():
+            try:
+                data = json.loads(path.read_text())
+                model = cls(CostCurve(**_floats(data["target"])), CostCurve(**_floats(data["draft"])))
+                log.info("cost model: the curves measured at %s (%s)", data.get("measured", "?"), path)
+                return model
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning("cost model: ignoring %s (%s); measuring again", path, e)
+        model = measure()
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": key, "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                       "target": _curve_json(model.target), "draft": _curve_json(model.draft)}))
+            tmp.replace(path)
+        except OSError as e:
+            log.warning("cost model: could not store the curves in %s (%s)", directory, e)
+        return model
+
     def catch_up_pays(self, lag: int, remaining: int, saving: float) -> bool:
         """Whether running ``lag`` missing tokens through the draft pays back over ``remaining``
         tokens at ``saving`` seconds per token (see the module docstring)."""
@@ -109,6 +147,62 @@ class CostModel:
             return 0.0
         sizes = [count_nodes(widths[: d + 1]) - count_nodes(widths[:d]) for d in range(len(widths) - 1)]
         return self.draft(batch) + sum(self.draft(batch * s) for s in sizes)
+
+
+def _curve_json(curve: CostCurve) -> dict:
+    return {"tokens": list(curve.tokens), "seconds": list(curve.seconds)}
+
+
+def _floats(d: dict) -> dict:
+    return {"tokens": tuple(float(v) for v in d["tokens"]), "seconds": tuple(float(v) for v in d["seconds"])}
+
+
+def model_identity(loaded) -> Optional[dict]:
+    """What a loaded model's timings depend on: its files (path, sizes, modification times) and how its
+    weights are held (dtype, the weight kinds of its linears).  None for a model with no files (built
+    in memory): its curves are never stored."""
+    path = getattr(loaded, "path", None)
+    if path is None or not Path(path).exists():
+        return None
+    path = Path(path).resolve()
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    model = loaded.model
+    kinds = sorted({_weight_kind(m.weight) for m in model.modules() if hasattr(m, "weight") and m.weight is not None})
+    return {"path": str(path), "files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files],
+            "dtype": str(model.dtype), "device": str(model.device), "weights": kinds}
+
+
+def _weight_kind(w) -> str:
+    name = getattr(w, "type_name", None)
+    return name if name is not None else f"{type(w).__name__}:{getattr(w, 'dtype', '')}"
+
+
+def machine_identity(device: torch.device) -> dict:
+    """The machine side of the timings: CPU model and features, threads, torch and our kernels' build,
+    the GPU's name."""
+    from engine.models import cpu_kernels
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        lines = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+        cpu = " ".join(lines.get(k, "").strip() for k in ("model name\t", "flags\t"))
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    switches = {k: os.environ.get(k) for k in ("MCSD_CPU_KERNELS", "MCSD_INVARIANT_ATTENTION")}
+    return {"cpu": hashlib.blake2b(cpu.encode(), digest_size=8).hexdigest(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "kernels": cpu_kernels.build_name(), "switches": switches, "gpu": gpu}
+
+
+def cost_key(target, draft, **settings) -> Optional[dict]:
+    """The key :meth:`CostModel.stored` files curves under: both models, the machine, and the measuring
+    ``settings`` (batch, tree, blocks, ...).  None when a model has no files."""
+    t, d = model_identity(target), model_identity(draft)
+    if t is None or d is None:
+        return None
+    return {"target": t, "draft": d, "machine": machine_identity(target.model.device), "settings": settings}
 
 
 def measure_curve(model: LlamaModel, cache: KVCache, points: list[tuple[int, int]], reps: int,

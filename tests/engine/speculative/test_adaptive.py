@@ -3,6 +3,8 @@ honoured), the online calibrator converges, the budget chooser picks plain decod
 verification is prohibitive and the whole tree when it is free, acceptance heads round-trip, and
 greedy output with adaptive depth is token-identical to plain decoding on tiny models."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -283,6 +285,52 @@ def test_measured_cost_curve_is_monotone_and_frees_its_slots():
     assert curve.tokens == (1.0, 16.0, 32.0)
     assert all(s > 0 for s in curve.seconds) and list(curve.seconds) == sorted(curve.seconds)
     assert cache.free_slots == 4 and int(cache.pending.sum()) == 0
+
+
+def test_cost_curves_are_stored_and_reused_only_for_the_same_models_and_settings(tmp_path, monkeypatch):
+    """A second start with the same model files and settings reads the curves the first one measured;
+    other settings, changed files, ``cost_model_cache = false`` or a damaged file measure again;
+    models with no files are never stored."""
+    monkeypatch.setenv("MCSD_CACHE", str(tmp_path / "cache"))
+    measured = []
+    real = CostModel.measure.__func__
+    monkeypatch.setattr(CostModel, "measure", classmethod(lambda cls, *a, **k: measured.append(1) or real(cls, *a, **k)))
+    files = {name: tmp_path / f"{name}.gguf" for name in ("target", "draft")}
+    for f in files.values():
+        f.write_bytes(b"weights")
+    target = dataclasses.replace(tiny_loaded("llama", seed=0), path=files["target"])
+    draft = dataclasses.replace(tiny_loaded("llama", seed=1, layers=1), path=files["draft"])
+    topo = TreeTopology((2, 1))
+
+    def start(t=target, d=draft, **kw) -> CostModel:
+        config = EngineConfig(**{"adaptive": True, "tree": (2, 1), "max_batch": 2, **kw})
+        policy = AdaptiveSpeculation.from_config(config, topo, t, d, t.model.new_cache(2, 64), d.model.new_cache(2, 64))
+        return policy.chooser.cost
+
+    first = start()
+    stored = list((tmp_path / "cache" / "cost-model").glob("*.json"))
+    assert len(measured) == 1 and len(stored) == 1
+    assert start() == first and len(measured) == 1  # read back, exactly
+    start(cost_model_cache=False)
+    assert len(measured) == 2
+    start(max_batch=1)
+    assert len(measured) == 3
+    files["draft"].write_bytes(b"other weights")
+    start()
+    assert len(measured) == 4
+    start()
+    assert len(measured) == 4
+    for f in (tmp_path / "cache" / "cost-model").glob("*.json"):
+        f.write_text("{not json")
+    start()
+    assert len(measured) == 5
+    start()
+    assert len(measured) == 5  # the damaged file was replaced
+    in_memory = tiny_loaded("llama", seed=0)
+    before = set((tmp_path / "cache" / "cost-model").glob("*.json"))
+    start(t=in_memory)
+    start(t=in_memory)
+    assert len(measured) == 7 and set((tmp_path / "cache" / "cost-model").glob("*.json")) == before
 
 
 @pytest.fixture(scope="module")
