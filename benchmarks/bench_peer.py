@@ -7,7 +7,8 @@ llama.cpp tree; about 10 minutes on 2 cores; the binaries are cached under
 and drives them with the same chat prompts, interleaved round by round (the configuration order rotates
 every round, so slow drift of the machine favours none).  Each (temperature, concurrency) phase takes
 the next ``--limit`` prompts of the file, so no server sees a prompt twice (llama-server caches prompts
-across requests; a repeated prompt would measure that instead of prefill):
+across requests; a repeated prompt would measure that instead of prefill).  Our two configurations share
+one server, which would see each prompt twice, so it runs with ``--no-prefix-cache``:
 
 * ``llama plain``:   ``llama-server -m TARGET -t T -c 16384 -np 4``
 * ``llama draft``:   the same with ``-md DRAFT --spec-type draft-simple --spec-draft-n-max 8``
@@ -291,7 +292,10 @@ def main(argv=None) -> int:
             key = name.split()[0]  # "ours": --server-args as given; "dense": the same with GGUFs dequantized
             if key not in servers:
                 port = free_port()
-                flags = args.server_args.split() + (["--gguf-weights", "dequantize"] if key == "dense" else [])
+                # "plain" and "default" share this server: without its prefix cache, the second of them
+                # to send a prompt prefills it again, as every llama-server configuration does
+                flags = (["--no-prefix-cache"] + args.server_args.split()
+                         + (["--gguf-weights", "dequantize"] if key == "dense" else []))
                 cmd = [sys.executable, "-m", "server", "--config", "default", "--threads", str(args.threads),
                        "--model", args.target, "--draft-model", args.draft, "--served-model-name", args.model_name,
                        *flags, "--host", "127.0.0.1", "--port", str(port)]
