@@ -161,8 +161,8 @@ def _register_fakes() -> None:
     def attention_out(q, *args):
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
-    def quant_linear_out(x, weight, type_id, k):
-        return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+    def quant_linear_out(x, weight, type_id, k, bias=None):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     def quant_dequantize_out(weight, type_id, k):
         return weight.new_empty(weight.shape[0], k, dtype=torch.float32)

@@ -82,11 +82,8 @@ class QuantWeight:
         return self.data.numel()
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``x @ W.T + bias`` in fp32, returned in ``x``'s dtype; ``x`` [..., K]."""
-        y = torch.ops.mcsd_cpu.quant_linear(x, self.data, self.type_id, self.k)
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype)
+        """``x @ W.T + bias`` in fp32, returned in ``x``'s dtype; ``x`` [..., K].  One operator call."""
+        return torch.ops.mcsd_cpu.quant_linear(x, self.data, self.type_id, self.k, bias)
 
     def dequantize(self, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """fp32 ``[N, K]`` (or only ``rows``, e.g. the embedding rows of some token ids)."""

@@ -1,7 +1,8 @@
 // GGUF block-quantized weights, multiplied in place:  y[M, N] = x[M, K] @ dequant(W)[N, K]^T  (fp32).
 //
 // Built with bf16_gemm.cpp into one library by engine/models/cpu_kernels.py; registers
-// torch.ops.mcsd_cpu.quant_linear and torch.ops.mcsd_cpu.quant_dequantize.
+// torch.ops.mcsd_cpu.quant_linear (x, weight, type, K, bias?: fp32 math, the result in x's dtype) and
+// torch.ops.mcsd_cpu.quant_dequantize.
 //
 // Weights.  W is the GGUF tensor's own bytes, uint8 [N, row_bytes]: each row is K / B blocks of
 // the type's layout (B = 32 for Q4_0, Q4_1, Q5_0, Q8_0; B = 256 for the k-quants Q4_K, Q5_K, Q6_K),
@@ -25,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -907,7 +909,7 @@ void k_linear(const KKernel& k, const uint8_t* wp, int64_t row_bytes, int64_t N,
   });
 }
 
-at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K) {
+at::Tensor quant_linear_f32(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K) {
   const BlockType& t = check_weight(w, type, K);
   TORCH_CHECK(x_in.size(-1) == K, "quant_linear: x has ", x_in.size(-1), " columns, the weight K = ", K);
   const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
@@ -956,6 +958,19 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t typ
   return y.reshape(out_shape);
 }
 
+// x @ W^T (+ bias) in fp32, returned in x's dtype: one operator call per linear, so a forward does not
+// pay for separate conversions and a bias add (the same fp32 operations as doing them apart).
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t K,
+                       const std::optional<at::Tensor>& bias) {
+  at::Tensor y = quant_linear_f32(x, w, type, K);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), "quant_linear: the bias needs one value per output (",
+                w.size(0), "), got shape ", bias->sizes());
+    y.add_(bias->to(at::kFloat));
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
 at::Tensor quant_dequantize(const at::Tensor& w, int64_t type, int64_t K) {
   const BlockType& t = check_weight(w, type, K);
   const int64_t N = w.size(0), nblocks = K / t.block, row_bytes = w.size(1);
@@ -972,7 +987,7 @@ at::Tensor quant_dequantize(const at::Tensor& w, int64_t type, int64_t K) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mcsd_cpu, m) {
-  m.def("quant_linear(Tensor x, Tensor weight, int type, int K) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor weight, int type, int K, Tensor? bias=None) -> Tensor");
   m.def("quant_dequantize(Tensor weight, int type, int K) -> Tensor");
 }
 
