@@ -34,6 +34,7 @@ from engine.speculative.methods import method
 from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.planner import Planner
 from engine.speculative.tree import TreeTopology
+from engine.speculative.verify import build_rules
 from engine.stats import StepStats
 from engine.stop import TextStream
 
@@ -82,7 +83,7 @@ class EngineCore:
         self.planner = Planner(cfg, self.topology, self.init_topology, self.maxgram, self.policy, lengths)
         drafters = build_drafters(DrafterContext(cfg, self.topology, self.maxgram, proposer))
         self.runner = ModelRunner(target.model, self.cache, self.vocab_size, proposer, drafters,
-                                  mjsd_tau=cfg.mjsd_tau, target_init_k=cfg.target_init_k)
+                                  build_rules(cfg, self.vocab_size))
         self.scheduler = Scheduler(self.config, self.cache, proposer.cache if proposer else None, rows, entries)
         self.eos_token_ids = set(target.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -22,14 +22,15 @@ class Collected:
 def run_engine(target, draft, prompts, tree=(4, 2, 2), max_batch=4, spec=None, join_every=0, config=None,
                policy=None, **sampling):
     """Runs ``prompts`` (lists of ids) to completion; ``join_every=k`` adds one request every k steps
-    instead of all at once (continuous batching).  ``config``: extra EngineConfig fields; ``policy``:
-    a speculation policy overriding the config's."""
+    instead of all at once (continuous batching).  ``spec``: one SpecOptions for every request, or a list
+    of one per prompt.  ``config``: extra EngineConfig fields; ``policy``: a speculation policy
+    overriding the config's."""
     core = EngineCore(target, draft, EngineConfig(max_batch=max_batch, max_model_len=256, tree=tree, **(config or {})),
                       policy=policy)
     sampling.setdefault("max_tokens", 24)
     sampling.setdefault("temperature", 0.0)
-    reqs = [GenerationRequest(f"r{i}", list(p), SamplingParams(**sampling), spec or SpecOptions())
-            for i, p in enumerate(prompts)]
+    specs = spec if isinstance(spec, list) else [spec or SpecOptions()] * len(prompts)
+    reqs = [GenerationRequest(f"r{i}", list(p), SamplingParams(**sampling), specs[i]) for i, p in enumerate(prompts)]
     out = {r.request_id: Collected() for r in reqs}
     pending = list(reqs)
     steps = 0

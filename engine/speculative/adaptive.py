@@ -55,7 +55,7 @@ from engine.speculative.tree import TreeTopology
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.runner import SeqStepResult
+    from engine.speculative.verify import SeqStepResult
     from engine.sequence import Sequence
     from engine.speculative.draft_tree import DraftTree
 

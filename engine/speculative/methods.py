@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 MCSD, MAXGRAM, MCSD_MAXGRAM, CASCADE = "mcsd", "maxgram", "mcsd+maxgram", "cascade"
 MJSD_LOSSY, TARGET_INIT_LOSSY = "mjsd-lossy", "target-init-lossy"
+LOSSLESS_RULE = "lossless"  # engine.speculative.verify.LOSSLESS: the multi-candidate rule
+JOINT_RULE, TARGET_INIT_RULE = "mjsd-joint", "target-init"  # the lossy rules (their modules register them)
 MJSD_NOTE = ("lossy: joint decoding (MJSD) accepts draft tokens by joint likelihood, so the output is not "
              "distributed as the target's sampling would be")
 TARGET_INIT_NOTE = ("lossy: target-initialised candidates keep the target-sampled token whose draft continuation "
@@ -85,6 +87,7 @@ class Method:
     drafters: tuple[str, ...]
     plan: Callable[[PlanInput], "DraftPlan"]
     needs_draft: bool = True  # runs the draft model (without one, the server turns speculation off)
+    rule: str = LOSSLESS_RULE  # the verification rule (engine.speculative.verify.register_rule)
     lossy_note: Optional[str] = None  # a lossy method's note on every response (None: lossless)
     penalties: bool = True  # supports presence / frequency / repetition penalties
 
@@ -146,8 +149,9 @@ for _m in (Method(MCSD, ("draft-tree",), _mcsd),
            Method(MAXGRAM, ("maxgram",), _maxgram, needs_draft=False),
            Method(MCSD_MAXGRAM, ("draft-tree", "maxgram"), _mcsd_maxgram),
            Method(CASCADE, ("cascade", "maxgram"), _cascade),
-           Method(MJSD_LOSSY, ("mjsd",), _mjsd, lossy_note=MJSD_NOTE, penalties=False),
-           Method(TARGET_INIT_LOSSY, ("draft-tree",), _target_init, lossy_note=TARGET_INIT_NOTE)):
+           Method(MJSD_LOSSY, ("mjsd",), _mjsd, lossy_note=MJSD_NOTE, penalties=False, rule=JOINT_RULE),
+           Method(TARGET_INIT_LOSSY, ("draft-tree",), _target_init, lossy_note=TARGET_INIT_NOTE,
+                  rule=TARGET_INIT_RULE)):
     register_method(_m)
 
 METHODS = tuple(_REGISTRY)  # the built-in ones (method_names(): with the drafter modules' own)

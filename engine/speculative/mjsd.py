@@ -29,10 +29,11 @@ from engine.device import Pending, to_host
 from engine.sampler import SamplingTensors, apply_logit_bias, compute_probs, sample_tokens
 from engine.sequence import Sequence
 from engine.speculative.drafter import DrafterContext, register
-from engine.speculative.methods import DraftPlan
+from engine.speculative.methods import JOINT_RULE, DraftPlan
 from engine.speculative.draft_tree import DraftTree
 from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.tree import SubTree
+from engine.speculative.verify import SeqStepResult, path_logprobs, register_rule
 from engine.speculative.walk import VerifyResult
 
 MJSD = "mjsd"  # drafter name in statistics
@@ -156,6 +157,34 @@ def start_joint(chains: list[tuple[torch.Tensor, list[int], list[float], Sequenc
                                     final_row=accepted, rows=list(range(accepted + 1))))
         return out
     return Pending([torch.stack(decided)] if decided else [], finish)
+
+
+class JointRule:
+    """MJSD's rule (lossy): a drafted chain's prefix stands while its joint likelihood ratio against
+    the target clears ``tau`` (:func:`start_joint`).  A step that drafted no chain takes the lossless
+    rule."""
+
+    def __init__(self, tau: float, vocab_size: int) -> None:
+        self.tau = tau
+        self.vocab_size = vocab_size
+
+    def claims(self, tree: DraftTree) -> bool:
+        return tree.joint_logq is not None
+
+    def start(self, seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
+        rows = [logits[i, : 1 + t.num_nodes, : self.vocab_size] for i, t in enumerate(trees)]
+        pending = start_joint([(lg, t.tokens, t.joint_logq, s) for lg, t, s in zip(rows, trees, seqs)], self.tau)
+
+        def results(decided: list[VerifyResult]) -> list[SeqStepResult]:
+            out = []
+            for seq, tree, lg, res in zip(seqs, trees, rows, decided):
+                k = seq.request.sampling.logprobs
+                out.append(SeqStepResult(seq, res, tree, path_logprobs(lg, res, k) if k is not None else None, lg))
+            return out
+        return pending.then(results)
+
+
+register_rule(JOINT_RULE, lambda config, vocab_size: JointRule(config.mjsd_tau, vocab_size))
 
 
 def _decide_joint(logits: torch.Tensor, tokens: list[int], logq: list[float], seq: Sequence,

@@ -28,7 +28,7 @@ from engine.speculative.methods import MCSD, DraftPlan, PlanInput, method
 from engine.speculative.tree import SubTree, TreeTopology
 
 if TYPE_CHECKING:
-    from engine.runner import SeqStepResult
+    from engine.speculative.verify import SeqStepResult
 
 
 class Planner:

@@ -21,15 +21,19 @@ sequence's first step only draws candidates (it emits nothing).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from engine.device import Pending
+from engine.device import Pending, to_device
 from engine.sampler import SamplingTensors, finish_probs, sample_k_distinct
-from engine.speculative.draft_tree import DEAD
-from engine.speculative.verify import TreeBatch, residual_rows
+from engine.speculative.draft_tree import DEAD, DraftTree
+from engine.speculative.methods import TARGET_INIT_RULE
+from engine.speculative.verify import SeqStepResult, TreeBatch, path_logprobs, register_rule, residual_rows, target_rows
 from engine.speculative.walk import Coins, VerifyResult
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
 
 
 def verify_target_init(accept: Callable[[int, int], bool], tokens: list[int],
@@ -135,6 +139,42 @@ def start_target_init(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, u_
         return out
 
     return Pending([packed], finish)
+
+
+class TargetInitRule:
+    """The target-initialised mode's rule (lossy by design): :func:`start_target_init` for a group of
+    sequences at once.  The accepted path's last node is the next root, left uncached."""
+
+    def __init__(self, k: int, vocab_size: int) -> None:
+        self.k = k
+        self.vocab_size = vocab_size
+
+    def claims(self, tree: DraftTree) -> bool:
+        return True  # a first step with no tree still draws the candidates
+
+    def start(self, seqs: list["Sequence"], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
+        dev, k = logits.device, self.k
+        batch, raw, x, st, params = target_rows(seqs, trees, logits, self.vocab_size)
+        u_accept = torch.zeros(len(seqs), batch.num_rows)
+        u_cand = torch.zeros(len(seqs), k)
+        for i, (seq, tree, p) in enumerate(zip(seqs, trees, params)):
+            if not p.greedy:  # its own rows and k, so what a seeded request draws does not depend on the batch
+                rows = 1 + tree.num_nodes
+                u = torch.rand(rows + k, generator=seq.generator)
+                u_accept[i, :rows], u_cand[i] = u[:rows], u[rows:]
+        pending = start_target_init(x, st, batch, to_device(u_accept, dev), to_device(u_cand, dev), k)
+
+        def results(decided: list) -> list[SeqStepResult]:
+            out = []
+            for i, (seq, tree, p, (res, cands)) in enumerate(zip(seqs, trees, params, decided)):
+                lg = raw[i, : 1 + tree.num_nodes]
+                lps = path_logprobs(lg, res, p.logprobs) if p.logprobs is not None else None
+                out.append(SeqStepResult(seq, res, tree, lps, lg, cands, last_is_root=True))
+            return out
+        return pending.then(results)
+
+
+register_rule(TARGET_INIT_RULE, lambda config, vocab_size: TargetInitRule(config.target_init_k, vocab_size))
 
 
 class TargetInitCoins:

@@ -33,16 +33,22 @@ The per-row walk driven by the same table (:class:`TableCoins`) gives identical 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 import torch
 
 from engine.device import tensor as device_tensor
-from engine.device import Pending, to_device
+from engine.device import Pending, to_device, to_host
 from engine.request import TokenLogprob
-from engine.sampler import SamplingTensors, finish_probs, raw_logprobs, sample_from_probs
+from engine.sampler import SamplingTensors, finish_probs, process_logits, raw_logprobs, sample_from_probs
 from engine.speculative.draft_tree import DEAD, SAMPLED, DraftTree
+from engine.speculative.history import batch_histories
+from engine.speculative.methods import LOSSLESS_RULE
 from engine.speculative.walk import VerifyResult
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.sequence import Sequence as Seq
 
 
 @dataclass
@@ -280,3 +286,112 @@ def _unpack(host: list[torch.Tensor], depth: int, logprobs: Sequence[Optional[in
         top_vals = host[3][i, :n, :k].tolist() if k > 0 else [[]] * n
         lps.append([TokenLogprob(tokens[j], chosen[j], list(zip(top_ids[j], top_vals[j]))) for j in range(n)])
     return Outcome(results, lps)
+
+
+# ------------------------------------------------------------------ rules
+# A verification rule decides, for a group of sequences, which drafted tokens stand.  The lossless
+# multi-candidate rule above is the default; a lossy method names its own rule (``Method.rule``), which
+# registers here from the method's module.  The runner groups a step's sequences by rule, starts every
+# group on the device, then reads them all back at once.
+
+LOSSLESS = LOSSLESS_RULE
+
+
+@dataclass
+class SeqStepResult:
+    """One sequence's outcome of a verified step."""
+
+    seq: "Seq"
+    result: VerifyResult
+    tree: DraftTree
+    logprobs: Optional[list[TokenLogprob]] = None
+    logits: Optional[torch.Tensor] = None  # [1+n, vocab] the target's raw logits of the block (for training heads)
+    next_candidates: Optional[list[int]] = None  # target-initialised mode: the next step's candidate roots
+    last_is_root: bool = False  # the last emitted token is the accepted path's last node, left uncached as the
+    #                             next root (target-initialised mode); else it is a bonus / correction token
+
+    @property
+    def drafted(self) -> int:
+        """Live drafted nodes of the tree."""
+        return sum(1 for t in self.tree.tokens if t != DEAD)
+
+
+class VerifyRule(Protocol):
+    """How a group of sequences' trees is verified, decided on the device."""
+
+    def claims(self, tree: DraftTree) -> bool:
+        """Whether this rule verifies ``tree`` (else the lossless rule does, e.g. nothing was drafted)."""
+
+    def start(self, seqs: list["Seq"], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
+        """Starts verifying; the pending gives a :class:`SeqStepResult` per sequence, in order.
+        logits: [B, rows, vocab'] the sequences' raw block logits."""
+
+
+_RULES: dict[str, Callable[["EngineConfig", int], VerifyRule]] = {}
+
+
+def register_rule(name: str, factory: Callable[["EngineConfig", int], VerifyRule]) -> None:
+    """Makes the rule ``name`` available to methods; ``factory(config, vocab_size)`` builds it."""
+    if name in _RULES or name == LOSSLESS:
+        raise ValueError(f"verification rule {name!r} is registered twice")
+    _RULES[name] = factory
+
+
+def build_rules(config: "EngineConfig", vocab_size: int) -> dict[str, VerifyRule]:
+    """Every registered (lossy) rule, built for this engine."""
+    from engine.speculative.drafter import registered  # importing the methods' modules registers their rules
+
+    registered()
+    return {name: factory(config, vocab_size) for name, factory in _RULES.items()}
+
+
+def target_rows(seqs: list["Seq"], trees: list[DraftTree], logits: torch.Tensor, vocab_size: int):
+    """The batch's trees as tensors, the raw logits of their rows [B, R, V], the processed ones (logit
+    bias, and penalties with each row's own path) and the rows' sampling parameters."""
+    dev, v = logits.device, vocab_size
+    batch = TreeBatch.build(trees, v, dev)
+    b, r = len(seqs), batch.num_rows
+    raw = logits[:, :r, :v]
+    params = [s.request.sampling for s in seqs]
+    st = SamplingTensors.from_params(params, v, [i for i in range(b) for _ in range(r)], device=dev)
+    x = raw
+    if st.any_bias or st.any_penalty:
+        counts, prompt = batch_histories(seqs, trees, r, v, dev) if st.any_penalty else (None, None)
+        x = process_logits(raw.reshape(b * r, v), st, counts, prompt).view(b, r, v)
+    return batch, raw, x, st, params
+
+
+def path_logprobs(logits: torch.Tensor, result: VerifyResult, k: int) -> list[TokenLogprob]:
+    """The emitted tokens' logprobs and ``k`` best alternatives from a sequence's raw block logits (the
+    lossy rules' walk; the lossless rule computes its own on the device)."""
+    dev = logits.device
+    lp = raw_logprobs(logits[device_tensor(result.rows, dev)])  # [emitted, vocab]
+    chosen = lp.gather(1, device_tensor(result.tokens, dev)[:, None]).squeeze(1)
+    top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (chosen[:, None], chosen[:, None])
+    chosen, top_vals, top_ids = (t.tolist() for t in to_host(chosen, top_vals, top_ids))
+    return [TokenLogprob(tok, chosen[j], list(zip(top_ids[j], top_vals[j])) if k > 0 else [])
+            for j, tok in enumerate(result.tokens)]
+
+
+class LosslessRule:
+    """The lossless multi-candidate rule (:func:`start_verify`) for any tree."""
+
+    def __init__(self, vocab_size: int, without_replacement: bool) -> None:
+        self.vocab_size = vocab_size
+        self.without_replacement = without_replacement
+
+    def claims(self, tree: DraftTree) -> bool:
+        return True
+
+    def start(self, seqs: list["Seq"], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
+        dev = logits.device
+        batch, raw, x, st, params = target_rows(seqs, trees, logits, self.vocab_size)
+        uniforms = None
+        if not st.all_greedy:
+            gens = [None if p.greedy else s.generator for s, p in zip(seqs, params)]
+            uniforms = draw_tables(gens, batch, dev)
+        pending = start_verify(x, st, batch, uniforms, self.without_replacement, raw_logits=raw,
+                               logprobs=[p.logprobs for p in params])
+        return pending.then(lambda outcome: [
+            SeqStepResult(s, res, t, lps, raw[i, : 1 + t.num_nodes])
+            for i, (s, t, res, lps) in enumerate(zip(seqs, trees, outcome.results, outcome.logprobs))])

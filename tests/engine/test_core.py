@@ -202,14 +202,14 @@ def test_one_failing_request_ends_alone_and_the_batch_goes_on(stage, monkeypatch
     """A request whose verification (or detokenization) raises finishes with an error and frees its
     slots; the other requests of the same batches produce exactly what they produce without it."""
     import engine.core as core_mod
-    import engine.runner as runner_mod
+    from engine.speculative.verify import LosslessRule
 
     target, draft = tiny_loaded("llama", seed=0), tiny_loaded("llama", seed=1, layers=1)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
     expected, _ = run_engine(target, draft, prompts, tree=(2, 1), ignore_eos=True, max_tokens=12)
     calls = {"n": 0}
     if stage == "verify":
-        real = runner_mod.ModelRunner._verify_batch
+        real = LosslessRule.start
 
         def flaky(self, seqs, *args, **kwargs):
             r1 = next((s for s in seqs if s.request_id == "r1"), None)
@@ -218,7 +218,7 @@ def test_one_failing_request_ends_alone_and_the_batch_goes_on(stage, monkeypatch
                 if r1.num_output == calls["at"]:
                     raise RuntimeError("planted verification failure")
             return real(self, seqs, *args, **kwargs)
-        monkeypatch.setattr(runner_mod.ModelRunner, "_verify_batch", flaky)
+        monkeypatch.setattr(LosslessRule, "start", flaky)
     else:
         real = core_mod.EngineCore._postprocess
 

@@ -1,17 +1,24 @@
 """A new speculation method is one drafter class and one ``Method`` record, registered where they are
 defined: the engine's core, runner, scheduler, planner and cache sizing take it without a change.
 The toy here proposes the last token again as a one-hot chain; its greedy output must be plain
-decoding's, its proposals must reach the verifier, and the cache must be sized for its trees."""
+decoding's, its proposals must reach the verifier, and the cache must be sized for its trees.  A
+(lossy) verification rule plugs in the same way: registered by name, named by its method."""
 
 from __future__ import annotations
 
 import pytest
 
+import torch
+
+from engine.device import Pending
 from engine.speculative import drafter as drafter_module
 from engine.speculative import methods as methods_module
+from engine.speculative import verify as verify_module
 from engine.speculative.draft_tree import DraftTree
 from engine.speculative.drafter import DrafterContext, register
 from engine.speculative.methods import DraftPlan, Method, PlanInput, register_method
+from engine.speculative.verify import SeqStepResult, register_rule
+from engine.speculative.walk import VerifyResult
 from engine.request import SpecOptions
 from tests.engine_utils import run_engine
 
@@ -29,7 +36,7 @@ class RepeatDrafter:
 
     def propose(self, seqs, plans, trees: list[DraftTree]) -> None:
         for seq, plan, tree in zip(seqs, plans, trees):
-            if plan.method == "repeat" and plan.maxgram:
+            if plan.method in ("repeat", "repeat-all") and plan.maxgram:
                 tree.add_path(-1, [seq.root] * plan.maxgram, "repeat")  # one-hot: verified exactly
 
 
@@ -55,3 +62,57 @@ def test_a_registered_method_runs_and_stays_lossless(tiny_target, repeat_method)
     assert sum(o.spec.drafted_tokens for o in outs) > 0  # the planner planned it and the drafter proposed
     assert core.cache.max_len >= core.max_model_len + 6 + 1  # the cache was sized from its limits
     assert "repeat" in methods_module.method_names()
+
+
+class AcceptAllRule:
+    """A deliberately lossy toy rule: every drafted token stands, then the target's greedy token."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size, self.started = vocab_size, 0
+
+    def claims(self, tree: DraftTree) -> bool:
+        return tree.num_nodes > 0
+
+    def start(self, seqs, trees, logits) -> Pending:
+        self.started += 1
+        n = [t.num_nodes for t in trees]
+        last = torch.stack([logits[i, k, : self.vocab_size].argmax() for i, k in enumerate(n)])
+
+        def finish(host):
+            return [SeqStepResult(s, VerifyResult(list(range(k)), list(t.tokens) + [y], bonus=True, final_row=k,
+                                                  rows=list(range(k + 1))), t)
+                    for s, t, k, y in zip(seqs, trees, n, host[0].tolist())]
+        return Pending([last], finish)
+
+
+@pytest.fixture
+def accept_all_method():
+    rules = []
+    register(RepeatDrafter)
+    register_rule("accept-all", lambda config, vocab_size: rules.append(AcceptAllRule(vocab_size)) or rules[-1])
+    register_method(Method("repeat-all", ("repeat",), plan_repeat_all, needs_draft=False, rule="accept-all",
+                           lossy_note="toy: every drafted token is accepted"))
+    try:
+        yield rules
+    finally:
+        del drafter_module._REGISTRY["repeat"], methods_module._REGISTRY["repeat-all"]
+        del verify_module._RULES["accept-all"]
+
+
+def plan_repeat_all(p: PlanInput) -> DraftPlan:
+    return DraftPlan("repeat-all", p.empty, maxgram=min(3, p.room) if p.room > 0 else 0)
+
+
+def test_a_registered_verification_rule_verifies_its_methods_trees(tiny_target, accept_all_method):
+    """The method's rule, not the lossless one, decides its trees: each step emits the 3 drafted
+    copies of the root, then the target's token; a request of another method in the same batch keeps
+    the lossless rule and plain decoding's output."""
+    prompts = [[3, 4, 3, 9], [7, 8, 9]]
+    plain, _ = run_engine(tiny_target, None, prompts, tree=(), ignore_eos=True, max_tokens=8)
+    outs, core = run_engine(tiny_target, None, prompts, tree=(), ignore_eos=True, max_tokens=8,
+                            spec=[SpecOptions(method="repeat-all"), SpecOptions(enabled=False)])
+    rule = accept_all_method[-1]
+    assert rule.started > 0
+    assert outs[0].tokens[:3] == [9, 9, 9] and outs[0].tokens[4:7] == [outs[0].tokens[3]] * 3
+    assert outs[0].tokens != plain[0].tokens  # lossy, as the toy says
+    assert outs[1].tokens == plain[1].tokens
