@@ -381,6 +381,25 @@ constexpr int64_t kPanel = 64;  // activation rows per pass over a tile
 
 inline int64_t pad8(int64_t n) { return (n + 7) / 8 * 8; }
 
+// Rounds one group of n activations (n a multiple of 16) to int8: q = round(x / dx), nearest, ties to
+// even, with dx = max|x| / 127.  Writes q and the exact integer sum of each 16; returns dx.
+inline float round_group(const float* x, int n, int8_t* q, int* sums16) {
+  float amax = 0.0f;
+  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float d = amax / 127.0f;
+  const float id = d > 0.0f ? 1.0f / d : 0.0f;
+  for (int h = 0; h < n / 16; ++h) {
+    int sum = 0;
+    for (int i = 16 * h; i < 16 * h + 16; ++i) {
+      const int v = static_cast<int>(std::nearbyint(x[i] * id));
+      q[i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    sums16[h] = sum;
+  }
+  return d;
+}
+
 // The quantized activations of M rows, row-major: q [M, K], dx [M, K/32], s16 [M, pad8(K/16)].
 struct QActs {
   std::vector<int8_t> q;
@@ -399,18 +418,8 @@ QActs quantize_acts(const float* x, int64_t M, int64_t K) {
   at::parallel_for(0, M, std::max<int64_t>(8, (1 << 16) / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       for (int64_t g = 0; g < a.groups; ++g) {
-        const float* xg = x + m * K + g * kGroup;
-        float amax = 0.0f;
-        for (int i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(xg[i]));
-        const float d = amax / 127.0f;
-        const float id = d > 0.0f ? 1.0f / d : 0.0f;
-        int8_t* qg = a.q.data() + m * K + g * kGroup;
-        int sum[2] = {0, 0};
-        for (int i = 0; i < kGroup; ++i) {
-          const int v = static_cast<int>(std::nearbyint(xg[i] * id));
-          qg[i] = static_cast<int8_t>(v);
-          sum[i / 16] += v;
-        }
+        int sum[2];
+        const float d = round_group(x + m * K + g * kGroup, kGroup, a.q.data() + m * K + g * kGroup, sum);
         a.dx[m * a.groups + g] = d;
         a.s16[m * a.halves + 2 * g] = d * static_cast<float>(sum[0]);
         a.s16[m * a.halves + 2 * g + 1] = d * static_cast<float>(sum[1]);
@@ -667,23 +676,10 @@ QActsK quantize_acts_k(const float* x, int64_t M, int64_t K) {
   at::parallel_for(0, M, std::max<int64_t>(8, (1 << 16) / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       for (int64_t s = 0; s < a.supers; ++s) {
-        const float* xs = x + m * K + s * kSuper;
-        float amax = 0.0f;
-        for (int i = 0; i < kSuper; ++i) amax = std::max(amax, std::fabs(xs[i]));
-        const float d = amax / 127.0f;
-        const float id = d > 0.0f ? 1.0f / d : 0.0f;
-        int8_t* qs = a.q.data() + m * K + s * kSuper;
+        int sums[kSuper / 16];
+        a.dx[m * a.supers + s] = round_group(x + m * K + s * kSuper, kSuper, a.q.data() + m * K + s * kSuper, sums);
         int16_t* bs = a.bsum.data() + (m * K + s * kSuper) / 16;
-        for (int h = 0; h < kSuper / 16; ++h) {
-          int sum = 0;
-          for (int i = 16 * h; i < 16 * h + 16; ++i) {
-            const int v = static_cast<int>(std::nearbyint(xs[i] * id));
-            qs[i] = static_cast<int8_t>(v);
-            sum += v;
-          }
-          bs[h] = static_cast<int16_t>(sum);
-        }
-        a.dx[m * a.supers + s] = d;
+        for (int h = 0; h < kSuper / 16; ++h) bs[h] = static_cast<int16_t>(sums[h]);
       }
     }
   });
