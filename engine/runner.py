@@ -103,7 +103,7 @@ class ModelRunner:
             rule = self.rules.get(name)
             if rule is None:
                 raise ValueError(f"method {plan.method!r} names verification rule {name!r}, which is not registered")
-            by_rule.setdefault(name if rule.claims(tree) else LOSSLESS, []).append(i)
+            by_rule.setdefault(name if rule.claims(plan, tree) else LOSSLESS, []).append(i)
         groups = [(idx, self.rules[name]) for name, idx in by_rule.items()]
 
         def start(idx: list[int], rule: VerifyRule) -> Pending:

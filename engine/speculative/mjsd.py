@@ -168,7 +168,7 @@ class JointRule:
         self.tau = tau
         self.vocab_size = vocab_size
 
-    def claims(self, tree: DraftTree) -> bool:
+    def claims(self, plan: DraftPlan, tree: DraftTree) -> bool:
         return tree.joint_logq is not None
 
     def start(self, seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor) -> Pending:

@@ -48,6 +48,7 @@ from engine.speculative.walk import VerifyResult
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from engine.speculative.methods import DraftPlan
     from engine.sequence import Sequence as Seq
 
 
@@ -319,8 +320,9 @@ class SeqStepResult:
 class VerifyRule(Protocol):
     """How a group of sequences' trees is verified, decided on the device."""
 
-    def claims(self, tree: DraftTree) -> bool:
-        """Whether this rule verifies ``tree`` (else the lossless rule does, e.g. nothing was drafted)."""
+    def claims(self, plan: "DraftPlan", tree: DraftTree) -> bool:
+        """Whether this rule verifies ``tree``, drafted under ``plan`` (else the lossless rule does: e.g.
+        nothing was drafted, or the request's speculation is off this step)."""
 
     def start(self, seqs: list["Seq"], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
         """Starts verifying; the pending gives a :class:`SeqStepResult` per sequence, in order.
@@ -380,7 +382,7 @@ class LosslessRule:
         self.vocab_size = vocab_size
         self.without_replacement = without_replacement
 
-    def claims(self, tree: DraftTree) -> bool:
+    def claims(self, plan: "DraftPlan", tree: DraftTree) -> bool:
         return True
 
     def start(self, seqs: list["Seq"], trees: list[DraftTree], logits: torch.Tensor) -> Pending:

@@ -6,10 +6,13 @@ from collections import Counter
 import pytest
 import torch
 
+from engine.config import EngineConfig
+from engine.core import EngineCore
 from engine.request import SpecOptions
 from engine.sequence import Sequence
 from engine.speculative.draft_tree import MAXGRAM, ONEHOT, SAMPLED, DraftTree
 from engine.speculative.maxgram import BigramTable, MaxGramDrafter, NgramIndex
+from engine.speculative import methods
 from engine.speculative.methods import CASCADE, MAXGRAM as M_MAXGRAM, MCSD_MAXGRAM
 from engine.speculative.tree import TreeTopology
 from engine.speculative.walk import residual, verify_sampled
@@ -190,6 +193,30 @@ def test_maxgram_needs_no_draft_model_and_penalties_logprobs_still_match(models)
             assert [lp.token_id for lp in o.logprobs] == [lp.token_id for lp in b.logprobs]
             assert [lp.logprob for lp in o.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-4)
     assert all(o.spec.note is None for o in alone)
+
+
+@pytest.mark.parametrize("method", methods.method_names())
+def test_a_request_naming_any_method_with_speculation_off_decodes_plainly(models, method):
+    """Speculation off (or no draft model) is plain decoding whatever method the request names: its
+    steps take the lossless rule, not the method's own.  (The target-initialised rule once took such
+    steps, drew candidates every step and never emitted a token.)  Bounded, so a hang fails."""
+    target, _, other_draft = models
+    expected = [o.tokens for o in run_engine(target, None, PROMPTS, tree=(), ignore_eos=True, max_tokens=12)[0]]
+    for draft in (other_draft, None):
+        core = EngineCore(target, draft, EngineConfig(max_batch=4, max_model_len=64, tree=(2, 1) if draft else (),
+                                                      load_aware=False))
+        for i, p in enumerate(PROMPTS):
+            core.add_request(GenerationRequest(f"r{i}", list(p), SamplingParams(max_tokens=12, temperature=0.0,
+                                                                                ignore_eos=True),
+                                               SpecOptions(enabled=False, method=method)))
+        out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+        for _ in range(200):
+            if not core.has_unfinished():
+                break
+            for o in core.step():
+                out[o.request_id] += o.new_token_ids
+        assert not core.has_unfinished(), (method, draft)
+        assert [out[f"r{i}"] for i in range(len(PROMPTS))] == expected, (method, draft)
 
 
 def test_a_draft_method_without_a_draft_model_says_so(models):

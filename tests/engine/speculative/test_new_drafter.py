@@ -70,7 +70,7 @@ class AcceptAllRule:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size, self.started = vocab_size, 0
 
-    def claims(self, tree: DraftTree) -> bool:
+    def claims(self, plan: DraftPlan, tree: DraftTree) -> bool:
         return tree.num_nodes > 0
 
     def start(self, seqs, trees, logits) -> Pending:
