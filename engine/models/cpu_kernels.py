@@ -21,6 +21,9 @@ API::
     attention(q, k, v, m)   -> Tensor  batch-invariant attention on the CPU, else SDPA
     paged_attention(q, k_pool, v_pool, rows, lens, start, block_mask)
                             -> Tensor  the same, read straight from a paged cache's pool (CPU)
+    rms_norm / add_rms_norm / rotary / silu_mul
+                            -> the row-wise operations between a layer's linears, one pass each on
+                               the CPU (``csrc/layer_ops.cpp``), torch operators elsewhere
     set_batch_invariant(on) / batch_invariant()  the process's mode (on by default; see below)
 
 ``MCSD_CPU_KERNELS=0`` / ``=1`` forces :func:`should_use` off / on (on: if available); like the
@@ -53,7 +56,8 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = (_CSRC / "bf16_gemm.cpp", _CSRC / "quant_gemm.cpp", _CSRC / "attention.cpp")  # one library
+_SOURCES = (_CSRC / "bf16_gemm.cpp", _CSRC / "quant_gemm.cpp", _CSRC / "attention.cpp",
+            _CSRC / "layer_ops.cpp")  # one library
 _HEADERS = (_CSRC / "lanes.h",)  # included by the sources: part of the build's hash
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 _LDFLAGS = ["-fopenmp"]
@@ -167,9 +171,19 @@ def _register_fakes() -> None:
     def quant_dequantize_out(weight, type_id, k):
         return weight.new_empty(weight.shape[0], k, dtype=torch.float32)
 
+    def same_out(x, *args):
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    def add_rms_norm_out(x, *args):
+        return same_out(x), same_out(x)
+
+    def silu_mul_out(gate_up):
+        return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
     for name, fn in (("bf16_linear", linear_out), ("f32_linear", linear_out), ("attention", attention_out),
                      ("paged_attention", attention_out), ("quant_linear", quant_linear_out),
-                     ("quant_dequantize", quant_dequantize_out)):
+                     ("quant_dequantize", quant_dequantize_out), ("rms_norm", same_out),
+                     ("add_rms_norm", add_rms_norm_out), ("rotary", same_out), ("silu_mul", silu_mul_out)):
         try:
             torch.library.register_fake(f"mcsd_cpu::{name}", fn)
         except RuntimeError as exc:  # already registered in this process (a reloaded module)
@@ -383,3 +397,52 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return torch.ops.mcsd_cpu.attention(q, k, v, mask, q.shape[-1] ** -0.5)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+# The row-wise operations between a decoder layer's linears (csrc/layer_ops.cpp).  On the CPU each is
+# one operator and one pass over its rows instead of two to eight torch operators; the results are
+# the torch formulation's up to the order of the norm's sum of squares.  Elsewhere (GPU, other
+# dtypes, ``MCSD_CPU_KERNELS=0``) the torch formulation itself.
+
+@torch.compiler.assume_constant_result  # decided once per process: a compiled forward bakes it in
+def _row_ops_enabled() -> bool:
+    return os.environ.get(_ENV_SWITCH, "").strip().lower() not in ("0", "false", "off", "no") and available()
+
+
+def _row_ops(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and _row_ops_enabled()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * rms_norm(x)``: normalised in fp32, rounded to x's dtype, then scaled in x's dtype.
+    x [..., H], weight [H]."""
+    if _row_ops(x) and _row_ops(weight) and weight.is_contiguous():
+        return torch.ops.mcsd_cpu.rms_norm(x, weight, eps)
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual`` (in x's dtype) and ``rms_norm(s, weight, eps)``: a residual add and the
+    next layer's norm in one pass.  Returns (s, normed)."""
+    if _row_ops(x) and _row_ops(weight) and weight.is_contiguous() and residual.dtype == x.dtype:
+        return torch.ops.mcsd_cpu.add_rms_norm(x, residual, weight, eps)
+    s = x + residual
+    return s, rms_norm(s, weight, eps)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the "rotate half" layout: ``x * cos + rotate_half(x) * sin``.  x [B, T, H, D], cos and
+    sin [B, T, 1, D] in x's dtype.  Returns a new contiguous tensor."""
+    if _row_ops(x) and x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1:
+        return torch.ops.mcsd_cpu.rotary(x, cos, sin)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension."""
+    if _row_ops(gate_up):
+        return torch.ops.mcsd_cpu.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

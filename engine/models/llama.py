@@ -20,13 +20,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.kv_cache import Addresses, KVCache
 from engine.models import cpu_kernels
 from engine.models.config import ModelConfig
-from engine.models.rope import RotaryTables, apply_rotary
+from engine.models.rope import RotaryTables
 from engine.models.vocab import OutputVocab
 
 
@@ -41,7 +40,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 like the reference implementation, then scale in the model dtype.
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        return cpu_kernels.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add before this norm, fused with it: (x + residual, norm(x + residual))."""
+        return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class DecoderLayer(nn.Module):
@@ -57,20 +60,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, layer: int, ctx: "ForwardContext") -> torch.Tensor:
-        """x: [batch, block, hidden]"""
+    def forward(self, x: torch.Tensor, delta: Optional[torch.Tensor], layer: int,
+                ctx: "ForwardContext") -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [batch, block, hidden], the residual stream before the previous layer's last add, and
+        delta that add (None before the first layer) -> the same pair after this layer.  Each residual
+        add is fused with the norm that follows it (``RMSNorm.add``)."""
         b, t, _ = x.shape
         cfg = self.cfg
-        qkv = linear(self.input_layernorm(x), self.qkv_proj.weight, self.qkv_proj.bias)
+        x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add(x, delta)
+        qkv = linear(h, self.qkv_proj.weight, self.qkv_proj.bias)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads rotate together: one rotary pass instead of two
-        qk = apply_rotary(qk.reshape(b, t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), ctx.cos, ctx.sin)
+        qk = cpu_kernels.rotary(qk.reshape(b, t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), ctx.cos, ctx.sin)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=2)
         v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
         attn = ctx.attend(layer, q.transpose(1, 2), k, v)  # [batch, heads, block, head_dim]
-        x = x + linear(attn.transpose(1, 2).reshape(b, t, self.q_size), self.o_proj.weight)
-        gate, up = linear(self.post_attention_layernorm(x), self.gate_up_proj.weight).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down_proj.weight)
+        x, h = self.post_attention_layernorm.add(x, linear(attn.transpose(1, 2).reshape(b, t, self.q_size),
+                                                           self.o_proj.weight))
+        return x, linear(cpu_kernels.silu_mul(linear(h, self.gate_up_proj.weight)), self.down_proj.weight)
 
 
 @dataclass
@@ -201,10 +208,10 @@ class LlamaModel(nn.Module):
         """The decoder stack: [batch, block] token ids -> final-norm hidden states [batch, block, hidden],
         writing the block's keys and values into the cache.  Device work only (no host reads), so it
         compiles as one graph (``torch.compile(fullgraph=True)``: tests/engine/models/test_compile.py)."""
-        x = self.embed_tokens(input_ids)
+        x, delta = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, i, ctx)
-        return self.norm(x)
+            x, delta = layer(x, delta, i, ctx)
+        return self.norm(x) if delta is None else self.norm.add(x, delta)[1]
 
     def _context(self, cache: KVCache, slots: list[int], positions: torch.Tensor,
                  block_mask: Optional[torch.Tensor]) -> ForwardContext:

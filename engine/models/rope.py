@@ -56,9 +56,3 @@ class RotaryTables:
         """positions: [batch, block] -> cos, sin: [batch, block, 1, head_dim] (broadcast over heads)."""
         return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, block, heads, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin

@@ -56,27 +56,6 @@ inline void to_f32_row(const c10::BFloat16* src, float* dst, int64_t D) {  // bf
 
 using mcsd::reduce_lanes;
 
-// exp(x) for x <= 0 (0 below -87): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6 Taylor
-// polynomial (relative error under 2e-7), times 2^n through the exponent bits.
-inline __m256 exp_nonpos(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln2 in two parts
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
 inline float dot(const float* q, const float* k, int64_t D) {  // two chains (even / odd 8s), then lanes
   __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
   int64_t d = 0;
@@ -103,12 +82,12 @@ inline void axpy(float a, const float* v, float* o, int64_t D) {  // o += a v
 inline void exp_shifted(float* s, int64_t n, float m) {  // s = exp(s - m), s <= m (or -inf)
   const __m256 mv = _mm256_set1_ps(m);
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)));
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, mcsd::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)));
   if (j < n) {  // the tail through a padded vector: the same formula as the full ones
     alignas(32) float buf[8];
     std::fill(buf, buf + 8, -std::numeric_limits<float>::infinity());
     std::copy(s + j, s + n, buf);
-    _mm256_store_ps(buf, exp_nonpos(_mm256_sub_ps(_mm256_load_ps(buf), mv)));
+    _mm256_store_ps(buf, mcsd::exp8(_mm256_sub_ps(_mm256_load_ps(buf), mv)));
     std::copy(buf, buf + (n - j), s + j);
   }
 }

@@ -1,5 +1,6 @@
-// What the CPU kernels share: the one fixed reduction of 8 fp32 lanes.  Every kernel reduces its
-// accumulators with it, so a result never depends on which kernel variant produced the lanes.
+// What the CPU kernels share: the one fixed reduction of 8 fp32 lanes (every kernel reduces its
+// accumulators with it, so a result never depends on which kernel variant produced the lanes), and
+// one vector exp.
 #pragma once
 
 #if defined(__AVX2__)
@@ -15,6 +16,29 @@ inline float reduce_lanes(__m256 v) {
   lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
   lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
   return _mm_cvtss_f32(lo);
+}
+
+// exp(x): 0 below -87, +inf above 88; else x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6
+// Taylor polynomial (relative error under 2e-7), times 2^n through the exponent bits.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 hi = _mm256_set1_ps(88.0f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln2 in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 y = _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  return _mm256_blendv_ps(y, _mm256_set1_ps(__builtin_inff()), over);
 }
 
 }  // namespace mcsd
