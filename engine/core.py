@@ -26,10 +26,8 @@ from engine.sampler import SamplingTensors, token_count_matrix
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.speculative.adaptive import AdaptiveSpeculation, SpecPolicy
-from engine.speculative.cost_model import measure_curve
 from engine.speculative.drafter import DrafterContext, build_drafters
 from engine.speculative.drafter import limits as drafter_limits
-from engine.speculative.maxgram import BigramTable, LengthChooser, MaxGramDrafter
 from engine.speculative.methods import method
 from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.planner import Planner
@@ -56,13 +54,10 @@ class EngineCore:
         self.vocab_size = target.config.vocab_size
         self.topology = TreeTopology(self.config.tree if draft is not None else ())
         cfg = self.config
-        self.init_topology = TreeTopology((cfg.target_init_k,) + (1,) * (cfg.target_init_depth - 1))
         # the drafters say how large a verification block and how many draft-cache entries a step may need
         rows, entries = drafter_limits(cfg, self.topology)
         self.cache = self._new_cache(target, self.max_model_len + rows + 1)
         draft_len = self.max_model_len + entries + 1
-        bigram = BigramTable.from_corpus(self.tokenizer, cfg.maxgram_corpus) if cfg.maxgram_corpus else None
-        self.maxgram = MaxGramDrafter(cfg.maxgram_len, cfg.maxgram_max_ngram, cfg.maxgram_min_ngram, bigram)
         proposer = None
         self.policy: Optional[SpecPolicy] = None
         self.draft_vocab: Optional[OutputVocab] = None
@@ -79,9 +74,8 @@ class EngineCore:
             proposer = DraftModelProposer(draft.model, draft_cache, self.vocab_size, self.config.without_replacement,
                                           self.topology, policy, chunk=self.config.prefill_chunk,
                                           vocab=self.draft_vocab)
-        lengths = self._maxgram_lengths(target) if cfg.load_aware else None
-        self.planner = Planner(cfg, self.topology, self.init_topology, self.maxgram, self.policy, lengths)
-        drafters = build_drafters(DrafterContext(cfg, self.topology, self.maxgram, proposer))
+        self.planner = Planner.build(cfg, self.topology, self.policy, self.tokenizer, target.model, self.cache)
+        drafters = build_drafters(DrafterContext(cfg, self.topology, self.planner.maxgram, proposer))
         self.runner = ModelRunner(target.model, self.cache, self.vocab_size, proposer, drafters,
                                   build_rules(cfg, self.vocab_size))
         self.scheduler = Scheduler(self.config, self.cache, proposer.cache if proposer else None, rows, entries)
@@ -116,18 +110,6 @@ class EngineCore:
             return draft
         log.info("draft %s: linear weights in Q8_0 blocks", draft.source)
         return replace(draft, model=quantized_copy(draft.model, "q8_0"))
-
-    def _maxgram_lengths(self, target: LoadedModel) -> LengthChooser:
-        """Max-Gram's load-aware length cap, on the target cost curve (the adaptive policy's when it
-        measured one, else measured here: a few forwards)."""
-        budget = getattr(self.policy, "chooser", None)
-        if budget is not None:
-            curve = budget.cost.target
-        else:
-            b, n = self.config.max_batch, self.config.maxgram_len
-            points = [(x, y) for x in sorted({1, max(1, b // 2), b}) for y in sorted({1, 1 + n // 2, 1 + n})]
-            curve = measure_curve(target.model, self.cache, points, reps=2)
-        return LengthChooser(curve, self.config.maxgram_len)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: GenerationRequest) -> None:

@@ -130,7 +130,7 @@ def _worker(args) -> Counter:
                                                       target_init_k=case.extra.get("target_init_k", 2),
                                                       target_init_depth=2, **cut),
                           policy=stop_policy(case, seed=lo))
-        core.maxgram.bigram = BigramTable(dict(case.bigram)) if case.bigram else None
+        core.planner.maxgram.bigram = BigramTable(dict(case.bigram)) if case.bigram else None
         for i in range(n):
             core.add_request(GenerationRequest(f"r{lo + i}", PROMPT, params(case, seed=lo + i),
                                                SpecOptions(method=case.method)))

@@ -19,7 +19,7 @@ sampled draft tokens with those ``q``: the output is lossless whatever Max-Gram 
 costs one draft forward and yields at least one token, and as many as Max-Gram guessed right.
 
 The horizontal half of the cascade (Max-Gram writing the later depths) is appended by the runner
-below the chain's last node (``DraftPlan.tail``).
+below the chain's last node (``MaxGramShare.tail``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from engine.device import to_device, to_host
 from engine.sampler import SamplingTensors, compute_probs, sample_from_probs
 from engine.sequence import Sequence
 from engine.speculative.drafter import DrafterContext, register
-from engine.speculative.methods import DraftPlan
+from engine.speculative.methods import CASCADE_DRAFTER, DraftPlan
 from engine.speculative.draft_tree import CASCADE, SAMPLED, DraftTree
 from engine.speculative.maxgram import MaxGramDrafter
 from engine.speculative.proposer import DraftModelProposer
@@ -236,7 +236,7 @@ def review_guess(probs: torch.Tensor, guess: list[int], room: int, greedy: bool,
 class CascadeDrafter:
     """The vertical cascade's chains (method ``cascade``; Max-Gram's tail follows at its own stage)."""
 
-    name, stage = "cascade", 20
+    name, stage = CASCADE_DRAFTER, 20
 
     def __init__(self, cascade: CascadeProposer) -> None:
         self.cascade = cascade
@@ -250,10 +250,10 @@ class CascadeDrafter:
         return cls(CascadeProposer(ctx.proposer, ctx.maxgram)) if ctx.proposer is not None else None
 
     def propose(self, seqs: list[Sequence], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
-        idx = [i for i, p in enumerate(plans) if p.cascade > 0]
+        idx = [i for i, p in enumerate(plans) if p.share(self.name, 0) > 0]
         if not idx:
             return
-        chains = self.cascade.propose([seqs[i] for i in idx], [plans[i].cascade for i in idx],
+        chains = self.cascade.propose([seqs[i] for i in idx], [plans[i].share(self.name) for i in idx],
                                       [plans[i].sub for i in idx])
         for i, tree in zip(idx, chains):
             trees[i] = tree

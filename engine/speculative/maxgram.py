@@ -32,7 +32,7 @@ from typing import Optional, Sequence as Seq
 
 from engine.sequence import Sequence
 from engine.speculative.drafter import DrafterContext, register
-from engine.speculative.methods import DraftPlan
+from engine.speculative.methods import MAXGRAM_DRAFTER, DraftPlan
 from engine.speculative.draft_tree import BIGRAM, MAXGRAM, DraftTree
 
 
@@ -287,7 +287,7 @@ class MaxGramTreeDrafter:
     """Max-Gram's one-hot proposals: a tail below the deepest drafted path and branches from the root
     (methods ``maxgram``, ``mcsd+maxgram``, ``cascade``).  No draft model needed."""
 
-    name, stage = "maxgram", 90
+    name, stage = MAXGRAM_DRAFTER, 90
 
     def __init__(self, maxgram: MaxGramDrafter) -> None:
         self.maxgram = maxgram
@@ -302,4 +302,6 @@ class MaxGramTreeDrafter:
 
     def propose(self, seqs: list[Sequence], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
         for seq, plan, tree in zip(seqs, plans, trees):
-            self.maxgram.extend_tree(seq, tree, plan.tail, plan.maxgram, plan.branches)
+            share = plan.share(self.name)
+            if share is not None:
+                self.maxgram.extend_tree(seq, tree, share.tail, share.length, share.branches)

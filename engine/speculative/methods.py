@@ -28,8 +28,9 @@ the output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+import functools
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from engine.speculative.tree import SubTree, TreeTopology
 
@@ -49,20 +50,51 @@ TARGET_INIT_NOTE = ("lossy: target-initialised candidates keep the target-sample
 
 @dataclass(frozen=True)
 class DraftPlan:
-    """How much one sequence drafts in one step, by drafter."""
+    """How much one sequence drafts in one step, by drafter.
+
+    ``sub`` is the draft model's multi-candidate tree (the ``draft-tree`` drafter's share, and the base
+    the chain drafters start from).  Every other drafter's share sits in ``shares`` under the
+    drafter's name, in whatever form that drafter reads: a token count (``cascade``, ``mjsd``, a new
+    drafter's), a :class:`MaxGramShare`, or a flag (``target-init``).  A drafter with no share drafts
+    nothing for the sequence; the planner counts a share's verification rows with :func:`share_rows`."""
 
     method: str
     sub: SubTree  # the draft model's multi-candidate tree (possibly empty)
-    maxgram: int = 0  # Max-Gram tokens per branch from the root
-    branches: int = 0  # Max-Gram branches from the root
-    cascade: int = 0  # chain tokens the vertical cascade writes (draft model reviewing Max-Gram)
-    tail: int = 0  # Max-Gram tokens appended below the deepest drafted path (horizontal cascade)
-    trust: int = 0  # a Max-Gram match this long replaces the draft model for the step (0 = never)
-    mjsd: int = 0  # chain tokens MJSD (lossy) drafts by beam search
-    init: bool = False  # target-initialised (lossy): ``sub`` is (k, 1, ...) with the candidates as level 1
-    maxgram_class: Optional[int] = None  # the root proposal's match class, when the length chooser capped it
-    trusted: bool = False  # Max-Gram alone this step: its suffix match reached ``trust`` (the planner's choice)
+    shares: Mapping[str, Any] = field(default_factory=dict)  # drafter name -> its share of the step
     step: Optional[object] = None  # the policy's StepBudget for the step (engine.speculative.adaptive), shared
+
+    def share(self, drafter: str, default: Any = None) -> Any:
+        return self.shares.get(drafter, default)
+
+    def with_share(self, drafter: str, value: Any) -> "DraftPlan":
+        return replace(self, shares={**self.shares, drafter: value})
+
+
+MAXGRAM_DRAFTER, CASCADE_DRAFTER, MJSD_DRAFTER = "maxgram", "cascade", "mjsd"
+TARGET_INIT_SHARE = "target-init"  # the draft-tree drafter forces the candidates as level 1 (sub is (k, 1, ...))
+
+
+@dataclass(frozen=True)
+class MaxGramShare:
+    """Max-Gram's share of a step (``engine.speculative.maxgram``)."""
+
+    length: int = 0  # tokens per branch from the root
+    branches: int = 0  # branches from the root
+    tail: int = 0  # tokens appended below the deepest drafted path (horizontal cascade)
+    trust: int = 0  # a suffix match this long replaces the draft model for the step (0 = never)
+    match_class: Optional[int] = None  # the root proposal's match class, when the length chooser capped it
+    trusted: bool = False  # Max-Gram alone this step: its match reached ``trust`` (the planner's choice)
+
+    @property
+    def rows(self) -> int:
+        return self.length * self.branches + self.tail
+
+
+def share_rows(share: Any) -> int:
+    """The most verification rows a share adds to a tree: a token count, or the share's ``rows``."""
+    if isinstance(share, bool):
+        return 0  # a flag (target-init): its rows are ``sub``'s
+    return share if isinstance(share, int) else int(getattr(share, "rows", 0))
 
 
 @dataclass(frozen=True)
@@ -75,7 +107,6 @@ class PlanInput:
     draft_ok: bool  # the step's budget lets the draft model run for it (False: plain decoding is cheaper)
     sub: SubTree  # the draft model's tree: the request's (or the engine's), within the budget and the room
     empty: SubTree
-    init_topology: TreeTopology  # the target-initialised mode's (k, 1, ...) tree
 
 
 @dataclass(frozen=True)
@@ -100,16 +131,18 @@ def _maxgram(p: PlanInput) -> "DraftPlan":
     if p.room <= 0:
         return DraftPlan(MAXGRAM, p.empty)
     cfg = p.config
-    return DraftPlan(MAXGRAM, p.empty, maxgram=min(cfg.maxgram_len, p.room), branches=cfg.maxgram_branches)
+    share = MaxGramShare(length=min(cfg.maxgram_len, p.room), branches=cfg.maxgram_branches)
+    return DraftPlan(MAXGRAM, p.empty, {MAXGRAM_DRAFTER: share})
 
 
 def _mcsd_maxgram(p: PlanInput) -> "DraftPlan":
     if p.room <= 0:
         return DraftPlan(MCSD_MAXGRAM, p.empty)
     cfg, sub = p.config, p.sub
-    return DraftPlan(MCSD_MAXGRAM, sub, maxgram=min(cfg.maxgram_len, p.room), branches=cfg.maxgram_branches,
-                     tail=min(cfg.maxgram_tail, p.room - sub.max_depth) if sub.num_nodes else 0,
-                     trust=cfg.maxgram_trust)
+    share = MaxGramShare(length=min(cfg.maxgram_len, p.room), branches=cfg.maxgram_branches,
+                         tail=min(cfg.maxgram_tail, p.room - sub.max_depth) if sub.num_nodes else 0,
+                         trust=cfg.maxgram_trust)
+    return DraftPlan(MCSD_MAXGRAM, sub, {MAXGRAM_DRAFTER: share})
 
 
 def _cascade(p: PlanInput) -> "DraftPlan":
@@ -117,21 +150,30 @@ def _cascade(p: PlanInput) -> "DraftPlan":
         return DraftPlan(CASCADE, p.empty)
     cfg = p.config
     depth = min(cfg.cascade_depth, p.room) if p.draft_ok else 0  # the review runs the draft model
-    return DraftPlan(CASCADE, p.empty, maxgram=min(cfg.maxgram_len, p.room), cascade=depth,
-                     tail=min(cfg.maxgram_tail, p.room - depth), trust=cfg.maxgram_trust)
+    share = MaxGramShare(length=min(cfg.maxgram_len, p.room), tail=min(cfg.maxgram_tail, p.room - depth),
+                         trust=cfg.maxgram_trust)
+    return DraftPlan(CASCADE, p.empty, {CASCADE_DRAFTER: depth, MAXGRAM_DRAFTER: share})
 
 
 def _mjsd(p: PlanInput) -> "DraftPlan":
     if p.room <= 0:
         return DraftPlan(MJSD_LOSSY, p.empty)
-    return DraftPlan(MJSD_LOSSY, p.empty, mjsd=min(p.config.mjsd_depth, p.room) if p.draft_ok else 0)
+    return DraftPlan(MJSD_LOSSY, p.empty, {MJSD_DRAFTER: min(p.config.mjsd_depth, p.room) if p.draft_ok else 0})
+
+
+@functools.cache
+def init_topology(k: int, depth: int) -> TreeTopology:
+    """The target-initialised mode's tree: ``k`` candidate roots, each with a chain below it."""
+    return TreeTopology((k,) + (1,) * (depth - 1))
 
 
 def _target_init(p: PlanInput) -> "DraftPlan":
     if p.seq.init_candidates is None:  # the first step only draws candidates
-        return DraftPlan(TARGET_INIT_LOSSY, p.empty, init=True)
-    depth = min(p.config.target_init_depth, p.room + 1)  # the candidate itself, then its chain
-    return DraftPlan(TARGET_INIT_LOSSY, p.init_topology.subtree(p.init_topology.widths[:depth]), init=True)
+        return DraftPlan(TARGET_INIT_LOSSY, p.empty, {TARGET_INIT_SHARE: True})
+    cfg = p.config
+    topology = init_topology(cfg.target_init_k, cfg.target_init_depth)
+    depth = min(cfg.target_init_depth, p.room + 1)  # the candidate itself, then its chain
+    return DraftPlan(TARGET_INIT_LOSSY, topology.subtree(topology.widths[:depth]), {TARGET_INIT_SHARE: True})
 
 
 _REGISTRY: dict[str, Method] = {}

@@ -29,7 +29,7 @@ from engine.device import Pending, to_host
 from engine.sampler import SamplingTensors, apply_logit_bias, compute_probs, sample_tokens
 from engine.sequence import Sequence
 from engine.speculative.drafter import DrafterContext, register
-from engine.speculative.methods import JOINT_RULE, DraftPlan
+from engine.speculative.methods import JOINT_RULE, MJSD_DRAFTER, DraftPlan
 from engine.speculative.draft_tree import DraftTree
 from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.tree import SubTree
@@ -209,7 +209,7 @@ def _decide_joint(logits: torch.Tensor, tokens: list[int], logq: list[float], se
 class MjsdDrafter:
     """MJSD's best beam (method ``mjsd-lossy``; verified by joint likelihood, :func:`verify_joint`)."""
 
-    name, stage = "mjsd", 30
+    name, stage = MJSD_DRAFTER, 30
 
     def __init__(self, mjsd: MjsdProposer) -> None:
         self.mjsd = mjsd
@@ -223,9 +223,10 @@ class MjsdDrafter:
         return cls(MjsdProposer(ctx.proposer, ctx.config.mjsd_beam)) if ctx.proposer is not None else None
 
     def propose(self, seqs: list[Sequence], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
-        idx = [i for i, p in enumerate(plans) if p.mjsd > 0]
+        idx = [i for i, p in enumerate(plans) if p.share(self.name, 0) > 0]
         if not idx:
             return
-        chains = self.mjsd.propose([seqs[i] for i in idx], [plans[i].mjsd for i in idx], [plans[i].sub for i in idx])
+        chains = self.mjsd.propose([seqs[i] for i in idx], [plans[i].share(self.name) for i in idx],
+                                   [plans[i].sub for i in idx])
         for i, tree in zip(idx, chains):
             trees[i] = tree

@@ -23,26 +23,49 @@ from typing import TYPE_CHECKING, Optional
 from engine.config import EngineConfig
 from engine.sequence import Sequence
 from engine.speculative.adaptive import SpecPolicy, StepBudget
-from engine.speculative.maxgram import MATCH_CLASSES, LengthChooser, MaxGramDrafter, match_class
-from engine.speculative.methods import MCSD, DraftPlan, PlanInput, method
+from engine.speculative.maxgram import MATCH_CLASSES, BigramTable, LengthChooser, MaxGramDrafter, match_class
+from engine.speculative.methods import MAXGRAM_DRAFTER, MCSD, DraftPlan, MaxGramShare, PlanInput, method, share_rows
 from engine.speculative.tree import SubTree, TreeTopology
 
 if TYPE_CHECKING:
+    from engine.kv_cache import KVCache
+    from engine.models.llama import LlamaModel
     from engine.speculative.verify import SeqStepResult
 
 
 class Planner:
-    def __init__(self, config: EngineConfig, topology: TreeTopology, init_topology: TreeTopology,
-                 maxgram: MaxGramDrafter, policy: Optional[SpecPolicy] = None,
-                 lengths: Optional[LengthChooser] = None) -> None:
-        """``topology``: the largest tree; ``init_topology``: the target-initialised mode's (k, 1, ...);
-        ``lengths``: Max-Gram's load-aware length chooser (None: proposals are capped only by the config)."""
+    def __init__(self, config: EngineConfig, topology: TreeTopology, maxgram: MaxGramDrafter,
+                 policy: Optional[SpecPolicy] = None, lengths: Optional[LengthChooser] = None) -> None:
+        """``topology``: the largest tree; ``maxgram``: the Max-Gram drafter whose suffix matches the
+        plans read (the drafters share it); ``lengths``: Max-Gram's load-aware length chooser (None:
+        proposals are capped only by the config)."""
         self.config = config
         self.topology = topology
-        self.init_topology = init_topology
         self.maxgram = maxgram
         self.policy = policy
         self.lengths = lengths
+
+    @classmethod
+    def build(cls, config: EngineConfig, topology: TreeTopology, policy: Optional[SpecPolicy], tokenizer,
+              target: "LlamaModel", cache: "KVCache") -> "Planner":
+        """The engine's planner: Max-Gram from the config (its bigram fallback from ``maxgram_corpus``),
+        and with ``load_aware`` its length chooser on the target's cost curve (the policy's when it
+        measured one, else measured here: a few forwards of ``target`` over ``cache``)."""
+        from engine.speculative.cost_model import measure_curve
+
+        bigram = BigramTable.from_corpus(tokenizer, config.maxgram_corpus) if config.maxgram_corpus else None
+        maxgram = MaxGramDrafter(config.maxgram_len, config.maxgram_max_ngram, config.maxgram_min_ngram, bigram)
+        lengths = None
+        if config.load_aware:
+            budget = getattr(policy, "chooser", None)
+            if budget is not None:
+                curve = budget.cost.target
+            else:
+                b, n = config.max_batch, config.maxgram_len
+                points = [(x, y) for x in sorted({1, max(1, b // 2), b}) for y in sorted({1, 1 + n // 2, 1 + n})]
+                curve = measure_curve(target, cache, points, reps=2)
+            lengths = LengthChooser(curve, config.maxgram_len)
+        return cls(config, topology, maxgram, policy, lengths)
 
     def plan(self, seqs: list[Sequence]) -> list[DraftPlan]:
         """This step's plan of every sequence, in order."""
@@ -61,13 +84,14 @@ class Planner:
     def _trust(self, seq: Sequence, plan: DraftPlan) -> DraftPlan:
         """Max-Gram alone for this step when the context ends in a long suffix match; the choice reads
         only the context, so it cannot bias the output."""
-        if not plan.trust or not plan.maxgram:
+        mg = plan.share(MAXGRAM_DRAFTER)
+        if mg is None or not mg.trust or not mg.length:
             return plan
         match = self.maxgram.root_match(seq)
-        if match is None or match < plan.trust:
+        if match is None or match < mg.trust:
             return plan
-        return DraftPlan(plan.method, self.topology.subtree(()), maxgram=plan.maxgram,
-                         branches=max(plan.branches, 1), trusted=True)
+        return DraftPlan(plan.method, self.topology.subtree(()),
+                         {MAXGRAM_DRAFTER: MaxGramShare(mg.length, max(mg.branches, 1), trusted=True)})
 
     def _cap_maxgram(self, seqs: list[Sequence], plans: list[DraftPlan]) -> list[DraftPlan]:
         """Caps Max-Gram's root proposals by the load-aware length chooser, per match class.  A trusted
@@ -75,32 +99,34 @@ class Planner:
         it decode plainly this step, as priced."""
         if self.lengths is None:
             return plans
-        match = [self.maxgram.root_match(s) if p.maxgram and p.branches and s.request.spec.adaptive is not False
-                 else None for s, p in zip(seqs, plans)]
+        shares: list[Optional[MaxGramShare]] = [p.share(MAXGRAM_DRAFTER) for p in plans]
+        match = [self.maxgram.root_match(s) if mg is not None and mg.length and mg.branches
+                 and s.request.spec.adaptive is not False else None for s, mg in zip(seqs, shares)]
         if all(m is None for m in match):
             return plans
         counts = [0] * MATCH_CLASSES
-        others = 0
-        for m, p in zip(match, plans):
+        others = 0  # verification rows the caps do not change
+        for m, p, mg in zip(match, plans, shares):
+            rows = p.sub.num_nodes + sum(share_rows(v) for k, v in p.shares.items() if k != MAXGRAM_DRAFTER)
             if m is None:
-                others += 1 + p.sub.num_nodes + p.cascade + p.tail + p.mjsd + p.maxgram * p.branches
+                others += 1 + rows + (mg.rows if mg is not None else 0)
             else:
                 counts[match_class(m)] += 1
-                others += p.sub.num_nodes + p.tail  # zero for a trusted plan
+                others += rows + mg.tail  # zero for a trusted plan
         caps = self.lengths.choose(counts, others)
-        return [p if m is None else replace(p, maxgram=min(p.maxgram, caps[match_class(m)]),
-                                            maxgram_class=match_class(m))
-                for m, p in zip(match, plans)]
+        return [p if m is None else p.with_share(MAXGRAM_DRAFTER, replace(
+                    mg, length=min(mg.length, caps[match_class(m)]), match_class=match_class(m)))
+                for m, p, mg in zip(match, plans, shares)]
 
     def _observe_maxgram(self, results: list[SeqStepResult], plans: list[DraftPlan]) -> None:
         if self.lengths is None:
             return
         for res, plan in zip(results, plans):
-            tree = res.tree
-            if tree.tokens and not tree.num_sub and tree.draft_index is None and plan.maxgram_class is not None:
+            tree, mg = res.tree, plan.share(MAXGRAM_DRAFTER)
+            if tree.tokens and not tree.num_sub and tree.draft_index is None and mg is not None \
+                    and mg.match_class is not None:
                 # Max-Gram alone drafted it (also when trusting it replaced the draft model)
-                self.lengths.observe(plan.maxgram_class, max(tree.depths()), len(res.result.accepted),
-                                             plan.maxgram)
+                self.lengths.observe(mg.match_class, max(tree.depths()), len(res.result.accepted), mg.length)
 
     def _plan(self, seq: Sequence, step: Optional[StepBudget] = None) -> DraftPlan:
         """What each drafter of the request's method may draft this step: the method's own plan
@@ -124,7 +150,7 @@ class Planner:
         m = method(spec.method)
         if m.needs_draft and seq.draft_slot is None:
             return DraftPlan(spec.method, empty)
-        return m.plan(PlanInput(seq, cfg, room, budget != (), self._subtree(seq, budget), empty, self.init_topology))
+        return m.plan(PlanInput(seq, cfg, room, budget != (), self._subtree(seq, budget), empty))
 
     def _subtree(self, seq: Sequence, budget: Optional[tuple[int, ...]] = None) -> SubTree:
         """The largest tree this sequence may draft this step: its request's tree (or the engine's),

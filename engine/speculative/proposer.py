@@ -33,7 +33,7 @@ from engine.speculative.adaptive import SpecPolicy, StepBudget
 from engine.speculative.features import ParentStats, level_features, parent_stats
 from engine.speculative.history import RowHistory
 from engine.speculative.drafter import DrafterContext, register
-from engine.speculative.methods import DraftPlan
+from engine.speculative.methods import TARGET_INIT_SHARE, DraftPlan
 from engine.speculative.draft_tree import DEAD, DraftTree
 from engine.speculative.tree import SubTree, TreeTopology
 
@@ -264,7 +264,7 @@ class DraftModelProposer:
 @register
 class DraftTreeDrafter:
     """The draft model's multi-candidate tree (method ``mcsd``, and the target-initialised mode's
-    chains below its candidates: the plan's ``init``)."""
+    chains below its candidates: the plan's ``target-init`` share)."""
 
     name, stage = "draft-tree", 10
 
@@ -284,7 +284,7 @@ class DraftTreeDrafter:
         idx = [i for i, p in enumerate(plans) if p.sub.num_nodes > 0]
         if not idx:
             return
-        forced = [seqs[i].init_candidates if plans[i].init else None for i in idx]
+        forced = [seqs[i].init_candidates if plans[i].share(TARGET_INIT_SHARE) else None for i in idx]
         drafted = self.proposer.propose([seqs[i] for i in idx], [plans[i].sub for i in idx], forced, plans[idx[0]].step)
         for i, tree in zip(idx, drafted):
             trees[i] = tree

@@ -28,7 +28,7 @@ import torch
 from engine.device import Pending, to_device
 from engine.sampler import SamplingTensors, finish_probs, sample_k_distinct
 from engine.speculative.draft_tree import DEAD, DraftTree
-from engine.speculative.methods import TARGET_INIT_RULE, DraftPlan
+from engine.speculative.methods import TARGET_INIT_RULE, TARGET_INIT_SHARE, DraftPlan
 from engine.speculative.verify import SeqStepResult, TreeBatch, path_logprobs, register_rule, residual_rows, target_rows
 from engine.speculative.walk import Coins, VerifyResult
 
@@ -152,7 +152,7 @@ class TargetInitRule:
     def claims(self, plan: DraftPlan, tree: DraftTree) -> bool:
         # the mode's own steps, a first one with no tree included (it draws the candidates); a request
         # whose speculation is off, or that has no draft slot, decodes plainly by the lossless rule
-        return plan.init
+        return bool(plan.share(TARGET_INIT_SHARE))
 
     def start(self, seqs: list["Sequence"], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
         dev, k = logits.device, self.k

@@ -36,12 +36,13 @@ class RepeatDrafter:
 
     def propose(self, seqs, plans, trees: list[DraftTree]) -> None:
         for seq, plan, tree in zip(seqs, plans, trees):
-            if plan.method in ("repeat", "repeat-all") and plan.maxgram:
-                tree.add_path(-1, [seq.root] * plan.maxgram, "repeat")  # one-hot: verified exactly
+            n = plan.share(self.name, 0)  # its own share of the step, under its name
+            if n:
+                tree.add_path(-1, [seq.root] * n, "repeat")  # one-hot: verified exactly
 
 
 def plan_repeat(p: PlanInput) -> DraftPlan:
-    return DraftPlan("repeat", p.empty, maxgram=min(6, p.room) if p.room > 0 else 0)
+    return DraftPlan("repeat", p.empty, {"repeat": min(6, p.room)} if p.room > 0 else {})
 
 
 @pytest.fixture
@@ -100,7 +101,7 @@ def accept_all_method():
 
 
 def plan_repeat_all(p: PlanInput) -> DraftPlan:
-    return DraftPlan("repeat-all", p.empty, maxgram=min(3, p.room) if p.room > 0 else 0)
+    return DraftPlan("repeat-all", p.empty, {"repeat": min(3, p.room)} if p.room > 0 else {})
 
 
 def test_a_registered_verification_rule_verifies_its_methods_trees(tiny_target, accept_all_method):
