@@ -194,12 +194,18 @@ class _Tensors:
 
 
 def _stack(parts: list):
-    """One weight for row-stacked parts: concatenated blocks when they share a type, else a StackedWeight."""
-    if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat(parts)
-    if all(isinstance(p, QuantWeight) for p in parts) and len({p.type_id for p in parts}) == 1:
-        return QuantWeight(torch.cat([p.data for p in parts]), parts[0].type_id, parts[0].k)
-    return StackedWeight(parts)
+    """One weight for row-stacked parts: concatenated blocks when they share a type, else a StackedWeight
+    of runs (neighbours of one type are concatenated: q and k in Q4_K then v in Q6_K is two products)."""
+    runs: list = []
+    for p in parts:
+        prev = runs[-1] if runs else None
+        if isinstance(p, torch.Tensor) and isinstance(prev, torch.Tensor) and p.dtype == prev.dtype:
+            runs[-1] = torch.cat([prev, p])
+        elif isinstance(p, QuantWeight) and isinstance(prev, QuantWeight) and p.type_id == prev.type_id:
+            runs[-1] = QuantWeight(torch.cat([prev.data, p.data]), p.type_id, p.k)
+        else:
+            runs.append(p)
+    return runs[0] if len(runs) == 1 else StackedWeight(runs)
 
 
 def _as_linear(weight, bias: Optional[torch.Tensor] = None) -> nn.Module:

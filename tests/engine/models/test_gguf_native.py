@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine.models import qweight
-from engine.models.gguf_native import _unpermute_rows, read_tensor_index, weight_bytes
+from engine.models.gguf_native import StackedWeight, _stack, _unpermute_rows, read_tensor_index, weight_bytes
 from engine.models.qweight import QuantLinear, quantize_linears
 from engine.request import SpecOptions
 from tests.engine_utils import run_engine
@@ -142,3 +142,17 @@ def test_a_cut_draft_vocabulary_keeps_the_quantized_output_rows():
     kept = torch.tensor([0, 3, 7, 50])
     assert torch.equal(cut[..., kept], full[..., kept])  # batch-invariant rows: bitwise the same
     assert torch.isinf(cut).sum() == 2 * 5 * (model.cfg.vocab_size - 4)
+
+
+def test_stacked_parts_of_one_type_are_one_product():
+    """A fused q/k/v whose parts differ in type: neighbours of one type are concatenated, so the
+    forward makes one product per run, with the outputs of the parts side by side as before."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = (qweight.quantize_q8_0(torch.randn(n, 64, generator=gen)) for n in (32, 16))
+    v = torch.randn(16, 64, generator=gen)
+    fused = _stack([q, k, v])
+    assert isinstance(fused, StackedWeight) and len(fused.parts) == 2 and fused.shape == (64, 64)
+    x = torch.randn(3, 64, generator=gen)
+    separate = torch.cat([q.linear(x), k.linear(x), x @ v.T], dim=-1)
+    torch.testing.assert_close(fused.linear(x), separate, rtol=1e-6, atol=1e-6)
+    assert isinstance(_stack([q, k]), qweight.QuantWeight) and torch.equal(_stack([v, v]), torch.cat([v, v]))
