@@ -6,7 +6,8 @@ Both revisions are checked out into temporary git worktrees (so edits in the wor
 long run change nothing).  Each round runs the benchmark once in each tree, the order alternating between
 rounds (base, head, then head, base, ...), so slow drift of a noisy machine hits both sides alike.
 Both sides use this interpreter and its packages.  Understood outputs: ``bench_serving.py`` (rows
-per mode and concurrency) and ``bench_spec.py`` (rows per config and temperature).  Prints a
+per mode and concurrency), ``bench_spec.py`` (rows per config and temperature) and
+``bench_forward.py`` (milliseconds per block size).  Prints a
 Markdown table of the means over rounds with head / base ratios and writes JSON
 (``--out``, default ``benchmarks/results/ab.json``).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -41,8 +43,13 @@ def rows_of(result: dict) -> dict[str, dict[str, float]]:
         for r in result["rows"]:
             key = f"{r['config']} T={r['temperature']}"
             out[key] = {m: _get(r, m) for m in SPEC}
+    elif "forward" in result:  # bench_forward.py: one row per block size, milliseconds
+        for r in result["forward"]:
+            for metric, value in r.items():
+                if metric.endswith("_ms"):
+                    out[f"{r['variant']} {metric[:-3].replace('_', ' ')}"] = {"ms": float(value)}
     else:
-        raise ValueError("unknown result format (expected bench_serving.py or bench_spec.py JSON)")
+        raise ValueError("unknown result format (expected bench_serving.py, bench_spec.py or bench_forward.py JSON)")
     return out
 
 
@@ -73,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         for side, rev in (("base", base_rev), ("head", head_rev)):
             subprocess.run(["git", "worktree", "add", "--detach", str(trees[side]), rev], cwd=ROOT, check=True,
                            capture_output=True)
+            script = Path(bench[0])
+            if not script.is_absolute() and not (trees[side] / script).exists() and (ROOT / script).exists():
+                # a benchmark newer than the revision: run this tree's copy against that revision's engine
+                shutil.copy(ROOT / script, trees[side] / script)
+                print(f"{side} ({rev}) has no {script}: using the current one", flush=True)
         try:
             runs: dict[str, list[dict]] = {"base": [], "head": []}
             for r in range(args.rounds):
