@@ -45,7 +45,9 @@ def main(argv=None) -> None:
     slot = cache.allocate()
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, lm.config.vocab_size, (1, ctx), generator=gen)
-    fused_ops = cpu_kernels._row_ops
+    fused_ops = getattr(cpu_kernels, "_row_ops", None)  # absent before the layer operations (bench_ab's base)
+    if args.ablate_layer_ops and fused_ops is None:
+        ap.error("this revision has no layer operations to ablate")
 
     def timed(ids: torch.Tensor, start: int, last_only: bool) -> float:
         n = ids.shape[1]
@@ -61,7 +63,8 @@ def main(argv=None) -> None:
     timed(prompt[:, :32], 0, True)  # warm-up: first-call allocations
     for rep in range(args.reps):
         for v in variants if rep % 2 == 0 else variants[::-1]:
-            cpu_kernels._row_ops = fused_ops if v == "ours" else (lambda x: False)
+            if fused_ops is not None:
+                cpu_kernels._row_ops = fused_ops if v == "ours" else (lambda x: False)
             try:
                 cells[v, "prefill"].append(timed(prompt, 0, True))
                 model(prompt, torch.arange(ctx)[None], cache, [slot], logits_rows=torch.tensor([[ctx - 1]]))
@@ -72,7 +75,8 @@ def main(argv=None) -> None:
                 cache.free(slot)
                 slot = cache.allocate()
             finally:
-                cpu_kernels._row_ops = fused_ops
+                if fused_ops is not None:
+                    cpu_kernels._row_ops = fused_ops
         print(f"round {rep + 1}/{args.reps} done", flush=True)
 
     table = []
