@@ -406,11 +406,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[
 
 @torch.compiler.assume_constant_result  # decided once per process: a compiled forward bakes it in
 def _row_ops_enabled() -> bool:
+    return _row_ops_decision()
+
+
+@functools.cache
+def _row_ops_decision() -> bool:
     return os.environ.get(_ENV_SWITCH, "").strip().lower() not in ("0", "false", "off", "no") and available()
 
 
-def _row_ops(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and _row_ops_enabled()
+_ROW_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _row_ops(x: torch.Tensor) -> bool:  # called about 170 times a forward: kept cheap
+    return x.dtype in _ROW_DTYPES and x.device.type == "cpu" and _row_ops_enabled()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
