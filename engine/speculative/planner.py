@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Optional
 from engine.config import EngineConfig
 from engine.sequence import Sequence
 from engine.speculative.adaptive import SpecPolicy, StepBudget
+from engine.speculative.cost_model import measure_curve
 from engine.speculative.maxgram import MATCH_CLASSES, BigramTable, LengthChooser, MaxGramDrafter, match_class
 from engine.speculative.methods import MAXGRAM_DRAFTER, MCSD, DraftPlan, MaxGramShare, PlanInput, method, share_rows
 from engine.speculative.tree import SubTree, TreeTopology
@@ -51,8 +52,6 @@ class Planner:
         """The engine's planner: Max-Gram from the config (its bigram fallback from ``maxgram_corpus``),
         and with ``load_aware`` its length chooser on the target's cost curve (the policy's when it
         measured one, else measured here: a few forwards of ``target`` over ``cache``)."""
-        from engine.speculative.cost_model import measure_curve
-
         bigram = BigramTable.from_corpus(tokenizer, config.maxgram_corpus) if config.maxgram_corpus else None
         maxgram = MaxGramDrafter(config.maxgram_len, config.maxgram_max_ngram, config.maxgram_min_ngram, bigram)
         lengths = None

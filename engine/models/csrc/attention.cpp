@@ -47,10 +47,7 @@ namespace {
 inline void to_f32_row(const float* src, float* dst, int64_t D) { std::memcpy(dst, src, D * sizeof(float)); }
 inline void to_f32_row(const c10::BFloat16* src, float* dst, int64_t D) {  // bf16 -> fp32 is a 16-bit shift
   int64_t d = 0;
-  for (; d + 8 <= D; d += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
-    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-  }
+  for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, mcsd::load8(src + d));
   for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
 }
 

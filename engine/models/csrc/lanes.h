@@ -1,12 +1,19 @@
 // What the CPU kernels share: the one fixed reduction of 8 fp32 lanes (every kernel reduces its
-// accumulators with it, so a result never depends on which kernel variant produced the lanes), and
-// one vector exp.
+// accumulators with it, so a result never depends on which kernel variant produced the lanes), 8
+// lanes loaded from fp32 or bf16, and one vector exp.
 #pragma once
 
 #if defined(__AVX2__)
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 namespace mcsd {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 
 // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
 inline float reduce_lanes(__m256 v) {

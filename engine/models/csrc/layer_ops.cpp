@@ -50,11 +50,7 @@ inline float rnd(float v) { return round_to(v, static_cast<T*>(nullptr)); }
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kLanes = 8;
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {  // bf16 -> fp32 is a 16-bit shift
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+using mcsd::load8;
 
 // fp32 -> the nearest bf16 (ties to even), kept in fp32: the bits below the top 16 rounded away.
 // NaN stays NaN (the quiet NaN c10 gives).

@@ -896,7 +896,7 @@ void k_linear(const KKernel& k, const uint8_t* wp, int64_t row_bytes, int64_t N,
   // weights).  The chunking only orders the work: every output is computed by the same operations.
   constexpr int64_t kChunkBytes = 160 << 10;
   const int64_t threads = at::get_num_threads();
-  int64_t chunk = std::max<int64_t>(1, std::min(kChunkBytes / row_bytes, (N + 4 * threads - 1) / (4 * threads)));
+  const int64_t chunk = std::max<int64_t>(1, std::min(kChunkBytes / row_bytes, (N + 4 * threads - 1) / (4 * threads)));
   const int64_t chunks = (N + chunk - 1) / chunk;
   // Small calls run inline (a parallel region costs more than they do).
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, chunk * K * M));
