@@ -89,9 +89,10 @@ def adaptive_core(target, draft, c: dict, heads=()):
     in a running server (the cost model is measured once, at creation)."""
     from engine.config import EngineConfig
     from engine.core import EngineCore
-    return EngineCore(target, draft, EngineConfig(max_batch=1, max_model_len=4096, tree=c["tree"], adaptive=True,
-                                                  acceptance_heads=tuple(heads) if c["heads"] else (),
-                                                  spec_method=c["method"], **c["config"]))
+    config = EngineConfig.from_settings(max_batch=1, max_model_len=4096, tree=c["tree"], adaptive=True,
+                                        acceptance_heads=tuple(heads) if c["heads"] else (),
+                                        spec_method=c["method"], **c["config"])
+    return EngineCore(target, draft, config)
 
 
 def run_config(c, target, draft, hf_t, hf_d, ids, max_new, temperature, seed, cores=None):

@@ -37,8 +37,8 @@ def run_ours(target, draft, ids: list[int], max_new: int, tree=(), temperature=0
              config: Optional[dict] = None) -> dict:
     """One request through our engine (batch 1); returns tokens, seconds and speculation counts.
     ``config``: extra EngineConfig fields (drafter knobs)."""
-    core = core or EngineCore(target, draft, EngineConfig(max_batch=1, max_model_len=len(ids) + max_new + 8,
-                                                          tree=tree, **(config or {})))
+    core = core or EngineCore(target, draft, EngineConfig.from_settings(
+        max_batch=1, max_model_len=len(ids) + max_new + 8, tree=tree, **(config or {})))
     params = SamplingParams(temperature=temperature, max_tokens=max_new, ignore_eos=True, seed=seed)
     t0 = time.perf_counter()
     core.add_request(GenerationRequest("bench", ids, params, spec or SpecOptions(enabled=bool(tree))))

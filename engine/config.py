@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import operator
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, ClassVar, Mapping, Optional
 
 from engine.speculative.methods import check_method, method_names
 from engine.speculative.tree import parse_widths
 
 
 def setting(default, help: str, *, server: bool = True, **bounds):  # noqa: A002 - the field's help text
-    """An :class:`EngineConfig` field with its help text and bounds (``ge``, ``gt``, ``le``, ``lt``,
-    ``choices``: a collection, or a function returning one): the one declaration the server's settings,
-    flags and environment variables are generated from (``server.settings``).  ``server=False`` keeps a
-    field out of the server's settings."""
+    """An :class:`EngineConfig` or :class:`DrafterSettings` field with its help text and bounds (``ge``,
+    ``gt``, ``le``, ``lt``, ``choices``: a collection, or a function returning one): the one declaration
+    the server's settings, flags and environment variables are generated from (``server.settings``),
+    and the bounds :func:`check_bounds` enforces.  ``server=False`` keeps a field out of the server's
+    settings."""
     return field(default=default, metadata={"help": help, "server": server, **bounds})
 
 
@@ -52,22 +56,12 @@ class EngineConfig:
     cost_model_cache: bool = setting(True, "load_aware: reuse the cost curves an earlier start measured on this "
                                      "machine for the same models, kernels and settings ($MCSD_CACHE/cost-model); "
                                      "off: measure at every start (and store the new curves)")
-    # drafters (engine.speculative.methods): the method requests get when they do not name one, and its knobs
+    # speculation methods (engine.speculative.methods); each drafter's own knobs are its settings section
     spec_method: str = setting("mcsd", "drafter for requests that do not say", choices=method_names)
-    maxgram_len: int = setting(8, "most tokens per Max-Gram proposal from the root", ge=1, le=64)
-    maxgram_branches: int = setting(1, "Max-Gram proposals (distinct first tokens) per step", ge=1, le=8)
-    maxgram_max_ngram: int = setting(4, "longest suffix Max-Gram tries", ge=1, le=16)
-    maxgram_min_ngram: int = setting(1, "shortest suffix Max-Gram accepts as a match", ge=1, le=16)
-    maxgram_corpus: Optional[str] = setting(None, "text or prompts JSON for Max-Gram's bigram fallback")
-    maxgram_tail: int = setting(4, "Max-Gram tokens after the deepest drafted path (horizontal cascade)", ge=0, le=64)
-    cascade_depth: int = setting(4, "tokens the draft writes reviewing Max-Gram (cascade)", ge=0, le=64)
-    maxgram_trust: int = setting(3, "a suffix match this long skips the draft model for the step (0 = never)",
-                                 ge=0, le=64)
-    mjsd_beam: int = setting(4, "MJSD (lossy, opt-in): draft beam width", ge=1, le=16)
-    mjsd_depth: int = setting(4, "MJSD: tokens drafted per step", ge=1, le=32)
-    mjsd_tau: float = setting(0.5, "MJSD: joint likelihood-ratio threshold", gt=0.0, le=1.0)
-    target_init_k: int = setting(3, "target-initialised (lossy, opt-in): candidate roots", ge=1, le=16)
-    target_init_depth: int = setting(3, "target-initialised: tokens per candidate chain", ge=1, le=32)
+    drafters: Mapping[str, "DrafterSettings"] = field(
+        default_factory=dict, metadata={"server": False, "help": "each drafter's settings by section name (missing "
+                                        "ones: the defaults); a dict of field values is accepted for a section"})
+    # the draft model (every drafter that runs it)
     draft_vocab: int = setting(0, "draft output layer cut to this many most frequent tokens (lossless; 0 = whole "
                                "vocabulary)", ge=0)
     draft_vocab_file: Optional[str] = setting(None, "token ranking the cut reads (python -m tools.rank_vocab)")
@@ -76,40 +70,16 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.tree = parse_widths(self.tree)
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.kv_cache_tokens < 0 or self.kv_block_size < 1:
-            raise ValueError(f"kv_cache_tokens must be >= 0 and kv_block_size >= 1, got {self.kv_cache_tokens}, "
-                             f"{self.kv_block_size}")
-        if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        check_bounds(self)
         self._validate_adaptive()
         self._validate_drafters()
 
     def _validate_drafters(self) -> None:
         check_method(self.spec_method)
-        for name in ("maxgram_len", "maxgram_branches", "maxgram_max_ngram", "maxgram_min_ngram"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.maxgram_min_ngram > self.maxgram_max_ngram:
-            raise ValueError(f"maxgram_min_ngram {self.maxgram_min_ngram} > maxgram_max_ngram {self.maxgram_max_ngram}")
-        if self.maxgram_tail < 0 or self.cascade_depth < 0 or self.maxgram_trust < 0:
-            raise ValueError("maxgram_tail, cascade_depth and maxgram_trust must be >= 0")
-        if self.mjsd_beam < 1 or self.mjsd_depth < 1 or not 0.0 < self.mjsd_tau <= 1.0:
-            raise ValueError(f"MJSD needs mjsd_beam >= 1, mjsd_depth >= 1 and 0 < mjsd_tau <= 1, got "
-                             f"{self.mjsd_beam}, {self.mjsd_depth}, {self.mjsd_tau}")
-        if self.target_init_k < 1 or self.target_init_depth < 1:
-            raise ValueError(f"target_init_k and target_init_depth must be >= 1, got {self.target_init_k}, "
-                             f"{self.target_init_depth}")
-        if self.draft_vocab < 0:
-            raise ValueError(f"draft_vocab must be >= 0 (0 = the whole vocabulary), got {self.draft_vocab}")
+        self.drafters = _sections(self.drafters)
         if self.draft_vocab and (self.draft_vocab_file is None or not Path(self.draft_vocab_file).is_file()):
             raise ValueError(f"draft_vocab {self.draft_vocab} needs a token ranking file (draft_vocab_file), "
                              f"got {self.draft_vocab_file!r}")
-        if self.maxgram_corpus is not None and not Path(self.maxgram_corpus).is_file():
-            raise ValueError(f"maxgram_corpus {self.maxgram_corpus} does not exist")
 
     def _validate_adaptive(self) -> None:
         if isinstance(self.acceptance_heads, (str, Path)):
@@ -119,8 +89,6 @@ class EngineConfig:
             return
         if not self.tree:
             raise ValueError("adaptive speculation needs a draft tree (tree is empty)")
-        if not 0.0 <= self.adaptive_threshold <= 1.0:
-            raise ValueError(f"adaptive_threshold must be in [0, 1], got {self.adaptive_threshold}")
         if self.adaptive_max_depth is None:
             self.adaptive_max_depth = len(self.tree)
         if not 1 <= self.adaptive_min_depth <= self.adaptive_max_depth:
@@ -136,3 +104,135 @@ class EngineConfig:
     @property
     def max_depth(self) -> int:
         return len(self.tree)
+
+    @classmethod
+    def from_settings(cls, **values: Any) -> "EngineConfig":
+        """The config from flat setting names, as the server's flags and presets spell them: this
+        class's fields, and ``<section>_<field>`` for a drafter's (``maxgram_len=4``, ``mjsd_tau=0.3``)."""
+        own = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {k: v for k, v in values.items() if k in own}
+        sections: dict[str, dict[str, Any]] = {}
+        for name in values.keys() - own:
+            section, key = _split(name)
+            sections.setdefault(section, {})[key] = values[name]
+        given = dict(kwargs.pop("drafters", {}))
+        for section, fields in sections.items():
+            base = given.get(section, {})
+            base = dataclasses.asdict(base) if dataclasses.is_dataclass(base) else dict(base)
+            given[section] = {**base, **fields}
+        return cls(**kwargs, drafters=given)
+
+
+class DrafterSettings:
+    """A drafter's own settings: a dataclass declared in the drafter's module (fields made with
+    :func:`setting`) and registered with :func:`drafter_settings` under a section name.  Field ``f`` of
+    section ``s`` is the setting ``s_f`` everywhere settings are named: the server's ``--s-f`` flag,
+    ``MCSD_S_F``, a preset's ``s_f`` key (or ``f`` in an ``[s]`` table) and
+    :meth:`EngineConfig.from_settings`.  Bounds are checked from the declarations; :meth:`validate`
+    checks what spans fields."""
+
+    section: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        check_bounds(self, self.section + "_")
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError, naming the setting, for values that are wrong together."""
+
+    @classmethod
+    def of(cls, config: EngineConfig):
+        """This drafter's settings in ``config``."""
+        return config.drafters[cls.section]
+
+
+_SECTIONS: dict[str, type] = {}
+
+
+def drafter_settings(section: str):
+    """Class decorator: registers a :class:`DrafterSettings` dataclass under ``section`` (an
+    identifier: it prefixes the settings' names)."""
+    if not section.isidentifier():
+        raise ValueError(f"settings section {section!r} must be an identifier")
+
+    def register(cls: type) -> type:
+        if section in _SECTIONS and _SECTIONS[section] is not cls:
+            raise ValueError(f"settings section {section!r} is registered twice")
+        cls.section = section
+        _SECTIONS[section] = cls
+        return cls
+    return register
+
+
+def unregister_section(section: str) -> None:
+    """Removes a section (tests that register their own drafter)."""
+    _SECTIONS.pop(section, None)
+
+
+def sections() -> dict[str, type]:
+    """Every registered drafter's settings class by section (importing the drafter modules registers
+    theirs)."""
+    from engine.speculative.drafter import _load_builtin  # late: the drafter modules import this one
+
+    _load_builtin()
+    return dict(_SECTIONS)
+
+
+def setting_fields() -> list[tuple[str, Any, dataclasses.Field]]:
+    """``(name, type, field)`` of every server-visible setting, flat: this module's ``EngineConfig``
+    fields, then each drafter's as ``<section>_<field>``."""
+    out = [(f.name, typing.get_type_hints(EngineConfig)[f.name], f) for f in dataclasses.fields(EngineConfig)
+           if f.metadata.get("server", True)]
+    for section, cls in sections().items():
+        hints = typing.get_type_hints(cls)
+        out += [(f"{section}_{f.name}", hints[f.name], f) for f in dataclasses.fields(cls)]
+    return out
+
+
+def _split(name: str) -> tuple[str, str]:
+    """``maxgram_len`` -> (``maxgram``, ``len``): the longest section that prefixes it with a field."""
+    for section in sorted(sections(), key=len, reverse=True):
+        cls = _SECTIONS[section]
+        key = name[len(section) + 1:]
+        if name.startswith(section + "_") and key in {f.name for f in dataclasses.fields(cls)}:
+            return section, key
+    raise TypeError(f"unknown engine setting {name!r}")
+
+
+def _sections(given: Mapping[str, Any]) -> dict[str, Any]:
+    """Every registered section's settings: ``given``'s (an instance, or a dict of its fields), else
+    the defaults."""
+    known = sections()
+    unknown = set(given) - set(known)
+    if unknown:
+        raise ValueError(f"unknown drafter settings section(s) {sorted(unknown)}; known: {sorted(known)}")
+    out = {}
+    for section, cls in known.items():
+        value = given.get(section)
+        if value is None:
+            value = cls()
+        elif isinstance(value, Mapping):
+            value = cls(**value)
+        elif not isinstance(value, cls):
+            raise TypeError(f"drafters[{section!r}] must be a {cls.__name__} or a dict, got {type(value).__name__}")
+        out[section] = value
+    return out
+
+
+def check_bounds(obj: Any, prefix: str = "") -> None:
+    """Checks each field of the dataclass ``obj`` against its declared bounds (``ge``, ``gt``, ``le``,
+    ``lt``, ``choices``: :func:`setting`); None passes."""
+    for f in dataclasses.fields(obj):
+        value, meta = getattr(obj, f.name), f.metadata
+        if value is None or isinstance(value, bool):
+            continue
+        name = prefix + f.name
+        for key, ok, word in (("ge", operator.ge, ">="), ("gt", operator.gt, ">"), ("le", operator.le, "<="),
+                              ("lt", operator.lt, "<")):
+            if key in meta and not ok(value, meta[key]):
+                raise ValueError(f"{name} must be {word} {meta[key]}, got {value}")
+        choices = meta.get("choices")
+        if choices is not None:
+            allowed = tuple(choices() if callable(choices) else choices)
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}, got {value!r}")

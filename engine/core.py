@@ -69,7 +69,7 @@ class EngineCore:
                 draft = self._int8_draft(draft)
             if policy is None and self.config.adaptive:
                 policy = AdaptiveSpeculation.from_config(self.config, self.topology, target, draft, self.cache,
-                                                         draft_cache, self.draft_vocab)
+                                                         draft_cache, self.draft_vocab, max_rows=rows)
             self.policy = policy
             proposer = DraftModelProposer(draft.model, draft_cache, self.vocab_size, self.config.without_replacement,
                                           self.topology, policy, chunk=self.config.prefill_chunk,

@@ -3,25 +3,24 @@
 Precedence, lowest first: field defaults < ``--config`` preset (TOML or YAML; a bare name means
 ``configs/<name>.toml``) < ``MCSD_*`` environment variables < command-line flags.  Every field
 ``foo_bar`` is ``--foo-bar`` on the command line, ``MCSD_FOO_BAR`` in the environment and
-``foo_bar`` in a preset.  Values are validated once, at start-up; a bad value stops the server
-with a message naming the field and where the value came from.
+``foo_bar`` in a preset.  A drafter's settings (``engine.config.DrafterSettings``, declared in the
+drafter's module) are named ``<section>_<field>`` (``maxgram_len``); a preset may also group them in a
+table (``[maxgram]`` with ``len = 8``).  Values are validated once, at start-up; a bad value stops the
+server with a message naming the field and where the value came from.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
-import typing
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
-from engine.config import EngineConfig
-
+from engine.config import EngineConfig, sections, setting_fields
 from engine.speculative.tree import parse_widths
 
 if sys.version_info >= (3, 11):
@@ -122,29 +121,36 @@ class ServerSettings(BaseModel):
         return self.served_model_name or self.model or "default"
 
     def engine_config(self) -> EngineConfig:
-        """The engine's configuration: every ``EngineConfig`` field, as these settings say."""
-        return EngineConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)
-                               if f.name in type(self).model_fields})
+        """The engine's configuration: every engine setting (``EngineConfig``'s fields and each
+        drafter's), as these settings say."""
+        return EngineConfig.from_settings(**{name: getattr(self, name) for name, _, _ in setting_fields()
+                                             if name in type(self).model_fields})
 
 
 def _engine_fields() -> dict[str, Any]:
-    """Pydantic fields for every server-visible ``EngineConfig`` field, from its declaration
-    (``engine.config.setting``): type, default, help text and bounds."""
-    hints = typing.get_type_hints(EngineConfig)
+    """Pydantic fields for every server-visible engine setting, from its declaration
+    (``engine.config.setting``: ``EngineConfig``'s fields, then each drafter's section): type,
+    default, help text and bounds."""
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(EngineConfig):
+    for name, kind, f in setting_fields():
         meta = f.metadata
-        if not meta.get("server", True):
-            continue
         choices = meta.get("choices")
-        kind = Literal[tuple(choices() if callable(choices) else choices)] if choices else hints[f.name]
+        if choices:
+            kind = Literal[tuple(choices() if callable(choices) else choices)]
         bounds = {k: meta[k] for k in ("ge", "gt", "le", "lt") if k in meta}
-        out[f.name] = (kind, Field(f.default, description=meta.get("help", ""), **bounds))
+        out[name] = (kind, Field(f.default, description=meta.get("help", ""), **bounds))
     return out
 
 
-Settings = create_model("Settings", __base__=ServerSettings, __module__=__name__, **_engine_fields())
-Settings.__doc__ = "Server settings: the server's own (:class:`ServerSettings`) and every ``EngineConfig`` field."
+def settings_model() -> type[ServerSettings]:
+    """The settings model for the drafters registered now (:data:`Settings` is the one made at import,
+    with every drafter module of ``engine.speculative``)."""
+    model = create_model("Settings", __base__=ServerSettings, __module__=__name__, **_engine_fields())
+    model.__doc__ = "Server settings: the server's own (:class:`ServerSettings`) and every engine setting."
+    return model
+
+
+Settings = settings_model()
 
 
 def _shipped(path: Optional[str]) -> Optional[str]:
@@ -160,11 +166,11 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(model: Optional[type[ServerSettings]] = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n\n")[0],
                                      argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", help="preset: a TOML/YAML file, or a name in configs/ (e.g. default)")
-    for name, info in Settings.model_fields.items():
+    for name, info in (model or Settings).model_fields.items():
         if info.annotation is bool:
             parser.add_argument(_flag(name), action=argparse.BooleanOptionalAction, help=info.description)
         else:
@@ -186,24 +192,33 @@ def read_preset(ref: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SettingsError(f"config preset {path} must be a table of settings")
     data = data.get("server", data)  # an optional [server] table
-    return {k.replace("-", "_"): v for k, v in data.items()}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        key = key.replace("-", "_")
+        if isinstance(value, dict) and key in sections():  # a drafter's table: [maxgram] len = 8
+            out.update({f"{key}_{k.replace('-', '_')}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
 
 
-def load_settings(argv: Optional[Sequence[str]] = None,
-                  environ: Optional[Mapping[str, str]] = None) -> Settings:
-    """Settings from ``argv`` (default: sys.argv) and ``environ`` (default: os.environ)."""
+def load_settings(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str]] = None,
+                  model: Optional[type[ServerSettings]] = None) -> Settings:
+    """Settings from ``argv`` (default: sys.argv) and ``environ`` (default: os.environ); ``model``: a
+    :func:`settings_model` made after registering another drafter (default: :data:`Settings`)."""
     environ = os.environ if environ is None else environ
-    cli = vars(build_parser().parse_args(argv))
+    model = model or Settings
+    cli = vars(build_parser(model).parse_args(argv))
     preset = cli.pop("config", None) or environ.get(ENV_PREFIX + "CONFIG")
     sources: dict[str, tuple[str, Any]] = {}
     if preset:
         sources.update({k: (f"config {preset}", v) for k, v in read_preset(preset).items()})
-    for name in Settings.model_fields:
+    for name in model.model_fields:
         if ENV_PREFIX + name.upper() in environ:
             sources[name] = (ENV_PREFIX + name.upper(), environ[ENV_PREFIX + name.upper()])
     sources.update({k: (_flag(k), v) for k, v in cli.items()})
     try:
-        return Settings.model_validate({k: v for k, (_, v) in sources.items()})
+        return model.model_validate({k: v for k, (_, v) in sources.items()})
     except ValidationError as exc:
         raise SettingsError(_describe(exc, sources)) from None
 

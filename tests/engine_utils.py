@@ -25,8 +25,8 @@ def run_engine(target, draft, prompts, tree=(4, 2, 2), max_batch=4, spec=None, j
     instead of all at once (continuous batching).  ``spec``: one SpecOptions for every request, or a list
     of one per prompt.  ``config``: extra EngineConfig fields; ``policy``: a speculation policy
     overriding the config's."""
-    core = EngineCore(target, draft, EngineConfig(max_batch=max_batch, max_model_len=256, tree=tree, **(config or {})),
-                      policy=policy)
+    config = EngineConfig.from_settings(max_batch=max_batch, max_model_len=256, tree=tree, **(config or {}))
+    core = EngineCore(target, draft, config, policy=policy)
     sampling.setdefault("max_tokens", 24)
     sampling.setdefault("temperature", 0.0)
     specs = spec if isinstance(spec, list) else [spec or SpecOptions()] * len(prompts)

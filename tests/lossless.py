@@ -123,13 +123,13 @@ def _worker(args) -> Counter:
         cut = dict(draft_vocab=case.extra["draft_vocab"], draft_vocab_file=str(path))
     for lo in range(start, start + count, batch):
         n = min(batch, start + count - lo)
-        core = EngineCore(target, draft, EngineConfig(max_batch=n, max_model_len=8, tree=case.tree or (1,),
-                                                      without_replacement=case.without_replacement,
-                                                      maxgram_len=2, maxgram_branches=2, maxgram_tail=1,
-                                                      cascade_depth=2, load_aware=False,
-                                                      target_init_k=case.extra.get("target_init_k", 2),
-                                                      target_init_depth=2, **cut),
-                          policy=stop_policy(case, seed=lo))
+        config = EngineConfig.from_settings(max_batch=n, max_model_len=8, tree=case.tree or (1,),
+                                            without_replacement=case.without_replacement,
+                                            maxgram_len=2, maxgram_branches=2, maxgram_tail=1,
+                                            cascade_depth=2, load_aware=False,
+                                            target_init_k=case.extra.get("target_init_k", 2),
+                                            target_init_depth=2, **cut)
+        core = EngineCore(target, draft, config, policy=stop_policy(case, seed=lo))
         core.planner.maxgram.bigram = BigramTable(dict(case.bigram)) if case.bigram else None
         for i in range(n):
             core.add_request(GenerationRequest(f"r{lo + i}", PROMPT, params(case, seed=lo + i),

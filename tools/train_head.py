@@ -137,7 +137,7 @@ def render_prompts(tokenizer, path: str, limit: Optional[int], max_prompt: int) 
 def collect(target, draft, prompts: list[list[int]], args) -> Dataset:
     recorder = Recorder(use_hidden=not args.no_hidden)
     # (a joining sequence's prompt catch-up runs in its own draft forward, so no padding margin is needed)
-    config = EngineConfig(max_batch=args.batch, tree=parse_widths(args.tree),
+    config = EngineConfig.from_settings(max_batch=args.batch, tree=parse_widths(args.tree),
                           max_model_len=max(len(p) for p in prompts) + args.max_new + 1)
     core = EngineCore(target, draft, config, policy=recorder)
     for i, ids in enumerate(prompts):

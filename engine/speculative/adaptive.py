@@ -216,8 +216,10 @@ class AdaptiveSpeculation(SpecPolicy):
 
     @classmethod
     def from_config(cls, config: "EngineConfig", topology: TreeTopology, target, draft, target_cache,
-                    draft_cache, draft_vocab=None) -> "AdaptiveSpeculation":
-        """Loads the configured heads and, when load-aware, measures the cost curves (a few seconds)."""
+                    draft_cache, draft_vocab=None, max_rows: Optional[int] = None) -> "AdaptiveSpeculation":
+        """Loads the configured heads and, when load-aware, measures the cost curves (a few seconds) up to
+        blocks of ``1 + max_rows`` (the most rows a tree of any method has beyond its root; default: the
+        largest draft tree's)."""
         heads = tuple(AcceptanceHead.load(p) for p in config.acceptance_heads)
         for path, head in zip(config.acceptance_heads, heads):
             if head.meta.hidden_size not in (0, draft.config.hidden_size):
@@ -228,8 +230,7 @@ class AdaptiveSpeculation(SpecPolicy):
                             head.meta.target, head.meta.draft, target.source, draft.source)
         cost = None
         if config.load_aware:
-            maxgram_rows = config.maxgram_branches * config.maxgram_len + config.maxgram_tail
-            max_block = 1 + topology.num_nodes + maxgram_rows
+            max_block = 1 + (topology.num_nodes if max_rows is None else max_rows)
 
             def measure() -> CostModel:
                 return CostModel.measure(target.model, target_cache, draft.model, draft_cache, config.max_batch,

@@ -30,18 +30,29 @@ from typing import Optional
 import torch
 
 from engine.batching import Block
+from engine.config import DrafterSettings, drafter_settings, setting
 from engine.device import tensor as device_tensor
 from engine.device import to_device, to_host
 from engine.sampler import SamplingTensors, compute_probs, sample_from_probs
 from engine.sequence import Sequence
 from engine.speculative.drafter import DrafterContext, register
-from engine.speculative.methods import CASCADE_DRAFTER, DraftPlan
+from engine.speculative.methods import DraftPlan, Method, PlanInput, register_method
 from engine.speculative.draft_tree import CASCADE, SAMPLED, DraftTree
-from engine.speculative.maxgram import MaxGramDrafter
+from engine.speculative.maxgram import MAXGRAM_DRAFTER, MaxGramDrafter, MaxGramSettings, MaxGramShare
 from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.tree import SubTree
 from engine.speculative.verify import without_rows
 from engine.speculative.walk import Coins, onehot_residual
+
+CASCADE_DRAFTER = CASCADE_METHOD = "cascade"
+
+
+@drafter_settings("cascade")
+@dataclass(frozen=True)
+class CascadeSettings(DrafterSettings):
+    """The vertical cascade's settings (``--cascade-depth``; Max-Gram's own are its section's)."""
+
+    depth: int = setting(4, "tokens the draft writes reviewing Max-Gram (cascade)", ge=0, le=64)
 
 
 @dataclass
@@ -243,7 +254,8 @@ class CascadeDrafter:
 
     @classmethod
     def limits(cls, config, topology) -> tuple[int, int]:
-        return config.cascade_depth, config.cascade_depth * (config.maxgram_len + 1)  # a round runs its guess
+        depth = CascadeSettings.of(config).depth
+        return depth, depth * (MaxGramSettings.of(config).len + 1)  # a round runs its guess
 
     @classmethod
     def build(cls, ctx: DrafterContext) -> Optional["CascadeDrafter"]:
@@ -257,3 +269,17 @@ class CascadeDrafter:
                                       [plans[i].sub for i in idx])
         for i, tree in zip(idx, chains):
             trees[i] = tree
+
+
+def plan_cascade(p: PlanInput) -> DraftPlan:
+    """The draft model reviews Max-Gram's guesses for the first depths (when the budget lets it run),
+    Max-Gram's tail writes the later ones."""
+    if p.room <= 0:
+        return DraftPlan(CASCADE_METHOD, p.empty)
+    mg = MaxGramSettings.of(p.config)
+    depth = min(CascadeSettings.of(p.config).depth, p.room) if p.draft_ok else 0  # the review runs the draft
+    share = MaxGramShare(length=min(mg.len, p.room), tail=min(mg.tail, p.room - depth), trust=mg.trust)
+    return DraftPlan(CASCADE_METHOD, p.empty, {CASCADE_DRAFTER: depth, MAXGRAM_DRAFTER: share})
+
+
+register_method(Method(CASCADE_METHOD, (CASCADE_DRAFTER, MAXGRAM_DRAFTER), plan_cascade, order=40))

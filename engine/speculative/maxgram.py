@@ -30,10 +30,56 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence as Seq
 
+from engine.config import DrafterSettings, drafter_settings, setting
 from engine.sequence import Sequence
 from engine.speculative.drafter import DrafterContext, register
-from engine.speculative.methods import MAXGRAM_DRAFTER, DraftPlan
+from engine.speculative.methods import DraftPlan, Method, PlanInput, register_method
 from engine.speculative.draft_tree import BIGRAM, MAXGRAM, DraftTree
+
+
+MAXGRAM_DRAFTER = "maxgram"
+MAXGRAM_METHOD, MCSD_MAXGRAM = "maxgram", "mcsd+maxgram"
+
+
+@drafter_settings("maxgram")
+@dataclass(frozen=True)
+class MaxGramSettings(DrafterSettings):
+    """Max-Gram's settings (``--maxgram-len``, ...; a ``[maxgram]`` table in a preset)."""
+
+    len: int = setting(8, "most tokens per Max-Gram proposal from the root", ge=1, le=64)
+    branches: int = setting(1, "Max-Gram proposals (distinct first tokens) per step", ge=1, le=8)
+    max_ngram: int = setting(4, "longest suffix Max-Gram tries", ge=1, le=16)
+    min_ngram: int = setting(1, "shortest suffix Max-Gram accepts as a match", ge=1, le=16)
+    corpus: Optional[str] = setting(None, "text or prompts JSON for Max-Gram's bigram fallback")
+    tail: int = setting(4, "Max-Gram tokens after the deepest drafted path (horizontal cascade)", ge=0, le=64)
+    trust: int = setting(3, "a suffix match this long skips the draft model for the step (0 = never)", ge=0, le=64)
+
+    def validate(self) -> None:
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"maxgram_min_ngram {self.min_ngram} > maxgram_max_ngram {self.max_ngram}")
+        if self.corpus is not None and not Path(self.corpus).is_file():
+            raise ValueError(f"maxgram_corpus {self.corpus} does not exist")
+
+    @property
+    def rows(self) -> int:
+        """The most verification rows its proposals add to one tree."""
+        return self.branches * self.len + self.tail
+
+
+@dataclass(frozen=True)
+class MaxGramShare:
+    """Max-Gram's share of a step (a :class:`~engine.speculative.methods.DraftPlan` entry)."""
+
+    length: int = 0  # tokens per branch from the root
+    branches: int = 0  # branches from the root
+    tail: int = 0  # tokens appended below the deepest drafted path (horizontal cascade)
+    trust: int = 0  # a suffix match this long replaces the draft model for the step (0 = never)
+    match_class: Optional[int] = None  # the root proposal's match class, when the length chooser capped it
+    trusted: bool = False  # Max-Gram alone this step: its match reached ``trust`` (the planner's choice)
+
+    @property
+    def rows(self) -> int:
+        return self.length * self.branches + self.tail
 
 
 @dataclass
@@ -294,7 +340,7 @@ class MaxGramTreeDrafter:
 
     @classmethod
     def limits(cls, config, topology) -> tuple[int, int]:
-        return config.maxgram_branches * config.maxgram_len + config.maxgram_tail, 0
+        return MaxGramSettings.of(config).rows, 0
 
     @classmethod
     def build(cls, ctx: DrafterContext) -> "MaxGramTreeDrafter":
@@ -305,3 +351,26 @@ class MaxGramTreeDrafter:
             share = plan.share(self.name)
             if share is not None:
                 self.maxgram.extend_tree(seq, tree, share.tail, share.length, share.branches)
+
+
+def plan_maxgram(p: PlanInput) -> DraftPlan:
+    """Max-Gram alone: its branches from the root."""
+    if p.room <= 0:
+        return DraftPlan(MAXGRAM_METHOD, p.empty)
+    mg = MaxGramSettings.of(p.config)
+    return DraftPlan(MAXGRAM_METHOD, p.empty, {MAXGRAM_DRAFTER: MaxGramShare(length=min(mg.len, p.room),
+                                                                           branches=mg.branches)})
+
+
+def plan_mcsd_maxgram(p: PlanInput) -> DraftPlan:
+    """The draft model's tree, Max-Gram's branches beside it and its tail below the deepest path."""
+    if p.room <= 0:
+        return DraftPlan(MCSD_MAXGRAM, p.empty)
+    mg, sub = MaxGramSettings.of(p.config), p.sub
+    share = MaxGramShare(length=min(mg.len, p.room), branches=mg.branches,
+                         tail=min(mg.tail, p.room - sub.max_depth) if sub.num_nodes else 0, trust=mg.trust)
+    return DraftPlan(MCSD_MAXGRAM, sub, {MAXGRAM_DRAFTER: share})
+
+
+register_method(Method(MAXGRAM_METHOD, (MAXGRAM_DRAFTER,), plan_maxgram, needs_draft=False, order=20))
+register_method(Method(MCSD_MAXGRAM, ("draft-tree", MAXGRAM_DRAFTER), plan_mcsd_maxgram, order=30))

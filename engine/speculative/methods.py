@@ -1,20 +1,24 @@
-"""Speculation methods a request can ask for (``speculative.method``) and the per-step draft plan.
+"""Speculation methods a request can ask for (``speculative.method``), and the per-step draft plan.
 
-======================  =====================================================================  =========
-method                  what drafts the tree                                                   draft model
-======================  =====================================================================  =========
-``mcsd``                the draft model: a multi-candidate tree (width per depth)              yes
-``maxgram``             Max-Gram alone (prompt lookup + bigram table): no neural cost          no
-``mcsd+maxgram``        one tree from both: the draft model's tree and Max-Gram's branches     yes
+A method is a :class:`Method` record: the drafters that grow its trees, its plan (how much each of
+them drafts for one sequence in one step) and its verification rule.  Each is registered by the
+module of the drafter it is built on, next to that drafter's settings (``engine.config.DrafterSettings``):
+
+======================  =====================================================================  ===============
+method                  what drafts the tree                                                   module
+======================  =====================================================================  ===============
+``mcsd``                the draft model: a multi-candidate tree (width per depth)              ``proposer``
+``maxgram``             Max-Gram alone (prompt lookup + bigram table): no neural cost          ``maxgram``
+``mcsd+maxgram``        one tree from both: the draft model's tree and Max-Gram's branches     ``maxgram``
                         at the root, merged (shared prefixes deduplicated), plus Max-Gram's
                         continuation below the draft's most likely leaf (horizontal cascade)
-``cascade``             CS Drafting: the draft model reviews Max-Gram's guesses (vertical),    yes
+``cascade``             CS Drafting: the draft model reviews Max-Gram's guesses (vertical),    ``cascade``
                         Max-Gram writes the later depths (horizontal)
-``mjsd-lossy``          **lossy**: joint decoding (MJSD): the draft's best beam, accepted by   yes
-                        joint likelihood ratio against a threshold (``engine.speculative.mjsd``)
-``target-init-lossy``   **lossy**: k target-sampled candidate roots, each with a draft chain;  yes
-                        the longest-surviving one is kept (``engine.speculative.target_init``)
-======================  =====================================================================  =========
+``mjsd-lossy``          **lossy**: joint decoding (MJSD): the draft's best beam, accepted by   ``mjsd``
+                        joint likelihood ratio against a threshold
+``target-init-lossy``   **lossy**: k target-sampled candidate roots, each with a draft chain;  ``target_init``
+                        the longest-surviving one is kept
+======================  =====================================================================  ===============
 
 All but the ``*-lossy`` methods are lossless: the target's final review is the exact multi-candidate rule.
 A lossy method is never a default; a response that used one carries a note saying so.
@@ -28,24 +32,16 @@ the output.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
-from engine.speculative.tree import SubTree, TreeTopology
+from engine.speculative.tree import SubTree
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.sequence import Sequence
 
-MCSD, MAXGRAM, MCSD_MAXGRAM, CASCADE = "mcsd", "maxgram", "mcsd+maxgram", "cascade"
-MJSD_LOSSY, TARGET_INIT_LOSSY = "mjsd-lossy", "target-init-lossy"
 LOSSLESS_RULE = "lossless"  # engine.speculative.verify.LOSSLESS: the multi-candidate rule
-JOINT_RULE, TARGET_INIT_RULE = "mjsd-joint", "target-init"  # the lossy rules (their modules register them)
-MJSD_NOTE = ("lossy: joint decoding (MJSD) accepts draft tokens by joint likelihood, so the output is not "
-             "distributed as the target's sampling would be")
-TARGET_INIT_NOTE = ("lossy: target-initialised candidates keep the target-sampled token whose draft continuation "
-                    "survives longest, which biases the output towards tokens the draft predicts well")
 
 
 @dataclass(frozen=True)
@@ -55,8 +51,9 @@ class DraftPlan:
     ``sub`` is the draft model's multi-candidate tree (the ``draft-tree`` drafter's share, and the base
     the chain drafters start from).  Every other drafter's share sits in ``shares`` under the
     drafter's name, in whatever form that drafter reads: a token count (``cascade``, ``mjsd``, a new
-    drafter's), a :class:`MaxGramShare`, or a flag (``target-init``).  A drafter with no share drafts
-    nothing for the sequence; the planner counts a share's verification rows with :func:`share_rows`."""
+    drafter's), a ``maxgram.MaxGramShare``, or a tree (``target-init``: the chains below last step's
+    candidates).  A drafter with no share drafts nothing for the sequence; the planner counts a
+    share's verification rows with :func:`share_rows`."""
 
     method: str
     sub: SubTree  # the draft model's multi-candidate tree (possibly empty)
@@ -70,31 +67,15 @@ class DraftPlan:
         return replace(self, shares={**self.shares, drafter: value})
 
 
-MAXGRAM_DRAFTER, CASCADE_DRAFTER, MJSD_DRAFTER = "maxgram", "cascade", "mjsd"
-TARGET_INIT_SHARE = "target-init"  # the draft-tree drafter forces the candidates as level 1 (sub is (k, 1, ...))
-
-
-@dataclass(frozen=True)
-class MaxGramShare:
-    """Max-Gram's share of a step (``engine.speculative.maxgram``)."""
-
-    length: int = 0  # tokens per branch from the root
-    branches: int = 0  # branches from the root
-    tail: int = 0  # tokens appended below the deepest drafted path (horizontal cascade)
-    trust: int = 0  # a suffix match this long replaces the draft model for the step (0 = never)
-    match_class: Optional[int] = None  # the root proposal's match class, when the length chooser capped it
-    trusted: bool = False  # Max-Gram alone this step: its match reached ``trust`` (the planner's choice)
-
-    @property
-    def rows(self) -> int:
-        return self.length * self.branches + self.tail
-
-
 def share_rows(share: Any) -> int:
-    """The most verification rows a share adds to a tree: a token count, or the share's ``rows``."""
+    """The most verification rows a share adds to a tree: a token count, the share's ``rows``, or a
+    tree's ``num_nodes`` (the target-initialised chains)."""
     if isinstance(share, bool):
-        return 0  # a flag (target-init): its rows are ``sub``'s
-    return share if isinstance(share, int) else int(getattr(share, "rows", 0))
+        return 0  # a flag
+    if isinstance(share, int):
+        return share
+    rows = getattr(share, "rows", None)
+    return int(rows if rows is not None else getattr(share, "num_nodes", 0))
 
 
 @dataclass(frozen=True)
@@ -121,59 +102,7 @@ class Method:
     rule: str = LOSSLESS_RULE  # the verification rule (engine.speculative.verify.register_rule)
     lossy_note: Optional[str] = None  # a lossy method's note on every response (None: lossless)
     penalties: bool = True  # supports presence / frequency / repetition penalties
-
-
-def _mcsd(p: PlanInput) -> "DraftPlan":
-    return DraftPlan(MCSD, p.sub if p.room > 0 else p.empty)
-
-
-def _maxgram(p: PlanInput) -> "DraftPlan":
-    if p.room <= 0:
-        return DraftPlan(MAXGRAM, p.empty)
-    cfg = p.config
-    share = MaxGramShare(length=min(cfg.maxgram_len, p.room), branches=cfg.maxgram_branches)
-    return DraftPlan(MAXGRAM, p.empty, {MAXGRAM_DRAFTER: share})
-
-
-def _mcsd_maxgram(p: PlanInput) -> "DraftPlan":
-    if p.room <= 0:
-        return DraftPlan(MCSD_MAXGRAM, p.empty)
-    cfg, sub = p.config, p.sub
-    share = MaxGramShare(length=min(cfg.maxgram_len, p.room), branches=cfg.maxgram_branches,
-                         tail=min(cfg.maxgram_tail, p.room - sub.max_depth) if sub.num_nodes else 0,
-                         trust=cfg.maxgram_trust)
-    return DraftPlan(MCSD_MAXGRAM, sub, {MAXGRAM_DRAFTER: share})
-
-
-def _cascade(p: PlanInput) -> "DraftPlan":
-    if p.room <= 0:
-        return DraftPlan(CASCADE, p.empty)
-    cfg = p.config
-    depth = min(cfg.cascade_depth, p.room) if p.draft_ok else 0  # the review runs the draft model
-    share = MaxGramShare(length=min(cfg.maxgram_len, p.room), tail=min(cfg.maxgram_tail, p.room - depth),
-                         trust=cfg.maxgram_trust)
-    return DraftPlan(CASCADE, p.empty, {CASCADE_DRAFTER: depth, MAXGRAM_DRAFTER: share})
-
-
-def _mjsd(p: PlanInput) -> "DraftPlan":
-    if p.room <= 0:
-        return DraftPlan(MJSD_LOSSY, p.empty)
-    return DraftPlan(MJSD_LOSSY, p.empty, {MJSD_DRAFTER: min(p.config.mjsd_depth, p.room) if p.draft_ok else 0})
-
-
-@functools.cache
-def init_topology(k: int, depth: int) -> TreeTopology:
-    """The target-initialised mode's tree: ``k`` candidate roots, each with a chain below it."""
-    return TreeTopology((k,) + (1,) * (depth - 1))
-
-
-def _target_init(p: PlanInput) -> "DraftPlan":
-    if p.seq.init_candidates is None:  # the first step only draws candidates
-        return DraftPlan(TARGET_INIT_LOSSY, p.empty, {TARGET_INIT_SHARE: True})
-    cfg = p.config
-    topology = init_topology(cfg.target_init_k, cfg.target_init_depth)
-    depth = min(cfg.target_init_depth, p.room + 1)  # the candidate itself, then its chain
-    return DraftPlan(TARGET_INIT_LOSSY, topology.subtree(topology.widths[:depth]), {TARGET_INIT_SHARE: True})
+    order: int = 100  # where it is listed among the methods (the settings' choices, errors, docs)
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -187,18 +116,6 @@ def register_method(method: Method) -> Method:
     return method
 
 
-for _m in (Method(MCSD, ("draft-tree",), _mcsd),
-           Method(MAXGRAM, ("maxgram",), _maxgram, needs_draft=False),
-           Method(MCSD_MAXGRAM, ("draft-tree", "maxgram"), _mcsd_maxgram),
-           Method(CASCADE, ("cascade", "maxgram"), _cascade),
-           Method(MJSD_LOSSY, ("mjsd",), _mjsd, lossy_note=MJSD_NOTE, penalties=False, rule=JOINT_RULE),
-           Method(TARGET_INIT_LOSSY, ("draft-tree",), _target_init, lossy_note=TARGET_INIT_NOTE,
-                  rule=TARGET_INIT_RULE)):
-    register_method(_m)
-
-METHODS = tuple(_REGISTRY)  # the built-in ones (method_names(): with the drafter modules' own)
-
-
 def _load_all() -> None:
     from engine.speculative.drafter import _load_builtin  # late: drafters import this module
 
@@ -210,14 +127,14 @@ def method(name: str) -> Method:
     if name not in _REGISTRY:
         _load_all()  # a drafter module not imported yet may register it
     if name not in _REGISTRY:
-        raise ValueError(f"unknown speculation method {name!r}; choose one of {', '.join(_REGISTRY)}")
+        raise ValueError(f"unknown speculation method {name!r}; choose one of {', '.join(method_names())}")
     return _REGISTRY[name]
 
 
 def methods() -> list[Method]:
-    """Every registered method, the built-in ones first."""
+    """Every registered method, in listing order."""
     _load_all()
-    return list(_REGISTRY.values())
+    return sorted(_REGISTRY.values(), key=lambda m: m.order)
 
 
 def method_names() -> tuple[str, ...]:

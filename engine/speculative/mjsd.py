@@ -24,17 +24,32 @@ from typing import Optional
 import torch
 
 from engine.batching import Block
+from engine.config import DrafterSettings, drafter_settings, setting
 from engine.device import tensor as device_tensor
 from engine.device import Pending, to_host
 from engine.sampler import SamplingTensors, apply_logit_bias, compute_probs, sample_tokens
 from engine.sequence import Sequence
 from engine.speculative.drafter import DrafterContext, register
-from engine.speculative.methods import JOINT_RULE, MJSD_DRAFTER, DraftPlan
+from engine.speculative.methods import DraftPlan, Method, PlanInput, register_method
 from engine.speculative.draft_tree import DraftTree
 from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.tree import SubTree
 from engine.speculative.verify import SeqStepResult, path_logprobs, register_rule
 from engine.speculative.walk import VerifyResult
+
+MJSD_DRAFTER, MJSD_METHOD, JOINT_RULE = "mjsd", "mjsd-lossy", "mjsd-joint"
+MJSD_NOTE = ("lossy: joint decoding (MJSD) accepts draft tokens by joint likelihood, so the output is not "
+             "distributed as the target's sampling would be")
+
+
+@drafter_settings("mjsd")
+@dataclass(frozen=True)
+class MjsdSettings(DrafterSettings):
+    """MJSD's settings (``--mjsd-beam``, ...)."""
+
+    beam: int = setting(4, "MJSD (lossy, opt-in): draft beam width", ge=1, le=16)
+    depth: int = setting(4, "MJSD: tokens drafted per step", ge=1, le=32)
+    tau: float = setting(0.5, "MJSD: joint likelihood-ratio threshold", gt=0.0, le=1.0)
 
 MJSD = "mjsd"  # drafter name in statistics
 
@@ -184,7 +199,7 @@ class JointRule:
         return pending.then(results)
 
 
-register_rule(JOINT_RULE, lambda config, vocab_size: JointRule(config.mjsd_tau, vocab_size))
+register_rule(JOINT_RULE, lambda config, vocab_size: JointRule(MjsdSettings.of(config).tau, vocab_size))
 
 
 def _decide_joint(logits: torch.Tensor, tokens: list[int], logq: list[float], seq: Sequence,
@@ -216,11 +231,12 @@ class MjsdDrafter:
 
     @classmethod
     def limits(cls, config, topology) -> tuple[int, int]:
-        return config.mjsd_depth, config.mjsd_beam * config.mjsd_depth
+        mj = MjsdSettings.of(config)
+        return mj.depth, mj.beam * mj.depth
 
     @classmethod
     def build(cls, ctx: DrafterContext) -> Optional["MjsdDrafter"]:
-        return cls(MjsdProposer(ctx.proposer, ctx.config.mjsd_beam)) if ctx.proposer is not None else None
+        return cls(MjsdProposer(ctx.proposer, MjsdSettings.of(ctx.config).beam)) if ctx.proposer is not None else None
 
     def propose(self, seqs: list[Sequence], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
         idx = [i for i, p in enumerate(plans) if p.share(self.name, 0) > 0]
@@ -230,3 +246,15 @@ class MjsdDrafter:
                                    [plans[i].sub for i in idx])
         for i, tree in zip(idx, chains):
             trees[i] = tree
+
+
+def plan_mjsd(p: PlanInput) -> DraftPlan:
+    """The best beam's depth (none when the step's budget keeps the draft model idle)."""
+    if p.room <= 0:
+        return DraftPlan(MJSD_METHOD, p.empty)
+    return DraftPlan(MJSD_METHOD, p.empty, {MJSD_DRAFTER: min(MjsdSettings.of(p.config).depth, p.room) if p.draft_ok
+                                            else 0})
+
+
+register_method(Method(MJSD_METHOD, (MJSD_DRAFTER,), plan_mjsd, lossy_note=MJSD_NOTE, penalties=False,
+                       rule=JOINT_RULE, order=50))

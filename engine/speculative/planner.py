@@ -24,8 +24,11 @@ from engine.config import EngineConfig
 from engine.sequence import Sequence
 from engine.speculative.adaptive import SpecPolicy, StepBudget
 from engine.speculative.cost_model import measure_curve
-from engine.speculative.maxgram import MATCH_CLASSES, BigramTable, LengthChooser, MaxGramDrafter, match_class
-from engine.speculative.methods import MAXGRAM_DRAFTER, MCSD, DraftPlan, MaxGramShare, PlanInput, method, share_rows
+from engine.speculative.maxgram import (
+    MATCH_CLASSES, MAXGRAM_DRAFTER, BigramTable, LengthChooser, MaxGramDrafter, MaxGramSettings, MaxGramShare,
+    match_class,
+)
+from engine.speculative.methods import DraftPlan, PlanInput, method, share_rows
 from engine.speculative.tree import SubTree, TreeTopology
 
 if TYPE_CHECKING:
@@ -49,21 +52,22 @@ class Planner:
     @classmethod
     def build(cls, config: EngineConfig, topology: TreeTopology, policy: Optional[SpecPolicy], tokenizer,
               target: "LlamaModel", cache: "KVCache") -> "Planner":
-        """The engine's planner: Max-Gram from the config (its bigram fallback from ``maxgram_corpus``),
+        """The engine's planner: Max-Gram from its settings (its bigram fallback from ``maxgram_corpus``),
         and with ``load_aware`` its length chooser on the target's cost curve (the policy's when it
         measured one, else measured here: a few forwards of ``target`` over ``cache``)."""
-        bigram = BigramTable.from_corpus(tokenizer, config.maxgram_corpus) if config.maxgram_corpus else None
-        maxgram = MaxGramDrafter(config.maxgram_len, config.maxgram_max_ngram, config.maxgram_min_ngram, bigram)
+        mg = MaxGramSettings.of(config)
+        bigram = BigramTable.from_corpus(tokenizer, mg.corpus) if mg.corpus else None
+        maxgram = MaxGramDrafter(mg.len, mg.max_ngram, mg.min_ngram, bigram)
         lengths = None
         if config.load_aware:
             budget = getattr(policy, "chooser", None)
             if budget is not None:
                 curve = budget.cost.target
             else:
-                b, n = config.max_batch, config.maxgram_len
+                b, n = config.max_batch, mg.len
                 points = [(x, y) for x in sorted({1, max(1, b // 2), b}) for y in sorted({1, 1 + n // 2, 1 + n})]
                 curve = measure_curve(target, cache, points, reps=2)
-            lengths = LengthChooser(curve, config.maxgram_len)
+            lengths = LengthChooser(curve, mg.len)
         return cls(config, topology, maxgram, policy, lengths)
 
     def plan(self, seqs: list[Sequence]) -> list[DraftPlan]:
@@ -145,7 +149,7 @@ class Planner:
         if spec.max_depth is not None:
             room = min(room, spec.max_depth)
         if not spec.enabled:
-            return DraftPlan(spec.method or MCSD, empty)
+            return DraftPlan(spec.method or cfg.spec_method, empty)
         m = method(spec.method)
         if m.needs_draft and seq.draft_slot is None:
             return DraftPlan(spec.method, empty)

@@ -33,9 +33,11 @@ from engine.speculative.adaptive import SpecPolicy, StepBudget
 from engine.speculative.features import ParentStats, level_features, parent_stats
 from engine.speculative.history import RowHistory
 from engine.speculative.drafter import DrafterContext, register
-from engine.speculative.methods import TARGET_INIT_SHARE, DraftPlan
+from engine.speculative.methods import DraftPlan, Method, PlanInput, register_method
 from engine.speculative.draft_tree import DEAD, DraftTree
 from engine.speculative.tree import SubTree, TreeTopology
+
+DRAFT_TREE_DRAFTER, MCSD = "draft-tree", "mcsd"
 
 
 class DraftModelProposer:
@@ -263,18 +265,16 @@ class DraftModelProposer:
 
 @register
 class DraftTreeDrafter:
-    """The draft model's multi-candidate tree (method ``mcsd``, and the target-initialised mode's
-    chains below its candidates: the plan's ``target-init`` share)."""
+    """The draft model's multi-candidate tree: the plan's ``sub`` (methods ``mcsd``, ``mcsd+maxgram``)."""
 
-    name, stage = "draft-tree", 10
+    name, stage = DRAFT_TREE_DRAFTER, 10
 
     def __init__(self, proposer: DraftModelProposer) -> None:
         self.proposer = proposer
 
     @classmethod
     def limits(cls, config, topology: TreeTopology) -> tuple[int, int]:
-        init = config.target_init_k * config.target_init_depth  # the (k, 1, ...) tree of the lossy mode
-        return max(topology.num_nodes, init), max(topology.num_nodes, init)
+        return topology.num_nodes, topology.num_nodes
 
     @classmethod
     def build(cls, ctx: DrafterContext) -> Optional["DraftTreeDrafter"]:
@@ -284,7 +284,14 @@ class DraftTreeDrafter:
         idx = [i for i, p in enumerate(plans) if p.sub.num_nodes > 0]
         if not idx:
             return
-        forced = [seqs[i].init_candidates if plans[i].share(TARGET_INIT_SHARE) else None for i in idx]
-        drafted = self.proposer.propose([seqs[i] for i in idx], [plans[i].sub for i in idx], forced, plans[idx[0]].step)
+        drafted = self.proposer.propose([seqs[i] for i in idx], [plans[i].sub for i in idx], step=plans[idx[0]].step)
         for i, tree in zip(idx, drafted):
             trees[i] = tree
+
+
+def plan_mcsd(p: PlanInput) -> DraftPlan:
+    """The draft model's tree, as the budget and the room allow."""
+    return DraftPlan(MCSD, p.sub if p.room > 0 else p.empty)
+
+
+register_method(Method(MCSD, (DRAFT_TREE_DRAFTER,), plan_mcsd, order=10))

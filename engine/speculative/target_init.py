@@ -21,19 +21,93 @@ sequence's first step only draws candidates (it emits nothing).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from engine.config import DrafterSettings, drafter_settings, setting
 from engine.device import Pending, to_device
 from engine.sampler import SamplingTensors, finish_probs, sample_k_distinct
 from engine.speculative.draft_tree import DEAD, DraftTree
-from engine.speculative.methods import TARGET_INIT_RULE, TARGET_INIT_SHARE, DraftPlan
+from engine.speculative.drafter import DrafterContext, register
+from engine.speculative.methods import DraftPlan, Method, PlanInput, register_method
+from engine.speculative.tree import TreeTopology
 from engine.speculative.verify import SeqStepResult, TreeBatch, path_logprobs, register_rule, residual_rows, target_rows
 from engine.speculative.walk import Coins, VerifyResult
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence
+
+TARGET_INIT_METHOD, TARGET_INIT_RULE = "target-init-lossy", "target-init"
+TARGET_INIT_SHARE = "target-init"  # the draft-tree drafter forces the candidates as level 1 (sub is (k, 1, ...))
+TARGET_INIT_NOTE = ("lossy: target-initialised candidates keep the target-sampled token whose draft continuation "
+                    "survives longest, which biases the output towards tokens the draft predicts well")
+
+
+@drafter_settings("target_init")
+@dataclass(frozen=True)
+class TargetInitSettings(DrafterSettings):
+    """The target-initialised mode's settings (``--target-init-k``, ...)."""
+
+    k: int = setting(3, "target-initialised (lossy, opt-in): candidate roots", ge=1, le=16)
+    depth: int = setting(3, "target-initialised: tokens per candidate chain", ge=1, le=32)
+
+    @property
+    def topology(self) -> TreeTopology:
+        return init_topology(self.k, self.depth)
+
+
+@functools.cache
+def init_topology(k: int, depth: int) -> TreeTopology:
+    """The mode's tree: ``k`` candidate roots, each with a chain below it."""
+    return TreeTopology((k,) + (1,) * (depth - 1))
+
+
+@register
+class TargetInitDrafter:
+    """The draft model's chains below last step's candidates: the plan's share is their tree, the
+    (k, 1, ...) topology cut to the room (empty on a sequence's first step, which only draws them)."""
+
+    name, stage = TARGET_INIT_SHARE, 10
+
+    def __init__(self, proposer) -> None:
+        self.proposer = proposer
+
+    @classmethod
+    def limits(cls, config, topology: TreeTopology) -> tuple[int, int]:
+        nodes = TargetInitSettings.of(config).topology.num_nodes
+        return nodes, nodes
+
+    @classmethod
+    def build(cls, ctx: DrafterContext) -> Optional["TargetInitDrafter"]:
+        return cls(ctx.proposer) if ctx.proposer is not None else None
+
+    def propose(self, seqs: list["Sequence"], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
+        subs = [p.share(self.name) for p in plans]
+        idx = [i for i, sub in enumerate(subs) if sub is not None and sub.num_nodes > 0]
+        if not idx:
+            return
+        drafted = self.proposer.propose([seqs[i] for i in idx], [subs[i] for i in idx],
+                                        [seqs[i].init_candidates for i in idx])
+        for i, tree in zip(idx, drafted):
+            trees[i] = tree
+
+
+def plan_target_init(p: PlanInput) -> DraftPlan:
+    """Chains below the candidates drawn last step, as deep as the room allows; a sequence's first step
+    drafts nothing (its share is the empty tree) and only draws candidates."""
+    settings = TargetInitSettings.of(p.config)
+    topology = settings.topology
+    if p.seq.init_candidates is None:
+        return DraftPlan(TARGET_INIT_METHOD, p.empty, {TARGET_INIT_SHARE: topology.subtree(())})
+    depth = min(settings.depth, p.room + 1)  # the candidate itself, then its chain
+    return DraftPlan(TARGET_INIT_METHOD, p.empty, {TARGET_INIT_SHARE: topology.subtree(topology.widths[:depth])})
+
+
+register_method(Method(TARGET_INIT_METHOD, (TARGET_INIT_SHARE,), plan_target_init, lossy_note=TARGET_INIT_NOTE,
+                       rule=TARGET_INIT_RULE, order=60))
 
 
 def verify_target_init(accept: Callable[[int, int], bool], tokens: list[int],
@@ -152,7 +226,7 @@ class TargetInitRule:
     def claims(self, plan: DraftPlan, tree: DraftTree) -> bool:
         # the mode's own steps, a first one with no tree included (it draws the candidates); a request
         # whose speculation is off, or that has no draft slot, decodes plainly by the lossless rule
-        return bool(plan.share(TARGET_INIT_SHARE))
+        return plan.share(TARGET_INIT_SHARE) is not None
 
     def start(self, seqs: list["Sequence"], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
         dev, k = logits.device, self.k
@@ -176,7 +250,8 @@ class TargetInitRule:
         return pending.then(results)
 
 
-register_rule(TARGET_INIT_RULE, lambda config, vocab_size: TargetInitRule(config.target_init_k, vocab_size))
+register_rule(TARGET_INIT_RULE,
+              lambda config, vocab_size: TargetInitRule(TargetInitSettings.of(config).k, vocab_size))
 
 
 class TargetInitCoins:

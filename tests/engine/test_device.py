@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.request import GenerationRequest, SamplingParams, SpecOptions
 from engine.speculative.cost_model import CostCurve, CostModel
-from engine.speculative.methods import METHODS
+from engine.speculative.methods import method_names
 from tests.device_check import DeviceCheck, mark_engine
 
 #: one request per sampling feature (a batch of 8 mixes them all)
@@ -33,8 +33,8 @@ def pair(tiny_pair):
 
 def run_checked(pair, method: str, features: list[str], tree=(2, 1, 1), max_tokens: int = 10, **config):
     target, draft = pair
-    core = EngineCore(target, draft, EngineConfig(max_batch=8, max_model_len=128, tree=tree, spec_method=method,
-                                                  **config))
+    config = EngineConfig.from_settings(max_batch=8, max_model_len=128, tree=tree, spec_method=method, **config)
+    core = EngineCore(target, draft, config)
     mark_engine(core)
     mode, per_step, errors = DeviceCheck(), [], []
     with mode:
@@ -54,13 +54,13 @@ def run_checked(pair, method: str, features: list[str], tree=(2, 1, 1), max_toke
     return core, per_step
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", method_names())
 def test_a_mixed_batch_of_eight_never_mixes_host_and_device(pair, method):
     run_checked(pair, method, list(FEATURES))
 
 
 @pytest.mark.parametrize("feature", list(FEATURES))
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", method_names())
 def test_each_feature_alone_never_mixes_host_and_device(pair, method, feature):
     run_checked(pair, method, [feature], max_tokens=6)
 

@@ -165,7 +165,7 @@ def test_a_running_sequences_blocks_are_shared_not_copied_and_a_failed_one_publi
 def make_core(pair, prefix_cache: bool, **config) -> EngineCore:
     target, draft = pair
     config = {"max_batch": 4, "max_model_len": 256, "tree": (2, 2), "load_aware": False, **config}
-    return EngineCore(target, draft, EngineConfig(prefix_cache=prefix_cache, **config))
+    return EngineCore(target, draft, EngineConfig.from_settings(prefix_cache=prefix_cache, **config))
 
 
 def drive(core: EngineCore, requests: list[GenerationRequest], add_at: list[int],

@@ -71,6 +71,21 @@ def test_unknown_preset_key(tmp_path):
         load_settings(["--config", str(preset)], {})
 
 
+def test_a_drafters_settings_may_be_a_preset_table(tmp_path):
+    """``[maxgram] len = 5`` is ``maxgram_len = 5``; a flag still wins over the preset."""
+    from engine.speculative.cascade import CascadeSettings
+    from engine.speculative.maxgram import MaxGramSettings
+
+    preset = tmp_path / "p.toml"
+    preset.write_text("max_batch = 3\n[maxgram]\nlen = 5\nmin-ngram = 2\n[cascade]\ndepth = 6\n")
+    config = load_settings(["--config", str(preset), "--cascade-depth", "7"], {}).engine_config()
+    mg = MaxGramSettings.of(config)
+    assert (config.max_batch, mg.len, mg.min_ngram, CascadeSettings.of(config).depth) == (3, 5, 2, 7)
+    preset.write_text("[maxgram]\nlenn = 5\n")
+    with pytest.raises(SettingsError, match="maxgram_lenn .*unknown setting"):
+        load_settings(["--config", str(preset)], {})
+
+
 def test_main_without_model_exits_2(capsys, monkeypatch):
     monkeypatch.delenv("MCSD_MODEL", raising=False)
     monkeypatch.delenv("MCSD_CONFIG", raising=False)
@@ -125,22 +140,28 @@ def test_cli_exits_1_when_loading_fails(tmp_path):
 
 
 def test_engine_settings_come_from_the_engine_config_alone():
-    """Every server-visible EngineConfig field is a setting with its declared default, help and bounds,
-    settable by flag, environment and preset, and ``engine_config()`` hands it over unchanged."""
+    """Every server-visible EngineConfig field and every drafter's setting (``<section>_<field>``) is
+    a setting with its declared default, help and bounds, settable by flag, environment and preset,
+    and ``engine_config()`` hands it over unchanged."""
     import dataclasses
 
-    from engine.config import EngineConfig
+    from engine.config import EngineConfig, sections
+    from engine.speculative.maxgram import MaxGramSettings
+    from engine.speculative.mjsd import MjsdSettings
 
-    fields = [f for f in dataclasses.fields(EngineConfig) if f.metadata.get("server", True)]
-    assert {f.name for f in fields} <= set(Settings.model_fields)
-    assert "without_replacement" not in Settings.model_fields  # marked server=False
-    for f in fields:
-        info = Settings.model_fields[f.name]
-        assert info.default == f.default and info.description == f.metadata["help"], f.name
+    fields = [(f.name, f) for f in dataclasses.fields(EngineConfig) if f.metadata.get("server", True)]
+    fields += [(f"{name}_{f.name}", f) for name, cls in sections().items() for f in dataclasses.fields(cls)]
+    assert {"maxgram_len", "cascade_depth", "mjsd_tau", "target_init_k"} <= {name for name, _ in fields}
+    assert {name for name, _ in fields} <= set(Settings.model_fields)
+    assert "without_replacement" not in Settings.model_fields and "drafters" not in Settings.model_fields
+    for name, f in fields:
+        info = Settings.model_fields[name]
+        assert info.default == f.default and info.description == f.metadata["help"], name
     s = load_settings(["--maxgram-max-ngram", "3", "--adaptive-min-depth", "2", "--no-load-aware"],
                       {"MCSD_MJSD_TAU": "0.25"})
     config = s.engine_config()
-    assert (config.maxgram_max_ngram, config.adaptive_min_depth, config.load_aware, config.mjsd_tau) == (3, 2, False, 0.25)
+    assert (MaxGramSettings.of(config).max_ngram, config.adaptive_min_depth, config.load_aware,
+            MjsdSettings.of(config).tau) == (3, 2, False, 0.25)
     assert config.tree == EngineConfig().tree and config.max_batch == EngineConfig().max_batch
     with pytest.raises(SettingsError, match="maxgram_branches .*--maxgram-branches.*less than or equal to 8"):
         load_settings(["--maxgram-branches", "9"], {})

@@ -11,9 +11,9 @@ from engine.core import EngineCore
 from engine.request import SpecOptions
 from engine.sequence import Sequence
 from engine.speculative.draft_tree import MAXGRAM, ONEHOT, SAMPLED, DraftTree
-from engine.speculative.maxgram import BigramTable, MaxGramDrafter, NgramIndex
 from engine.speculative import methods
-from engine.speculative.methods import CASCADE, MAXGRAM as M_MAXGRAM, MCSD_MAXGRAM
+from engine.speculative.cascade import CASCADE_METHOD as CASCADE
+from engine.speculative.maxgram import MAXGRAM_METHOD as M_MAXGRAM, MCSD_MAXGRAM, BigramTable, MaxGramDrafter, NgramIndex
 from engine.speculative.tree import TreeTopology
 from engine.speculative.walk import residual, verify_sampled
 from engine.request import GenerationRequest, SamplingParams
@@ -271,7 +271,7 @@ def test_mjsd_rejects_penalties_and_is_never_the_default(models):
         run_engine(target, other, PROMPTS[:1], tree=(1,), spec=SpecOptions(method="mjsd-lossy"),
                    presence_penalty=0.5)
     with pytest.raises(ValueError, match="mjsd_tau"):
-        EngineConfig(mjsd_tau=0.0)
+        EngineConfig.from_settings(mjsd_tau=0.0)
     outs, _ = run_engine(target, other, PROMPTS[:1], tree=(1,), max_tokens=4)
     assert outs[0].spec.note is None
 

@@ -1,15 +1,19 @@
-"""A new speculation method is one drafter class and one ``Method`` record, registered where they are
-defined: the engine's core, runner, scheduler, planner and cache sizing take it without a change.
-The toy here proposes the last token again as a one-hot chain; its greedy output must be plain
+"""A new speculation method is one drafter class, its settings and one ``Method`` record, registered
+where they are defined: the engine's core, runner, scheduler, planner, cache sizing, configuration
+and the server's flags take it without a change.  The toy here proposes the last token again as a
+one-hot chain, as long as its ``repeat_len`` setting says; its greedy output must be plain
 decoding's, its proposals must reach the verifier, and the cache must be sized for its trees.  A
 (lossy) verification rule plugs in the same way: registered by name, named by its method."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 import torch
 
+from engine.config import DrafterSettings, EngineConfig, drafter_settings, setting, unregister_section
 from engine.device import Pending
 from engine.speculative import drafter as drafter_module
 from engine.speculative import methods as methods_module
@@ -23,12 +27,17 @@ from engine.request import SpecOptions
 from tests.engine_utils import run_engine
 
 
+@dataclass(frozen=True)
+class RepeatSettings(DrafterSettings):
+    len: int = setting(6, "tokens the repeat drafter proposes", ge=1, le=16)  # the setting repeat_len
+
+
 class RepeatDrafter:
     name, stage = "repeat", 80
 
     @classmethod
     def limits(cls, config, topology):
-        return 6, 0  # verification rows per tree beyond the root; draft-cache entries per step
+        return RepeatSettings.of(config).len, 0  # verification rows per tree; draft-cache entries per step
 
     @classmethod
     def build(cls, ctx: DrafterContext):
@@ -42,27 +51,49 @@ class RepeatDrafter:
 
 
 def plan_repeat(p: PlanInput) -> DraftPlan:
-    return DraftPlan("repeat", p.empty, {"repeat": min(6, p.room)} if p.room > 0 else {})
+    n = min(RepeatSettings.of(p.config).len, p.room)
+    return DraftPlan("repeat", p.empty, {"repeat": n} if n > 0 else {})
 
 
 @pytest.fixture
 def repeat_method():
+    drafter_settings("repeat")(RepeatSettings)
     register(RepeatDrafter)
     register_method(Method("repeat", ("repeat",), plan_repeat, needs_draft=False))
     try:
         yield
     finally:
         del drafter_module._REGISTRY["repeat"], methods_module._REGISTRY["repeat"]
+        unregister_section("repeat")
 
 
 def test_a_registered_method_runs_and_stays_lossless(tiny_target, repeat_method):
     prompts = [[5, 5, 5, 5, 5, 5], [3, 4, 3, 4], [7, 8, 9]]
     plain, _ = run_engine(tiny_target, None, prompts, tree=(), ignore_eos=True)
-    outs, core = run_engine(tiny_target, None, prompts, tree=(), ignore_eos=True, spec=SpecOptions(method="repeat"))
+    outs, core = run_engine(tiny_target, None, prompts, tree=(), ignore_eos=True, spec=SpecOptions(method="repeat"),
+                            config=dict(repeat_len=5))
     assert [o.tokens for o in outs] == [o.tokens for o in plain]
     assert sum(o.spec.drafted_tokens for o in outs) > 0  # the planner planned it and the drafter proposed
-    assert core.cache.max_len >= core.max_model_len + 6 + 1  # the cache was sized from its limits
+    assert max(o.spec.drafted_tokens / max(o.spec.steps, 1) for o in outs) <= 5  # as its setting says
+    assert core.cache.max_len >= core.max_model_len + 5 + 1  # the cache was sized from its limits
     assert "repeat" in methods_module.method_names()
+
+
+def test_a_registered_drafters_settings_are_server_settings(repeat_method):
+    """Its settings section becomes ``--repeat-len`` / ``MCSD_REPEAT_LEN`` / a preset key, bounds
+    included, and reaches the engine's config."""
+    from server.settings import SettingsError, load_settings, settings_model
+
+    model = settings_model()
+    assert model.model_fields["repeat_len"].description == "tokens the repeat drafter proposes"
+    config = load_settings(["--repeat-len", "3"], {}, model=model).engine_config()
+    assert RepeatSettings.of(config).len == 3
+    assert RepeatSettings.of(load_settings([], {"MCSD_REPEAT_LEN": "2"}, model=model).engine_config()).len == 2
+    with pytest.raises(SettingsError, match="repeat_len .*--repeat-len"):
+        load_settings(["--repeat-len", "17"], {}, model=model)
+    assert RepeatSettings.of(EngineConfig()).len == 6
+    with pytest.raises(ValueError, match="repeat_len must be >= 1"):
+        EngineConfig.from_settings(repeat_len=0)
 
 
 class AcceptAllRule:
@@ -87,17 +118,15 @@ class AcceptAllRule:
 
 
 @pytest.fixture
-def accept_all_method():
+def accept_all_method(repeat_method):
     rules = []
-    register(RepeatDrafter)
     register_rule("accept-all", lambda config, vocab_size: rules.append(AcceptAllRule(vocab_size)) or rules[-1])
     register_method(Method("repeat-all", ("repeat",), plan_repeat_all, needs_draft=False, rule="accept-all",
                            lossy_note="toy: every drafted token is accepted"))
     try:
         yield rules
     finally:
-        del drafter_module._REGISTRY["repeat"], methods_module._REGISTRY["repeat-all"]
-        del verify_module._RULES["accept-all"]
+        del methods_module._REGISTRY["repeat-all"], verify_module._RULES["accept-all"]
 
 
 def plan_repeat_all(p: PlanInput) -> DraftPlan:
