@@ -29,7 +29,7 @@ class StepStats:
     accepted_by_rank: list[int] = field(default_factory=list)  # [rank] accepted nodes with that rank
     drafted_by_method: dict[str, int] = field(default_factory=dict)  # drafter -> nodes it proposed
     accepted_by_method: dict[str, int] = field(default_factory=dict)  # drafter -> accepted nodes it proposed
-    budget: int = 0  # tree budget (nodes per sequence) chosen for this step
+    budget: int = 0  # the draft model's tree budget (nodes per sequence) chosen for this step (plan.sub)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     step_seconds: float = 0.0

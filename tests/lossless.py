@@ -24,7 +24,6 @@ from engine.sampler import SamplingTensors, compute_probs
 from engine.speculative.adaptive import AdaptiveSpeculation, SpecPolicy
 from engine.speculative.maxgram import BigramTable
 from engine.speculative.tree import TreeTopology
-from tests.exact_law import BIGRAMS  # noqa: F401  (the cases' bigram table)
 from tests.tiny import tiny_tokenizer
 from tests.toy import ToyModel, random_table
 

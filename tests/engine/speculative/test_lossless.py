@@ -13,8 +13,8 @@
 import pytest
 import torch
 
-from tests.exact_law import Law, Replay, deviation, enumerate_law, lossless_laws, lossy_law, planted_laws
-from tests.lossless import BIGRAMS, Case, chi_square, exact_joint, sample_counts
+from tests.exact_law import BIGRAMS, Replay, deviation, enumerate_law, lossless_laws, lossy_law, planted_laws
+from tests.lossless import Case, chi_square, exact_joint, sample_counts
 
 EXACT = 1e-12
 
