@@ -56,7 +56,7 @@ from engine.speculative.tree import TreeTopology
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.speculative.verify import SeqStepResult
-    from engine.sequence import Sequence
+    from engine.speculative.view import SeqView
     from engine.speculative.draft_tree import DraftTree
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class StepBudget:
 
     widths: Optional[tuple[int, ...]] = None  # the batch's tree budget; None = no cap
     block: float = 0.0  # verification rows of the step so far (the roots, then each level kept)
-    decided: dict[int, tuple["Sequence", bool]] = field(default_factory=dict)  # catch-up decisions, by id(seq)
+    decided: dict[int, tuple[SeqView, bool]] = field(default_factory=dict)  # catch-up decisions, by id(seq)
     rates: dict[bool, torch.Tensor] = field(default_factory=dict)  # calibrator rates read at planning, by greedy
 
 
@@ -78,17 +78,17 @@ class SpecPolicy:
     wants_features = False  # the proposer records NodeFeatures (q_token, depth, rank) per level
     wants_full_features = False  # ... plus entropy, top-k and the draft's hidden states
 
-    def budget(self, seqs: list["Sequence"]) -> StepBudget:
+    def budget(self, seqs: list[SeqView]) -> StepBudget:
         return StepBudget(None, float(len(seqs)))
 
-    def keep_drafting(self, seqs: list["Sequence"], trees: list["DraftTree"], depth: int,
+    def keep_drafting(self, seqs: list[SeqView], trees: list["DraftTree"], depth: int,
                       step: Optional[StepBudget] = None) -> list[bool]:
         return [True] * len(trees)
 
     def observe(self, results: list["SeqStepResult"]) -> None:
         return None
 
-    def catch_up_pays(self, seq: "Sequence", step: Optional[StepBudget] = None) -> bool:
+    def catch_up_pays(self, seq: SeqView, step: Optional[StepBudget] = None) -> bool:
         """Whether the sequence may run its missing tokens through the draft this step (after ``budget``)."""
         return True
 
@@ -244,7 +244,7 @@ class AdaptiveSpeculation(SpecPolicy):
         return cls(topology, config.adaptive_threshold, config.adaptive_min_depth,
                    config.adaptive_max_depth, heads, cost)
 
-    def head_for(self, seq: "Sequence") -> Optional[AcceptanceHead]:
+    def head_for(self, seq: SeqView) -> Optional[AcceptanceHead]:
         """The head trained for the request's temperature: the greedy head for greedy requests, else
         the sampled head with the closest temperature."""
         params = seq.request.sampling
@@ -252,7 +252,7 @@ class AdaptiveSpeculation(SpecPolicy):
         return min(fits, key=lambda h: abs(h.meta.temperature - params.temperature), default=None)
 
     # ------------------------------------------------------------------ hooks
-    def budget(self, seqs: list["Sequence"]) -> StepBudget:
+    def budget(self, seqs: list[SeqView]) -> StepBudget:
         step = StepBudget(self.topology.widths[: self.max_depth], float(len(seqs)))  # rows so far: the roots
         if self.chooser is None:
             return step
@@ -281,13 +281,13 @@ class AdaptiveSpeculation(SpecPolicy):
         step.widths = (1,) * self.min_depth  # a probe
         return step
 
-    def _choose(self, spec: list["Sequence"], plain: int, step: StepBudget) -> tuple[int, ...]:
+    def _choose(self, spec: list[SeqView], plain: int, step: StepBudget) -> tuple[int, ...]:
         groups: dict[bool, int] = {}
         for s in spec:
             groups[s.request.sampling.greedy] = groups.get(s.request.sampling.greedy, 0) + 1
         return self.chooser.choose([(n, step.rates[g]) for g, n in groups.items()], plain)
 
-    def catch_up_pays(self, seq: "Sequence", step: Optional[StepBudget] = None) -> bool:
+    def catch_up_pays(self, seq: SeqView, step: Optional[StepBudget] = None) -> bool:
         decided = step.decided.get(id(seq)) if step is not None else None
         if decided is not None and decided[0] is seq:
             return decided[1]  # taken by this step's budget
@@ -302,7 +302,7 @@ class AdaptiveSpeculation(SpecPolicy):
             return True  # the pair's acceptance is still the prior: measure it before judging the saving
         return self.chooser.cost.catch_up_pays(lag, min(seq.remaining, self.HORIZON), self.chooser.saving)
 
-    def keep_drafting(self, seqs: list["Sequence"], trees: list["DraftTree"], depth: int,
+    def keep_drafting(self, seqs: list[SeqView], trees: list["DraftTree"], depth: int,
                       step: Optional[StepBudget] = None) -> list[bool]:
         step = step if step is not None else StepBudget(None, float(len(seqs)))  # outside a planned step
         want, gains, sizes = [], [], []
@@ -345,7 +345,7 @@ class AdaptiveSpeculation(SpecPolicy):
         go = set(order[:best_n])
         return [i in go for i in range(len(trees))]
 
-    def predict(self, seq: "Sequence", feats: NodeFeatures) -> torch.Tensor:
+    def predict(self, seq: SeqView, feats: NodeFeatures) -> torch.Tensor:
         head = self.head_for(seq)
         if head is not None:
             return head.predict(feats)

@@ -34,7 +34,6 @@ from engine.config import DrafterSettings, drafter_settings, setting
 from engine.device import tensor as device_tensor
 from engine.device import to_device, to_host
 from engine.sampler import SamplingTensors, compute_probs, sample_from_probs
-from engine.sequence import Sequence
 from engine.speculative.drafter import DrafterContext, register
 from engine.speculative.methods import DraftPlan, Method, PlanInput, register_method
 from engine.speculative.draft_tree import CASCADE, SAMPLED, DraftTree
@@ -43,6 +42,7 @@ from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.tree import SubTree
 from engine.speculative.verify import without_rows
 from engine.speculative.walk import Coins, onehot_residual
+from engine.speculative.view import SeqView
 
 CASCADE_DRAFTER = CASCADE_METHOD = "cascade"
 
@@ -57,7 +57,7 @@ class CascadeSettings(DrafterSettings):
 
 @dataclass
 class _Chain:
-    seq: Sequence
+    seq: SeqView
     depth: int  # tokens to draft
     tokens: list[int] = field(default_factory=list)
     q: list[torch.Tensor] = field(default_factory=list)  # law of each token given the chain above it
@@ -75,7 +75,7 @@ class CascadeProposer:
         self.draft = draft
         self.maxgram = maxgram
 
-    def propose(self, seqs: list[Sequence], depths: list[int], empties: list[SubTree]) -> list[DraftTree]:
+    def propose(self, seqs: list[SeqView], depths: list[int], empties: list[SubTree]) -> list[DraftTree]:
         """``empties``: each sequence's (empty) draft-model subtree, which the chain is appended to."""
         logits, _ = self.draft._catch_up(seqs)
         chains = [_Chain(s, d, frontier=lg) for s, d, lg in zip(seqs, depths, logits)]
@@ -261,7 +261,7 @@ class CascadeDrafter:
     def build(cls, ctx: DrafterContext) -> Optional["CascadeDrafter"]:
         return cls(CascadeProposer(ctx.proposer, ctx.maxgram)) if ctx.proposer is not None else None
 
-    def propose(self, seqs: list[Sequence], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
+    def propose(self, seqs: list[SeqView], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
         idx = [i for i, p in enumerate(plans) if p.share(self.name, 0) > 0]
         if not idx:
             return

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Protocol
 
 from engine.config import EngineConfig
-from engine.sequence import Sequence
 from engine.speculative.draft_tree import DraftTree
 from engine.speculative.methods import DraftPlan, methods
 from engine.speculative.tree import TreeTopology
+from engine.speculative.view import SeqView
 
 if TYPE_CHECKING:
     from engine.speculative.maxgram import MaxGramDrafter
@@ -65,7 +65,7 @@ class Drafter(Protocol):
     def build(cls, ctx: DrafterContext) -> Optional["Drafter"]:
         """The drafter for this engine, or None when it cannot run here (e.g. no draft model)."""
 
-    def propose(self, seqs: list[Sequence], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
+    def propose(self, seqs: list[SeqView], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
         """Grows (or replaces) ``trees[i]``, the step's tree of ``seqs[i]``, as ``plans[i]`` allows;
         sequences whose plan gives this drafter nothing are left alone."""
 

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from engine.device import to_device
-from engine.sequence import Sequence
+from engine.speculative.view import SeqView
 
 
 def path_tokens(row: int, tokens: list[int], parent: list[int]) -> list[int]:
@@ -32,7 +32,7 @@ class RowHistory:
     prompt_mask: Optional[torch.Tensor]  # [rows, vocab] bool, or None
 
     @classmethod
-    def for_rows(cls, seq: Sequence, tokens: list[int], parent: list[int], rows: list[int]) -> "RowHistory":
+    def for_rows(cls, seq: SeqView, tokens: list[int], parent: list[int], rows: list[int]) -> "RowHistory":
         """``parent[i]``: node ``i``'s parent node (-1 = the root)."""
         base = seq.output_counts  # [vocab]
         counts = base.expand(len(rows), -1).clone()
@@ -50,7 +50,7 @@ class RowHistory:
         return self.counts, self.prompt_mask
 
 
-def batch_histories(seqs: list[Sequence], trees: list, rows: int, vocab_size: int,
+def batch_histories(seqs: list[SeqView], trees: list, rows: int, vocab_size: int,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Penalty inputs for ``rows`` block rows of every sequence's tree (``trees[b]``: a
     ``DraftTree``), flattened ``b * rows + r``: generated-token counts [B * rows, vocab] int32 and

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Optional, Sequence as Seq
 
 from engine.config import DrafterSettings, drafter_settings, setting
-from engine.sequence import Sequence
 from engine.speculative.drafter import DrafterContext, register
 from engine.speculative.methods import DraftPlan, Method, PlanInput, register_method
 from engine.speculative.draft_tree import BIGRAM, MAXGRAM, DraftTree
+from engine.speculative.view import SeqView
 
 
 MAXGRAM_DRAFTER = "maxgram"
@@ -170,26 +170,26 @@ class MaxGramDrafter:
         self.min_ngram = min_ngram
         self.bigram = bigram
         self.bigram_len = bigram_len
-        self._index: "weakref.WeakKeyDictionary[Sequence, NgramIndex]" = weakref.WeakKeyDictionary()
+        self._index: "weakref.WeakKeyDictionary[SeqView, NgramIndex]" = weakref.WeakKeyDictionary()
 
     def proposal_length(self, match: int, cap: int) -> int:
         """Tokens worth proposing after a ``match``-token suffix match (1 -> 2, 2 -> 4, 3+ -> all)."""
         return min(cap, self.max_len, 2 * match if match < 3 else self.max_len)
 
-    def index(self, seq: Sequence) -> NgramIndex:
+    def index(self, seq: SeqView) -> NgramIndex:
         idx = self._index.get(seq)
         if idx is None:
             idx = self._index[seq] = NgramIndex(self.max_ngram)
         idx.extend(seq.tokens)
         return idx
 
-    def root_match(self, seq: Sequence) -> Optional[int]:
+    def root_match(self, seq: SeqView) -> Optional[int]:
         """The suffix match length of the proposal from the root (0: the bigram table); None if there
         is no proposal."""
         props = self.propose(seq, (), 1)
         return props[0].match if props else None
 
-    def propose(self, seq: Sequence, path: Seq[int] = (), max_len: Optional[int] = None,
+    def propose(self, seq: SeqView, path: Seq[int] = (), max_len: Optional[int] = None,
                 branches: int = 1) -> list[Proposal]:
         """Up to ``branches`` proposals with distinct first tokens for what follows
         ``seq.tokens + path``; each at most ``max_len`` tokens (default: the drafter's)."""
@@ -215,7 +215,7 @@ class MaxGramDrafter:
                 out.append(Proposal(cont, 0))
         return out
 
-    def extend_tree(self, seq: Sequence, tree: DraftTree, tail: int = 0, length: int = 0, branches: int = 0) -> None:
+    def extend_tree(self, seq: SeqView, tree: DraftTree, tail: int = 0, length: int = 0, branches: int = 0) -> None:
         """Appends Max-Gram's one-hot proposals to ``tree``: a ``tail`` of up to that many tokens below its
         deepest live node (the most likely path among equals; the horizontal cascade), then up to
         ``branches`` proposals of up to ``length`` tokens from the root (merged with equal nodes)."""
@@ -346,7 +346,7 @@ class MaxGramTreeDrafter:
     def build(cls, ctx: DrafterContext) -> "MaxGramTreeDrafter":
         return cls(ctx.maxgram)
 
-    def propose(self, seqs: list[Sequence], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
+    def propose(self, seqs: list[SeqView], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
         for seq, plan, tree in zip(seqs, plans, trees):
             share = plan.share(self.name)
             if share is not None:

@@ -39,7 +39,7 @@ from engine.speculative.tree import SubTree
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.sequence import Sequence
+    from engine.speculative.view import SeqView
 
 LOSSLESS_RULE = "lossless"  # engine.speculative.verify.LOSSLESS: the multi-candidate rule
 
@@ -82,7 +82,7 @@ def share_rows(share: Any) -> int:
 class PlanInput:
     """What a method's plan reads for one sequence in one step (the planner builds it)."""
 
-    seq: "Sequence"
+    seq: SeqView
     config: "EngineConfig"
     room: int  # tokens it may still draft beyond the next one (what remains, and the request's max_depth)
     draft_ok: bool  # the step's budget lets the draft model run for it (False: plain decoding is cheaper)
@@ -147,7 +147,7 @@ def check_method(name: str) -> str:
     return name
 
 
-def uses_draft(seq: "Sequence") -> bool:
+def uses_draft(seq: SeqView) -> bool:
     """Whether the sequence's request speculates with a method that runs the draft model."""
     spec = seq.request.spec
     return bool(spec.enabled) and method(spec.method).needs_draft

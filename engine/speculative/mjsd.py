@@ -28,7 +28,6 @@ from engine.config import DrafterSettings, drafter_settings, setting
 from engine.device import tensor as device_tensor
 from engine.device import Pending, to_host
 from engine.sampler import SamplingTensors, apply_logit_bias, compute_probs, sample_tokens
-from engine.sequence import Sequence
 from engine.speculative.drafter import DrafterContext, register
 from engine.speculative.methods import DraftPlan, Method, PlanInput, register_method
 from engine.speculative.draft_tree import DraftTree
@@ -36,6 +35,7 @@ from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.tree import SubTree
 from engine.speculative.verify import SeqStepResult, path_logprobs, register_rule
 from engine.speculative.walk import VerifyResult
+from engine.speculative.view import SeqView
 
 MJSD_DRAFTER, MJSD_METHOD, JOINT_RULE = "mjsd", "mjsd-lossy", "mjsd-joint"
 MJSD_NOTE = ("lossy: joint decoding (MJSD) accepts draft tokens by joint likelihood, so the output is not "
@@ -54,7 +54,7 @@ class MjsdSettings(DrafterSettings):
 MJSD = "mjsd"  # drafter name in statistics
 
 
-def joint_logprobs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+def joint_logprobs(logits: torch.Tensor, seq: SeqView) -> torch.Tensor:
     """[rows, vocab] log-probabilities MJSD scores with: logit bias, then the request's temperature
     (1 for greedy requests)."""
     params = seq.request.sampling
@@ -65,7 +65,7 @@ def joint_logprobs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
 
 @dataclass
 class _Beams:
-    seq: Sequence
+    seq: SeqView
     depth: int
     tokens: list[int] = field(default_factory=list)  # every node drafted, level by level
     parent: list[int] = field(default_factory=list)
@@ -80,7 +80,7 @@ class MjsdProposer:
         self.draft = draft
         self.beam = beam
 
-    def propose(self, seqs: list[Sequence], depths: list[int], empties: list[SubTree]) -> list[DraftTree]:
+    def propose(self, seqs: list[SeqView], depths: list[int], empties: list[SubTree]) -> list[DraftTree]:
         logits, _ = self.draft._catch_up(seqs)
         beams = [_Beams(s, d) for s, d in zip(seqs, depths)]
         rows = [lg[None] for lg in logits]  # per sequence: [frontier beams, vocab] raw logits
@@ -155,13 +155,13 @@ class MjsdProposer:
         return logits
 
 
-def verify_joint(chains: list[tuple[torch.Tensor, list[int], list[float], Sequence]], tau: float) -> list[VerifyResult]:
+def verify_joint(chains: list[tuple[torch.Tensor, list[int], list[float], SeqView]], tau: float) -> list[VerifyResult]:
     """Each chain ``(logits, tokens, logq, seq)`` (logits: [1+n, vocab] the target's raw logits of the
     root and the chain) decided on the device, all read back at once."""
     return start_joint(chains, tau).result()
 
 
-def start_joint(chains: list[tuple[torch.Tensor, list[int], list[float], Sequence]], tau: float) -> Pending:
+def start_joint(chains: list[tuple[torch.Tensor, list[int], list[float], SeqView]], tau: float) -> Pending:
     """:func:`verify_joint` decided on the device; the pending reads it back."""
     decided = [_decide_joint(*chain, tau) for chain in chains]
 
@@ -186,7 +186,7 @@ class JointRule:
     def claims(self, plan: DraftPlan, tree: DraftTree) -> bool:
         return tree.joint_logq is not None
 
-    def start(self, seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
+    def start(self, seqs: list[SeqView], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
         rows = [logits[i, : 1 + t.num_nodes, : self.vocab_size] for i, t in enumerate(trees)]
         pending = start_joint([(lg, t.tokens, t.joint_logq, s) for lg, t, s in zip(rows, trees, seqs)], self.tau)
 
@@ -202,7 +202,7 @@ class JointRule:
 register_rule(JOINT_RULE, lambda config, vocab_size: JointRule(MjsdSettings.of(config).tau, vocab_size))
 
 
-def _decide_joint(logits: torch.Tensor, tokens: list[int], logq: list[float], seq: Sequence,
+def _decide_joint(logits: torch.Tensor, tokens: list[int], logq: list[float], seq: SeqView,
                   tau: float) -> torch.Tensor:
     """[2] on the device: the accepted prefix length and the final token."""
     dev, n = logits.device, len(tokens)
@@ -238,7 +238,7 @@ class MjsdDrafter:
     def build(cls, ctx: DrafterContext) -> Optional["MjsdDrafter"]:
         return cls(MjsdProposer(ctx.proposer, MjsdSettings.of(ctx.config).beam)) if ctx.proposer is not None else None
 
-    def propose(self, seqs: list[Sequence], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
+    def propose(self, seqs: list[SeqView], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
         idx = [i for i, p in enumerate(plans) if p.share(self.name, 0) > 0]
         if not idx:
             return

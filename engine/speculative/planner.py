@@ -21,7 +21,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Optional
 
 from engine.config import EngineConfig
-from engine.sequence import Sequence
 from engine.speculative.adaptive import SpecPolicy, StepBudget
 from engine.speculative.cost_model import measure_curve
 from engine.speculative.maxgram import (
@@ -30,6 +29,7 @@ from engine.speculative.maxgram import (
 )
 from engine.speculative.methods import DraftPlan, PlanInput, method, share_rows
 from engine.speculative.tree import SubTree, TreeTopology
+from engine.speculative.view import SeqView
 
 if TYPE_CHECKING:
     from engine.kv_cache import KVCache
@@ -70,7 +70,7 @@ class Planner:
             lengths = LengthChooser(curve, mg.len)
         return cls(config, topology, maxgram, policy, lengths)
 
-    def plan(self, seqs: list[Sequence]) -> list[DraftPlan]:
+    def plan(self, seqs: list[SeqView]) -> list[DraftPlan]:
         """This step's plan of every sequence, in order."""
         step = self.policy.budget(seqs) if self.policy is not None else None
         plans = [self._trust(seq, self._plan(seq, step)) for seq in seqs]
@@ -84,7 +84,7 @@ class Planner:
         if self.policy is not None:
             self.policy.observe(results)
 
-    def _trust(self, seq: Sequence, plan: DraftPlan) -> DraftPlan:
+    def _trust(self, seq: SeqView, plan: DraftPlan) -> DraftPlan:
         """Max-Gram alone for this step when the context ends in a long suffix match; the choice reads
         only the context, so it cannot bias the output."""
         mg = plan.share(MAXGRAM_DRAFTER)
@@ -96,7 +96,7 @@ class Planner:
         return DraftPlan(plan.method, self.topology.subtree(()),
                          {MAXGRAM_DRAFTER: MaxGramShare(mg.length, max(mg.branches, 1), trusted=True)})
 
-    def _cap_maxgram(self, seqs: list[Sequence], plans: list[DraftPlan]) -> list[DraftPlan]:
+    def _cap_maxgram(self, seqs: list[SeqView], plans: list[DraftPlan]) -> list[DraftPlan]:
         """Caps Max-Gram's root proposals by the load-aware length chooser, per match class.  A trusted
         sequence drafts nothing else (:meth:`_trust`), so it adds no draft-tree rows; a cap of 0 makes
         it decode plainly this step, as priced."""
@@ -131,7 +131,7 @@ class Planner:
                 # Max-Gram alone drafted it (also when trusting it replaced the draft model)
                 self.lengths.observe(mg.match_class, max(tree.depths()), len(res.result.accepted), mg.length)
 
-    def _plan(self, seq: Sequence, step: Optional[StepBudget] = None) -> DraftPlan:
+    def _plan(self, seq: SeqView, step: Optional[StepBudget] = None) -> DraftPlan:
         """What each drafter of the request's method may draft this step: the method's own plan
         (``engine.speculative.methods``), given the room, the draft model's tree within the budget, and
         whether the budget lets the draft model run (a budget of plain decoding also stops the vertical
@@ -155,7 +155,7 @@ class Planner:
             return DraftPlan(spec.method, empty)
         return m.plan(PlanInput(seq, cfg, room, budget != (), self._subtree(seq, budget), empty))
 
-    def _subtree(self, seq: Sequence, budget: Optional[tuple[int, ...]] = None) -> SubTree:
+    def _subtree(self, seq: SeqView, budget: Optional[tuple[int, ...]] = None) -> SubTree:
         """The largest tree this sequence may draft this step: its request's tree (or the engine's),
         within the step's budget (a width config; ``None`` = no cap), its max_depth and what remains."""
         spec = seq.request.spec

@@ -28,7 +28,6 @@ from engine.models.vocab import OutputVocab
 from engine.sampler import (
     SamplingTensors, draw_uniforms, finish_probs, process_logits, sample_from_probs, sample_k_distinct,
 )
-from engine.sequence import Sequence
 from engine.speculative.adaptive import SpecPolicy, StepBudget
 from engine.speculative.features import ParentStats, level_features, parent_stats
 from engine.speculative.history import RowHistory
@@ -36,6 +35,7 @@ from engine.speculative.drafter import DrafterContext, register
 from engine.speculative.methods import DraftPlan, Method, PlanInput, register_method
 from engine.speculative.draft_tree import DEAD, DraftTree
 from engine.speculative.tree import SubTree, TreeTopology
+from engine.speculative.view import SeqView
 
 DRAFT_TREE_DRAFTER, MCSD = "draft-tree", "mcsd"
 
@@ -55,7 +55,7 @@ class DraftModelProposer:
         self.topology = topology  # needed only with a policy: the source of cut subtrees
         self.policy = policy
 
-    def propose(self, seqs: list[Sequence], subs: list[SubTree], forced: Optional[list[Optional[list[int]]]] = None,
+    def propose(self, seqs: list[SeqView], subs: list[SubTree], forced: Optional[list[Optional[list[int]]]] = None,
                 step: Optional[StepBudget] = None) -> list[DraftTree]:
         """``forced[j]``: tokens that replace sequence ``j``'s first level (target-initialised candidates,
         a lossy mode); the draft then grows its tree below them as usual, without the policy.
@@ -82,7 +82,7 @@ class DraftModelProposer:
                 frontier = dict(zip(to_run, self._run_level(seqs, trees, to_run, d)))
         return trees
 
-    def _apply_policy(self, seqs: list[Sequence], trees: list[DraftTree], deeper: list[int], d: int,
+    def _apply_policy(self, seqs: list[SeqView], trees: list[DraftTree], deeper: list[int], d: int,
                       step: Optional[StepBudget]) -> None:
         """Asks the policy whether each tree that could grow past depth ``d`` does; cuts the others."""
         deeper = [i for i in deeper if seqs[i].request.spec.adaptive is not False]
@@ -98,7 +98,7 @@ class DraftModelProposer:
         """One draft forward over ``blocks`` (every drafter that runs the draft model goes through here)."""
         return run_blocks(self.model, self.cache, blocks, self.vocab)
 
-    def _catch_up(self, seqs: list[Sequence]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _catch_up(self, seqs: list[SeqView]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Root logits [vocab] and draft hidden states [hidden] of every sequence.
 
         A sequence drafting for the first time catches up on its whole prompt (draft prefill is lazy,
@@ -146,7 +146,7 @@ class DraftModelProposer:
         return [(lg, out.hidden[j, : len(bl.tokens)]) for j, (lg, bl) in enumerate(zip(logits, blocks))]
 
     # ------------------------------------------------------------------ sampling children
-    def _sample_level(self, seqs: list[Sequence], trees: list[DraftTree], d: int,
+    def _sample_level(self, seqs: list[SeqView], trees: list[DraftTree], d: int,
                       frontier: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Draws the depth-``d`` children of every sequence's depth-(d-1) nodes, all sequences at once.
 
@@ -280,7 +280,7 @@ class DraftTreeDrafter:
     def build(cls, ctx: DrafterContext) -> Optional["DraftTreeDrafter"]:
         return cls(ctx.proposer) if ctx.proposer is not None else None
 
-    def propose(self, seqs: list[Sequence], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
+    def propose(self, seqs: list[SeqView], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
         idx = [i for i, p in enumerate(plans) if p.sub.num_nodes > 0]
         if not idx:
             return

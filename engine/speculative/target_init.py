@@ -38,7 +38,7 @@ from engine.speculative.verify import SeqStepResult, TreeBatch, path_logprobs, r
 from engine.speculative.walk import Coins, VerifyResult
 
 if TYPE_CHECKING:
-    from engine.sequence import Sequence
+    from engine.speculative.view import SeqView
 
 TARGET_INIT_METHOD, TARGET_INIT_RULE = "target-init-lossy", "target-init"
 TARGET_INIT_SHARE = "target-init"  # the draft-tree drafter forces the candidates as level 1 (sub is (k, 1, ...))
@@ -84,7 +84,7 @@ class TargetInitDrafter:
     def build(cls, ctx: DrafterContext) -> Optional["TargetInitDrafter"]:
         return cls(ctx.proposer) if ctx.proposer is not None else None
 
-    def propose(self, seqs: list["Sequence"], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
+    def propose(self, seqs: list[SeqView], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
         subs = [p.share(self.name) for p in plans]
         idx = [i for i, sub in enumerate(subs) if sub is not None and sub.num_nodes > 0]
         if not idx:
@@ -228,7 +228,7 @@ class TargetInitRule:
         # whose speculation is off, or that has no draft slot, decodes plainly by the lossless rule
         return plan.share(TARGET_INIT_SHARE) is not None
 
-    def start(self, seqs: list["Sequence"], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
+    def start(self, seqs: list[SeqView], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
         dev, k = logits.device, self.k
         batch, raw, x, st, params = target_rows(seqs, trees, logits, self.vocab_size)
         u_accept = torch.zeros(len(seqs), batch.num_rows)

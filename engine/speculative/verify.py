@@ -45,11 +45,11 @@ from engine.speculative.draft_tree import DEAD, SAMPLED, DraftTree
 from engine.speculative.history import batch_histories
 from engine.speculative.methods import LOSSLESS_RULE
 from engine.speculative.walk import VerifyResult
+from engine.speculative.view import SeqView
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.speculative.methods import DraftPlan
-    from engine.sequence import Sequence as Seq
 
 
 @dataclass
@@ -302,7 +302,7 @@ LOSSLESS = LOSSLESS_RULE
 class SeqStepResult:
     """One sequence's outcome of a verified step."""
 
-    seq: "Seq"
+    seq: SeqView
     result: VerifyResult
     tree: DraftTree
     logprobs: Optional[list[TokenLogprob]] = None
@@ -324,7 +324,7 @@ class VerifyRule(Protocol):
         """Whether this rule verifies ``tree``, drafted under ``plan`` (else the lossless rule does: e.g.
         nothing was drafted, or the request's speculation is off this step)."""
 
-    def start(self, seqs: list["Seq"], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
+    def start(self, seqs: list[SeqView], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
         """Starts verifying; the pending gives a :class:`SeqStepResult` per sequence, in order.
         logits: [B, rows, vocab'] the sequences' raw block logits."""
 
@@ -347,7 +347,7 @@ def build_rules(config: "EngineConfig", vocab_size: int) -> dict[str, VerifyRule
     return {name: factory(config, vocab_size) for name, factory in _RULES.items()}
 
 
-def target_rows(seqs: list["Seq"], trees: list[DraftTree], logits: torch.Tensor, vocab_size: int):
+def target_rows(seqs: list[SeqView], trees: list[DraftTree], logits: torch.Tensor, vocab_size: int):
     """The batch's trees as tensors, the raw logits of their rows [B, R, V], the processed ones (logit
     bias, and penalties with each row's own path) and the rows' sampling parameters."""
     dev, v = logits.device, vocab_size
@@ -385,7 +385,7 @@ class LosslessRule:
     def claims(self, plan: "DraftPlan", tree: DraftTree) -> bool:
         return True
 
-    def start(self, seqs: list["Seq"], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
+    def start(self, seqs: list[SeqView], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
         dev = logits.device
         batch, raw, x, st, params = target_rows(seqs, trees, logits, self.vocab_size)
         uniforms = None
