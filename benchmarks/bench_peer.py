@@ -6,9 +6,9 @@ llama.cpp tree; about 10 minutes on 2 cores; the binaries are cached under
 ``$MCSD_CACHE/llama.cpp/<version>/``), starts every server at once on the same target (and draft) GGUF,
 and drives them with the same chat prompts, interleaved round by round (the configuration order rotates
 every round, so slow drift of the machine favours none).  Each (temperature, concurrency) phase takes
-the next ``--limit`` prompts of the file, so no server sees a prompt twice (llama-server caches prompts
-across requests; a repeated prompt would measure that instead of prefill).  Our two configurations share
-one server, which would see each prompt twice, so it runs with ``--no-prefix-cache``:
+the next ``--limit`` prompts of the file, so no server sees a prompt twice: every configuration is its own
+server, and each keeps its default prompt caching (llama-server's slots reuse the longest cached
+prefix, ours its prefix cache), so both reuse only what prompts share, the chat template's opening:
 
 * ``llama plain``:   ``llama-server -m TARGET -t T -c 16384 -np 4``
 * ``llama draft``:   the same with ``-md DRAFT --spec-type draft-simple --spec-draft-n-max 8``
@@ -20,7 +20,8 @@ one server, which would see each prompt twice, so it runs with ``--no-prefix-cac
 Greedy requests send ``temperature: 0, top_k: 1``; sampled ones ``temperature: T`` and a per-prompt seed.
 Per (configuration, temperature, concurrency): end-to-end tokens/s (completion tokens / summed request
 time at concurrency 1; / round wall time at higher concurrency, i.e. throughput), decode tokens/s (after
-the first token), TTFT p50, and each server's resident memory (VmRSS and peak VmHWM, after the run) and
+the first token), TTFT p50, prompt tokens/s (prompt tokens over summed TTFT: the prompt processing
+rate, first token included), and each server's resident memory (VmRSS and peak VmHWM, after the run) and
 start-up time (process start to ``/health`` 200).  Prints a table and writes JSON.
 
     .venv/bin/python benchmarks/bench_peer.py --limit 4 --max-tokens 128 --temperatures 0,0.7 --concurrency 1,4
@@ -212,9 +213,12 @@ def summarize(name: str, temperature: float, concurrency: int, rounds: list[tupl
     else:
         e2e_tok_s = tokens / sum(wall for _, wall in rounds)
     decode = [(r["tokens"] - 1) / (r["e2e"] - r["ttft"]) for r in reqs if r["tokens"] > 1 and r["e2e"] > r["ttft"]]
+    prompt_tokens = [r["prompt_tokens"] for r in reqs]
+    prompt_tok_s = sum(prompt_tokens) / sum(r["ttft"] for r in reqs) if None not in prompt_tokens else None
     return dict(config=name, temperature=temperature, concurrency=concurrency, requests=len(reqs), tokens=tokens,
                 e2e_tok_s=e2e_tok_s, decode_tok_s=median(decode) if decode else None,
-                ttft_p50_s=median(r["ttft"] for r in reqs))
+                ttft_p50_s=median(r["ttft"] for r in reqs), prompt_tok_s=prompt_tok_s,
+                per_request=[dict(r) for r in reqs])
 
 
 def load_prompts(path: Path, limit: Optional[int]) -> list[list[dict]]:
@@ -289,18 +293,15 @@ def main(argv=None) -> int:
             servers[name] = Server(name, [str(binary), *common, *llama_extra[name], "--port", str(port)], port, env)
             configs.append((name, servers[name], {}))
         elif name.split()[0] in ("ours", "dense") and name.split()[-1] in ("plain", "default"):
-            key = name.split()[0]  # "ours": --server-args as given; "dense": the same with GGUFs dequantized
-            if key not in servers:
-                port = free_port()
-                # "plain" and "default" share this server: without its prefix cache, the second of them
-                # to send a prompt prefills it again, as every llama-server configuration does
-                flags = (["--no-prefix-cache"] + args.server_args.split()
-                         + (["--gguf-weights", "dequantize"] if key == "dense" else []))
-                cmd = [sys.executable, "-m", "server", "--config", "default", "--threads", str(args.threads),
-                       "--model", args.target, "--draft-model", args.draft, "--served-model-name", args.model_name,
-                       *flags, "--host", "127.0.0.1", "--port", str(port)]
-                servers[key] = Server(key, cmd, port, dict(os.environ, PYTHONPATH=str(ROOT)))
-            configs.append((name, servers[key], {"speculative": {"enabled": name.endswith("default")}}))
+            # "ours": --server-args as given; "dense": the same with GGUFs dequantized.  "plain" and "default"
+            # are two servers, so neither meets a prompt the other has cached
+            port = free_port()
+            flags = args.server_args.split() + (["--gguf-weights", "dequantize"] if name.startswith("dense") else [])
+            cmd = [sys.executable, "-m", "server", "--config", "default", "--threads", str(args.threads),
+                   "--model", args.target, "--draft-model", args.draft, "--served-model-name", args.model_name,
+                   *flags, "--host", "127.0.0.1", "--port", str(port)]
+            servers[name] = Server(name, cmd, port, dict(os.environ, PYTHONPATH=str(ROOT)))
+            configs.append((name, servers[name], {"speculative": {"enabled": name.endswith("default")}}))
         else:
             ap.error(f"unknown configuration {name!r}")
     try:
@@ -315,10 +316,10 @@ def main(argv=None) -> int:
         for s in servers.values():
             s.stop()
     for r in rows:
-        r.update(memory[r["config"].split()[0] if r["config"].startswith(("ours", "dense")) else r["config"]])
+        r.update(memory[r["config"]])
     print_table(rows, [("config", "config", "s"), ("temperature", "T", ".1f"), ("concurrency", "c", "d"),
                        ("e2e_tok_s", "e2e tok/s", ".2f"), ("decode_tok_s", "decode tok/s", ".2f"),
-                       ("ttft_p50_s", "TTFT p50 s", ".2f"), ("rss_mb", "RSS MiB", ".0f"),
+                       ("ttft_p50_s", "TTFT p50 s", ".2f"), ("prompt_tok_s", "prompt tok/s", ".1f"), ("rss_mb", "RSS MiB", ".0f"),
                        ("peak_rss_mb", "peak MiB", ".0f"), ("startup_s", "start s", ".1f")])
     write_json("peer.json", dict(machine=machine(), args={k: str(v) for k, v in vars(args).items()},
                                  llama_server=str(binary), rows=rows), args.out)
