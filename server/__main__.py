@@ -21,13 +21,6 @@ from server.settings import Settings, SettingsError, load_settings
 
 log = logging.getLogger("server")
 
-# The engine thread dispatches a few hundred operators per forward and needs the GIL between them; the
-# event loop (HTTP, SSE chunks) holds it while it runs Python.  With CPython's default 5 ms switch
-# interval the engine thread can wait that long for it at an operator boundary while the model's
-# other threads idle; 0.5 ms hands it back sooner.  Measured on 2 cores (docs/benchmarks.md): plain
-# decoding unchanged at one stream, +4% at four; speculative +9% at one stream and +13% at four.
-GIL_SWITCH_INTERVAL_S = 0.0005
-
 
 def build_core(settings: Settings):
     """Loads target and draft and builds the :class:`EngineCore` (runs on the engine thread)."""
@@ -68,7 +61,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    sys.setswitchinterval(settings.gil_switch_interval)
     engine = AsyncEngine(lambda: build_core(settings), max_queue=settings.max_queue)
     app = create_app(settings, engine)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,

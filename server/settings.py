@@ -73,6 +73,9 @@ class ServerSettings(BaseModel):
                                        "request's line and headers (at connect and between keep-alive "
                                        "requests) before it is closed")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    gil_switch_interval: float = Field(
+        0.0005, gt=0, le=0.1, description="seconds a thread may hold the GIL while another waits for it (CPython's "
+        "default is 0.005): the engine thread needs it between operators while the event loop runs Python")
 
     @field_validator("tree", mode="before", check_fields=False)
     @classmethod
