@@ -238,7 +238,7 @@ async def drive(configs: list[tuple[str, Server, dict]], prompts, args) -> list[
             # each phase takes the next `limit` prompts, so no server meets a prompt twice (llama-server
             # caches prompts across requests, ours does not yet: a repeat would measure that, not decoding)
             start = phase * args.limit
-            mine = [prompts[(start + i) % len(prompts)] for i in range(args.limit)]
+            mine = prompts[start:start + args.limit]
             phase += 1
             batches = [mine[i:i + concurrency] for i in range(0, len(mine), concurrency)]
             rounds: dict[str, list] = {name: [] for name, _, _ in configs}
@@ -277,6 +277,11 @@ def main(argv=None) -> int:
     binary = build_llama_server(args.llama_version)
     if args.build_only:
         return 0
+    phases = len(args.temperatures) * len(args.concurrency)
+    available = len(load_prompts(args.prompts, None))
+    if phases * args.limit > available:  # a repeated prompt would be served from the prompt caches
+        ap.error(f"{phases} phases of --limit {args.limit} need {phases * args.limit} prompts; {args.prompts} has "
+                 f"{available} (run the temperatures separately, or lower --limit)")
     target = Path(args.target) if args.target.endswith(".gguf") else gguf_path(args.target)
     draft = Path(args.draft) if args.draft.endswith(".gguf") else gguf_path(args.draft)
     wanted = [c.strip() for c in args.configs.split(",")]
