@@ -235,8 +235,8 @@ async def drive(configs: list[tuple[str, Server, dict]], prompts, args) -> list[
     phase = 0
     for temperature in args.temperatures:
         for concurrency in args.concurrency:
-            # each phase takes the next `limit` prompts, so no server meets a prompt twice (llama-server
-            # caches prompts across requests, ours does not yet: a repeat would measure that, not decoding)
+            # each phase takes the next `limit` prompts, so no server meets a prompt twice (both cache
+            # prompts across requests: a repeat would measure that, not prefill)
             start = phase * args.limit
             mine = prompts[start:start + args.limit]
             phase += 1
