@@ -221,6 +221,7 @@ class EngineCore:
                 kept = {id(r.seq) for r in results}
                 plans = [p for s, p in zip(plan.decode, plans) if id(s) in kept]
             self.planner.observe(results, plans)
+            self.runner.observe(results, plans)
             for res in results:
                 record_step(stats, res)
                 try:

@@ -137,6 +137,19 @@ class ModelRunner:
             drafter.propose(seqs, plans, trees)
         return trees
 
+    def observe(self, results: list[SeqStepResult], plans: list[DraftPlan]) -> None:
+        """Hands the step's outcome to every drafter that learns from it (``Drafter.observe``):
+        ``results`` and the plans they followed, in the same order.  A drafter whose ``observe`` raises
+        is logged; it fails no request."""
+        for drafter in self.drafters:
+            observe = getattr(drafter, "observe", None)
+            if observe is None:
+                continue
+            try:
+                observe(results, plans)
+            except Exception:  # noqa: BLE001 - learning is optional; the step's tokens are already decided
+                log.exception("drafter %s failed to observe the step", drafter.name)
+
     def _update_caches(self, seq: Sequence, tree: DraftTree, result: VerifyResult, last_is_root: bool = False) -> None:
         """Target keeps root + accepted path; the draft keeps the accepted nodes it ran.  In the
         target-initialised mode the last emitted token is the accepted path's last node, and it stays

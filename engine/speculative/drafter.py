@@ -4,8 +4,9 @@ A drafter grows the step's trees.  The runner creates one empty :class:`DraftTre
 sequence, then hands the batch to every drafter in stage order; each reads its own share of each
 sequence's :class:`~engine.speculative.methods.DraftPlan` (the planner wrote it) and grows, or
 replaces, the trees it has work for.  Verification does not care who drafted a node: every node
-carries its proposal events (``engine.speculative.draft_tree``), and a drafter whose trees need
-another rule than the lossless one says so with :attr:`Drafter.rule`.
+carries its proposal events (``engine.speculative.draft_tree``), and a method whose trees need
+another rule than the lossless one names it (``Method.rule``).  After verification, drafters that
+learn from the outcome see it (:meth:`Drafter.observe`).
 
 The drafters, in stage order:
 
@@ -13,15 +14,16 @@ The drafters, in stage order:
 name                stage   module                                                     rule
 ==================  ======  =========================================================  ==========
 ``draft-tree``      10      ``proposer``: the draft model's multi-candidate tree        tree
-                            (and the target-initialised mode's chains below its
-                            candidates, whose rule is ``target-init``)
+``target-init``     10      ``target_init``: the draft model's chains below the         target-init
+                            target-sampled candidates
 ``cascade``         20      ``cascade``: the draft model reviewing Max-Gram's guesses   tree
 ``mjsd``            30      ``mjsd``: beam search, verified by joint likelihood         joint
 ``maxgram``         90      ``maxgram``: one-hot tails and root branches                tree
 ==================  ======  =========================================================  ==========
 
-A new drafter is one module: a class with this interface, registered with :func:`register`, and a
-method in ``engine.speculative.methods`` naming it so requests can ask for it, plus its tests.
+A new drafter is one module: a class with this interface, registered with :func:`register`, its
+settings (``engine.config.DrafterSettings``) and a ``Method`` naming it so requests can ask for it
+(``methods.register_method``), plus its tests.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from engine.speculative.view import SeqView
 
 if TYPE_CHECKING:
     from engine.speculative.maxgram import MaxGramDrafter
+    from engine.speculative.verify import SeqStepResult
     from engine.speculative.proposer import DraftModelProposer
 
 
@@ -68,6 +71,11 @@ class Drafter(Protocol):
     def propose(self, seqs: list[SeqView], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
         """Grows (or replaces) ``trees[i]``, the step's tree of ``seqs[i]``, as ``plans[i]`` allows;
         sequences whose plan gives this drafter nothing are left alone."""
+
+    def observe(self, results: list["SeqStepResult"], plans: list[DraftPlan]) -> None:
+        """Optional (a drafter without it learns nothing): the step's outcome, once per step, every
+        verified sequence's result (its tree, accepted path and emitted tokens) with the plan it
+        followed, in the same order (``ModelRunner.observe``)."""
 
 
 _REGISTRY: dict[str, type] = {}

@@ -34,6 +34,7 @@ class RepeatSettings(DrafterSettings):
 
 class RepeatDrafter:
     name, stage = "repeat", 80
+    observed: list[tuple[int, int]] = []  # (drafted, accepted) per verified sequence-step, from observe()
 
     @classmethod
     def limits(cls, config, topology):
@@ -49,6 +50,11 @@ class RepeatDrafter:
             if n:
                 tree.add_path(-1, [seq.root] * n, "repeat")  # one-hot: verified exactly
 
+    def observe(self, results, plans) -> None:  # optional: what the step's verification made of its trees
+        for res, plan in zip(results, plans):
+            if plan.share(self.name):
+                RepeatDrafter.observed.append((res.tree.num_nodes, len(res.result.accepted)))
+
 
 def plan_repeat(p: PlanInput) -> DraftPlan:
     n = min(RepeatSettings.of(p.config).len, p.room)
@@ -59,6 +65,7 @@ def plan_repeat(p: PlanInput) -> DraftPlan:
 def repeat_method():
     drafter_settings("repeat")(RepeatSettings)
     register(RepeatDrafter)
+    RepeatDrafter.observed = []
     register_method(Method("repeat", ("repeat",), plan_repeat, needs_draft=False))
     try:
         yield
@@ -77,6 +84,23 @@ def test_a_registered_method_runs_and_stays_lossless(tiny_target, repeat_method)
     assert max(o.spec.drafted_tokens / max(o.spec.steps, 1) for o in outs) <= 5  # as its setting says
     assert core.cache.max_len >= core.max_model_len + 5 + 1  # the cache was sized from its limits
     assert "repeat" in methods_module.method_names()
+    # it observed every step it drafted for, with what verification accepted of its proposals
+    assert sum(d for d, _ in RepeatDrafter.observed) == sum(o.spec.drafted_tokens for o in outs)
+    assert sum(a for _, a in RepeatDrafter.observed) == sum(o.spec.accepted_tokens for o in outs)
+
+
+def test_a_drafter_that_fails_to_observe_fails_no_request(tiny_target, repeat_method, monkeypatch, caplog):
+    def broken(self, results, plans):
+        raise RuntimeError("observe bug")
+
+    monkeypatch.setattr(RepeatDrafter, "observe", broken)
+    prompts = [[5, 5, 5, 5], [7, 8, 9]]
+    plain, _ = run_engine(tiny_target, None, prompts, tree=(), ignore_eos=True, max_tokens=8)
+    outs, _ = run_engine(tiny_target, None, prompts, tree=(), ignore_eos=True, max_tokens=8,
+                         spec=SpecOptions(method="repeat"))
+    assert [o.tokens for o in outs] == [o.tokens for o in plain]
+    assert all(o.finish_reason == "length" for o in outs)
+    assert "failed to observe" in caplog.text
 
 
 def test_a_registered_drafters_settings_are_server_settings(repeat_method):
