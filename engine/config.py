@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Optional
 
-from engine.speculative.methods import check_method, method_names
+from engine.speculative.methods import method_names
 from engine.speculative.tree import parse_widths
 
 
@@ -17,8 +17,9 @@ def setting(default, help: str, *, server: bool = True, **bounds):  # noqa: A002
     """An :class:`EngineConfig` or :class:`DrafterSettings` field with its help text and bounds (``ge``,
     ``gt``, ``le``, ``lt``, ``choices``: a collection, or a function returning one): the one declaration
     the server's settings, flags and environment variables are generated from (``server.settings``),
-    and the bounds :func:`check_bounds` enforces.  ``server=False`` keeps a field out of the server's
-    settings."""
+    and the bounds :func:`check_bounds` enforces.  ``path=True`` marks a file path (the server also looks
+    a relative one up in the project, for presets naming shipped files).  ``server=False`` keeps a field
+    out of the server's settings."""
     return field(default=default, metadata={"help": help, "server": server, **bounds})
 
 
@@ -64,7 +65,8 @@ class EngineConfig:
     # the draft model (every drafter that runs it)
     draft_vocab: int = setting(0, "draft output layer cut to this many most frequent tokens (lossless; 0 = whole "
                                "vocabulary)", ge=0)
-    draft_vocab_file: Optional[str] = setting(None, "token ranking the cut reads (python -m tools.rank_vocab)")
+    draft_vocab_file: Optional[str] = setting(None, "token ranking the cut reads (python -m tools.rank_vocab)",
+                                              path=True)
     draft_int8: bool = setting(False, "draft model's linears in Q8_0 blocks, int8 per 32 weights (lossless: only "
                                "the draft changes; CPU only)")
 
@@ -75,8 +77,7 @@ class EngineConfig:
         self._validate_drafters()
 
     def _validate_drafters(self) -> None:
-        check_method(self.spec_method)
-        self.drafters = _sections(self.drafters)
+        self.drafters = _sections(self.drafters)  # (spec_method's choices are checked with the bounds)
         if self.draft_vocab and (self.draft_vocab_file is None or not Path(self.draft_vocab_file).is_file()):
             raise ValueError(f"draft_vocab {self.draft_vocab} needs a token ranking file (draft_vocab_file), "
                              f"got {self.draft_vocab_file!r}")

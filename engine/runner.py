@@ -42,6 +42,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.proposer = proposer
         self.drafters = list(drafters)
+        self._observers = [d for d in self.drafters if hasattr(d, "observe")]  # Drafter.observe is optional
         without = proposer is None or proposer.without_replacement
         self.rules: dict[str, VerifyRule] = {LOSSLESS: LosslessRule(vocab_size, without), **(rules or {})}
 
@@ -141,12 +142,9 @@ class ModelRunner:
         """Hands the step's outcome to every drafter that learns from it (``Drafter.observe``):
         ``results`` and the plans they followed, in the same order.  A drafter whose ``observe`` raises
         is logged; it fails no request."""
-        for drafter in self.drafters:
-            observe = getattr(drafter, "observe", None)
-            if observe is None:
-                continue
+        for drafter in self._observers:
             try:
-                observe(results, plans)
+                drafter.observe(results, plans)
             except Exception:  # noqa: BLE001 - learning is optional; the step's tokens are already decided
                 log.exception("drafter %s failed to observe the step", drafter.name)
 

@@ -82,16 +82,6 @@ class ServerSettings(BaseModel):
     def _parse_tree(cls, v: Any) -> tuple[int, ...]:
         return parse_widths(v)
 
-    @field_validator("maxgram_corpus", check_fields=False)
-    @classmethod
-    def _find_corpus(cls, v: Optional[str]) -> Optional[str]:
-        return _shipped(v)
-
-    @field_validator("draft_vocab_file", check_fields=False)
-    @classmethod
-    def _find_ranking(cls, v: Optional[str]) -> Optional[str]:
-        return _shipped(v)
-
     @field_validator("acceptance_heads", mode="before", check_fields=False)
     @classmethod
     def _find_heads(cls, v: Any) -> tuple[str, ...]:
@@ -130,6 +120,15 @@ class ServerSettings(BaseModel):
                                              if name in type(self).model_fields})
 
 
+def _shipped(path: Optional[str]) -> Optional[str]:
+    """A relative path is looked up in the working directory, then in the project (presets name files
+    shipped with it, e.g. ``benchmarks/prompts/train.json`` or ``configs/heads/...``)."""
+    if path is None or Path(path).is_absolute() or Path(path).exists():
+        return path
+    shipped = CONFIG_DIR.parent / path
+    return str(shipped) if shipped.exists() else path
+
+
 def _engine_fields() -> dict[str, Any]:
     """Pydantic fields for every server-visible engine setting, from its declaration
     (``engine.config.setting``: ``EngineConfig``'s fields, then each drafter's section): type,
@@ -147,22 +146,17 @@ def _engine_fields() -> dict[str, Any]:
 
 def settings_model() -> type[ServerSettings]:
     """The settings model for the drafters registered now (:data:`Settings` is the one made at import,
-    with every drafter module of ``engine.speculative``)."""
-    model = create_model("Settings", __base__=ServerSettings, __module__=__name__, **_engine_fields())
+    with every drafter module of ``engine.speculative``).  Settings declared ``path=True`` are looked
+    up in the project too (:func:`_shipped`)."""
+    paths = [name for name, _, f in setting_fields() if f.metadata.get("path")]
+    validators = {"_find_shipped": field_validator(*paths)(classmethod(lambda cls, v: _shipped(v)))} if paths else {}
+    model = create_model("Settings", __base__=ServerSettings, __module__=__name__, __validators__=validators,
+                         **_engine_fields())
     model.__doc__ = "Server settings: the server's own (:class:`ServerSettings`) and every engine setting."
     return model
 
 
 Settings = settings_model()
-
-
-def _shipped(path: Optional[str]) -> Optional[str]:
-    """A relative path is looked up in the working directory, then in the project (presets name files
-    shipped with it, e.g. ``benchmarks/prompts/train.json`` or ``configs/heads/...``)."""
-    if path is None or Path(path).is_absolute() or Path(path).exists():
-        return path
-    shipped = CONFIG_DIR.parent / path
-    return str(shipped) if shipped.exists() else path
 
 
 def _flag(name: str) -> str:

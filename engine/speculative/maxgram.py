@@ -50,7 +50,7 @@ class MaxGramSettings(DrafterSettings):
     branches: int = setting(1, "Max-Gram proposals (distinct first tokens) per step", ge=1, le=8)
     max_ngram: int = setting(4, "longest suffix Max-Gram tries", ge=1, le=16)
     min_ngram: int = setting(1, "shortest suffix Max-Gram accepts as a match", ge=1, le=16)
-    corpus: Optional[str] = setting(None, "text or prompts JSON for Max-Gram's bigram fallback")
+    corpus: Optional[str] = setting(None, "text or prompts JSON for Max-Gram's bigram fallback", path=True)
     tail: int = setting(4, "Max-Gram tokens after the deepest drafted path (horizontal cascade)", ge=0, le=64)
     trust: int = setting(3, "a suffix match this long skips the draft model for the step (0 = never)", ge=0, le=64)
 
@@ -59,11 +59,6 @@ class MaxGramSettings(DrafterSettings):
             raise ValueError(f"maxgram_min_ngram {self.min_ngram} > maxgram_max_ngram {self.max_ngram}")
         if self.corpus is not None and not Path(self.corpus).is_file():
             raise ValueError(f"maxgram_corpus {self.corpus} does not exist")
-
-    @property
-    def rows(self) -> int:
-        """The most verification rows its proposals add to one tree."""
-        return self.branches * self.len + self.tail
 
 
 @dataclass(frozen=True)
@@ -340,7 +335,8 @@ class MaxGramTreeDrafter:
 
     @classmethod
     def limits(cls, config, topology) -> tuple[int, int]:
-        return MaxGramSettings.of(config).rows, 0
+        mg = MaxGramSettings.of(config)
+        return MaxGramShare(mg.len, mg.branches, mg.tail).rows, 0  # its largest share
 
     @classmethod
     def build(cls, ctx: DrafterContext) -> "MaxGramTreeDrafter":
