@@ -1,4 +1,5 @@
-"""Packs per-sequence blocks of different lengths into one padded model forward."""
+"""Packs per-sequence blocks of different lengths into one model forward (padded to a rectangle on the
+host; the model runs only the real rows, ``engine.models.llama.Packing``)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ def run_blocks(model: LlamaModel, cache: KVCache, blocks: list[Block],
             else:
                 mask[i, :n, : bl.mask.shape[1]] = bl.mask
     out = model(ids.to(model.device), pos, cache, [bl.slot for bl in blocks], block_mask=mask,
-                num_new=[len(bl.tokens) for bl in blocks], logits_rows=rows.to(model.device), vocab=vocab)
+                num_new=[len(bl.tokens) for bl in blocks], logits_rows=rows,
+                num_logits=[len(bl.logit_rows) for bl in blocks], vocab=vocab)
     per_block = [out.logits[i, : len(bl.logit_rows)] for i, bl in enumerate(blocks)]
     return out, per_block

@@ -48,7 +48,7 @@ class ToyModel(LlamaModel):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, cache, slots, block_mask=None, num_new=None, logits_rows=None,
-                vocab=None):
+                num_logits=None, vocab=None):  # noqa: ARG002 - num_logits: every row is computed here
         b, t = input_ids.shape
         counts = num_new if num_new is not None else [t] * b
         cache.reserve(slots, counts)
@@ -65,6 +65,6 @@ class ToyModel(LlamaModel):
         logits = torch.where(consistent[..., None], self.log_table[input_ids, prev], self.scrambled[input_ids, prev])
         cache.advance(slots, counts)
         if logits_rows is not None:
-            logits = torch.gather(logits, 1, logits_rows[..., None].expand(-1, -1, logits.shape[-1]))
+            logits = torch.gather(logits, 1, logits_rows.to(logits.device)[..., None].expand(-1, -1, logits.shape[-1]))
         logits = logits.float() if vocab is None else vocab.restrict(logits)  # a draft's cut output layer
         return ForwardOutput(logits=logits, hidden=torch.zeros(b, t, 1))

@@ -81,6 +81,39 @@ class DecoderLayer(nn.Module):
 
 
 @dataclass
+class Packing:
+    """A forward over blocks of different lengths, run without padding.
+
+    The batch is ``[batch, block]`` with ``counts[b]`` real tokens in row ``b``; the layers' linears,
+    norms and rotary run on the ``n = sum(counts)`` real rows only (``[1, n, hidden]``), and only the
+    attention, which is per sequence, sees the padded layout.  A verification step where one sequence
+    carries a five-token tree among three plain ones computes 8 rows, not 20."""
+
+    rows: torch.Tensor  # [n] index of each real token in the flattened [batch * block], ascending
+    host_rows: torch.Tensor  # the same on the host (no device read to index host tensors)
+    batch: int
+    block: int
+
+    @staticmethod
+    def of(counts: list[int], block: int, device: torch.device) -> Optional["Packing"]:
+        """The packing of ``counts`` tokens per row, or None when nothing is padded."""
+        if sum(counts) == len(counts) * block:
+            return None
+        rows = torch.cat([torch.arange(n) + b * block for b, n in enumerate(counts)])
+        return Packing(rows.to(device), rows, len(counts), block)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[batch, block, ...] -> [1, n, ...]"""
+        return x.reshape(self.batch * self.block, *x.shape[2:])[self.rows].unsqueeze(0)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, n, ...] -> [batch, block, ...], zeros at the padding."""
+        out = x.new_zeros(self.batch * self.block, *x.shape[2:])
+        out[self.rows] = x[0]
+        return out.view(self.batch, self.block, *x.shape[2:])
+
+
+@dataclass
 class ForwardContext:
     """What every layer of one forward shares: cache addressing, rotary values and the mask inputs.
 
@@ -99,21 +132,29 @@ class ForwardContext:
     start: torch.Tensor  # [batch] cache position of the block's first token, on the device
     block_mask: Optional[torch.Tensor]  # [batch, block, width] bool on the device, or None (causal)
     paged: bool = False  # the attention reads the pool in place (cpu_kernels.paged_attention_applies)
+    packing: Optional[Packing] = None  # the layers see only the real rows [1, n] (at.write, cos, sin too)
 
     @functools.cached_property
     def mask(self) -> Optional[torch.Tensor]:
         """The full mask [batch, 1, block, kv_len] (True = attend; None = attend all), built once."""
-        return build_mask(self.lens, self.start, self.cos.shape[1], self.kv_len, self.block_mask)
+        block = self.cos.shape[1] if self.packing is None else self.packing.block
+        return build_mask(self.lens, self.start, block, self.kv_len, self.block_mask)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Stores the block's keys and values and attends: q [batch, heads, block, head_dim], k, v
-        [batch, block, kv_heads, head_dim] -> [batch, heads, block, head_dim]."""
+        [batch, block, kv_heads, head_dim] -> [batch, heads, block, head_dim] (packed: batch 1 and
+        the real rows for block; the attention itself runs padded, each query on its own)."""
+        pk = self.packing
+        if pk is not None:
+            q = pk.unpack(q.transpose(1, 2)).transpose(1, 2)
         if self.paged:
             self._store(layer, k, v)
-            return cpu_kernels.paged_attention(q, self.cache.k[layer], self.cache.v[layer], self.at.read,
-                                               self.lens, self.start, self.block_mask)
-        keys, values = self.store_and_read(layer, k, v)
-        return cpu_kernels.attention(q, keys, values, self.mask)
+            out = cpu_kernels.paged_attention(q, self.cache.k[layer], self.cache.v[layer], self.at.read,
+                                              self.lens, self.start, self.block_mask)
+        else:
+            keys, values = self.store_and_read(layer, k, v)
+            out = cpu_kernels.attention(q, keys, values, self.mask)
+        return out if pk is None else pk.pack(out.transpose(1, 2)).transpose(1, 2)
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         ck, cv, at = self.cache.k[layer], self.cache.v[layer], self.at
@@ -185,6 +226,7 @@ class LlamaModel(nn.Module):
         block_mask: Optional[torch.Tensor] = None,  # [batch, block, width] bool, see build_mask
         num_new: Optional[list[int]] = None,  # valid tokens per row (rest is padding); default all
         logits_rows: Optional[torch.Tensor] = None,  # [batch, rows] block indices; None = all
+        num_logits: Optional[list[int]] = None,  # wanted rows of each row of logits_rows; None = all
         vocab: Optional[OutputVocab] = None,  # restricted output layer (drafts); None = the whole lm_head
     ) -> ForwardOutput:
         """Appends the block to each slot's pending entries and returns logits for it.
@@ -192,17 +234,57 @@ class LlamaModel(nn.Module):
         ``block_mask`` column ``c`` of row ``b`` is the cache position ``lens[b] + c``: the
         sequence's pending entries come first, then its block.  Committed context (``< lens``)
         is always visible.  ``None`` means plain causal attention over everything.
+
+        Rows of different lengths (``num_new``) run packed (:class:`Packing`): padding costs no
+        linear rows.  ``num_logits[b]``: how many of ``logits_rows[b]`` are wanted (the rest is
+        padding, whose logits are not computed: they repeat the row's first).
         """
         b, t = input_ids.shape
         counts = num_new if num_new is not None else [t] * b
         cache.reserve(slots, counts)
-        ctx = self._context(cache, slots, positions, block_mask)
-        hidden = self.hidden_states(input_ids, ctx)
+        packing = Packing.of(counts, t, self.device)
+        ctx = self._context(cache, slots, positions, block_mask, packing)
+        if packing is None:
+            hidden = self.hidden_states(input_ids, ctx)
+        else:
+            hidden = self.hidden_states(packing.pack(input_ids), ctx)
         cache.advance(slots, counts)
-        rows = hidden if logits_rows is None else torch.gather(
-            hidden, 1, logits_rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        if logits_rows is None:
+            rows = hidden if packing is None else hidden[0].view(1, -1, hidden.shape[-1])
+            logits_at = None
+        else:
+            rows, logits_at = self._logit_rows(hidden, logits_rows, num_logits, packing, t)
         logits = linear(rows, self.lm_head.weight).float() if vocab is None else vocab.logits(rows)
+        if logits_at is not None:  # [1, m, vocab] -> [batch, rows, vocab]
+            logits = logits[0, logits_at]
+        elif packing is not None and logits_rows is None:
+            logits = packing.unpack(logits)
+        if packing is not None:
+            hidden = packing.unpack(hidden)
         return ForwardOutput(logits=logits, hidden=hidden)
+
+    def _logit_rows(self, hidden: torch.Tensor, logits_rows: torch.Tensor, num_logits: Optional[list[int]],
+                    packing: Optional[Packing], block: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The hidden states the output layer runs on, and where each output row takes its logits
+        (None: they are already [batch, rows]).  Only the wanted rows run: ``num_logits`` of each row
+        of ``logits_rows`` ([batch, rows] block indices, on the host when rows are packed or counted:
+        the index is built there)."""
+        b, k = logits_rows.shape
+        if packing is None and num_logits is None:
+            idx = logits_rows.to(hidden.device)
+            return torch.gather(hidden, 1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])), None
+        counts = num_logits if num_logits is not None else [k] * b
+        flat = torch.arange(b)[:, None] * block + logits_rows  # [batch, rows] in [batch * block]
+        if packing is not None:  # flat -> packed row
+            where = torch.zeros(b * block, dtype=torch.long)
+            where[packing.host_rows] = torch.arange(packing.host_rows.numel())
+            flat = where[flat]
+        wanted = torch.cat([flat[i, : max(n, 1)] for i, n in enumerate(counts)])
+        firsts = torch.tensor([0] + [max(n, 1) for n in counts[:-1]]).cumsum(0)
+        at = torch.stack([firsts[i] + torch.arange(k).clamp(max=max(n, 1) - 1) for i, n in enumerate(counts)])
+        dev = hidden.device
+        source = hidden.reshape(-1, hidden.shape[-1])
+        return source[wanted.to(dev)].unsqueeze(0), at.to(dev)
 
     def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The decoder stack: [batch, block] token ids -> final-norm hidden states [batch, block, hidden],
@@ -214,7 +296,7 @@ class LlamaModel(nn.Module):
         return self.norm(x) if delta is None else self.norm.add(x, delta)[1]
 
     def _context(self, cache: KVCache, slots: list[int], positions: torch.Tensor,
-                 block_mask: Optional[torch.Tensor]) -> ForwardContext:
+                 block_mask: Optional[torch.Tensor], packing: Optional[Packing] = None) -> ForwardContext:
         if self.rope is None or cache.max_len > self.rope.max_pos:
             self.rope = RotaryTables(self.cfg, cache.max_len, self.dtype, self.device)
         if int(positions.max()) >= self.rope.max_pos or int(positions.min()) < 0:
@@ -226,11 +308,16 @@ class LlamaModel(nn.Module):
         kv_len = int(start.max()) + t  # host tensors: no device sync
         dev = self.device
         # only the small per-block mask [batch, block, width] and two [batch] vectors cross to the device
-        cos, sin = self.rope.lookup(positions.to(dev))
-        return ForwardContext(cache=cache, at=cache.addresses(slots, start, t, kv_len, dev), kv_len=kv_len,
+        at = cache.addresses(slots, start, t, kv_len, dev)
+        positions = positions.to(dev)
+        if packing is not None:  # the layers write and rotate the real rows only
+            positions = packing.pack(positions)
+            at = Addresses(packing.pack(at.write), at.read, at.view_start, at.write_start)
+        cos, sin = self.rope.lookup(positions)
+        return ForwardContext(cache=cache, at=at, kv_len=kv_len,
                               cos=cos, sin=sin, lens=lens.to(dev), start=start.to(dev),
                               block_mask=None if block_mask is None else block_mask.to(dev),
-                              paged=cpu_kernels.paged_attention_applies(cache.k))
+                              paged=cpu_kernels.paged_attention_applies(cache.k), packing=packing)
 
 
 def build_mask(lens: torch.Tensor, start: torch.Tensor, block: int, kv_len: int,
