@@ -370,16 +370,20 @@ def paged_attention_applies(pool: torch.Tensor) -> bool:
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
-                    lens: torch.Tensor, start: torch.Tensor, block_mask: Optional[torch.Tensor]) -> torch.Tensor:
+                    lens: torch.Tensor, start: torch.Tensor, block_mask: Optional[torch.Tensor],
+                    counts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`attention` read straight from a paged cache (``csrc/attention.cpp``, CPU only: see
     :func:`paged_attention_applies`), bitwise equal to it over the gathered rows and the full mask.
 
     q [B, Hq, T, D]; k_pool, v_pool [R, Hkv, D]; rows [B, L] pool row of each position; lens, start [B]
     committed entries and where the block sits; block_mask [B, T, W] bool over the pending entries and
-    the block (None: causal).  Committed entries are always visible, and each query sees itself."""
+    the block (None: causal).  Committed entries are always visible, and each query sees itself.
+    ``counts`` ([B] int64): the blocks' real queries, packed in q as [1, Hq, sum(counts), D]
+    (sequence after sequence); the output is packed the same way, and padding costs nothing."""
     if q.stride(-1) != 1:
         q = q.contiguous()
-    return torch.ops.mcsd_cpu.paged_attention(q, k_pool, v_pool, rows, lens, start, block_mask, q.shape[-1] ** -0.5)
+    return torch.ops.mcsd_cpu.paged_attention(q, k_pool, v_pool, rows, lens, start, block_mask, q.shape[-1] ** -0.5,
+                                              counts)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:

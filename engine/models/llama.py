@@ -85,12 +85,14 @@ class Packing:
     """A forward over blocks of different lengths, run without padding.
 
     The batch is ``[batch, block]`` with ``counts[b]`` real tokens in row ``b``; the layers' linears,
-    norms and rotary run on the ``n = sum(counts)`` real rows only (``[1, n, hidden]``), and only the
-    attention, which is per sequence, sees the padded layout.  A verification step where one sequence
-    carries a five-token tree among three plain ones computes 8 rows, not 20."""
+    norms and rotary run on the ``n = sum(counts)`` real rows only (``[1, n, hidden]``), and so does
+    the CPU's paged attention (it takes ``counts``); the gathering attention elsewhere runs them
+    padded.  A verification step where one sequence carries a five-token tree among three plain ones
+    computes 8 rows, not 20."""
 
     rows: torch.Tensor  # [n] index of each real token in the flattened [batch * block], ascending
     host_rows: torch.Tensor  # the same on the host (no device read to index host tensors)
+    counts: torch.Tensor  # [batch] real tokens per row, int64 on the device (the CPU attention reads it)
     batch: int
     block: int
 
@@ -100,7 +102,8 @@ class Packing:
         if sum(counts) == len(counts) * block:
             return None
         rows = torch.cat([torch.arange(n) + b * block for b, n in enumerate(counts)])
-        return Packing(rows.to(device), rows, len(counts), block)
+        return Packing(rows.to(device), rows, torch.tensor(counts, dtype=torch.long).to(device), len(counts),
+                       block)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, block, ...] -> [1, n, ...]"""
@@ -143,17 +146,17 @@ class ForwardContext:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Stores the block's keys and values and attends: q [batch, heads, block, head_dim], k, v
         [batch, block, kv_heads, head_dim] -> [batch, heads, block, head_dim] (packed: batch 1 and
-        the real rows for block; the attention itself runs padded, each query on its own)."""
+        the real rows for block; only the gathering attention, off the CPU, runs them padded)."""
         pk = self.packing
+        if self.paged:  # packed queries go in as they are: the kernel skips the padding
+            self._store(layer, k, v)
+            return cpu_kernels.paged_attention(q, self.cache.k[layer], self.cache.v[layer], self.at.read,
+                                               self.lens, self.start, self.block_mask,
+                                               None if pk is None else pk.counts)
         if pk is not None:
             q = pk.unpack(q.transpose(1, 2)).transpose(1, 2)
-        if self.paged:
-            self._store(layer, k, v)
-            out = cpu_kernels.paged_attention(q, self.cache.k[layer], self.cache.v[layer], self.at.read,
-                                              self.lens, self.start, self.block_mask)
-        else:
-            keys, values = self.store_and_read(layer, k, v)
-            out = cpu_kernels.attention(q, keys, values, self.mask)
+        keys, values = self.store_and_read(layer, k, v)
+        out = cpu_kernels.attention(q, keys, values, self.mask)
         return out if pk is None else pk.pack(out.transpose(1, 2)).transpose(1, 2)
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -166,21 +166,38 @@ void load_queries(const at::Tensor& q, int64_t b, int64_t hk, int64_t t, int64_t
 
 // Every work item (b, hk, t) of a call: `keys_of(b, t, keys)` lists the allowed keys in increasing
 // order and returns how many; `key_row(b, hk, j)` / `value_row(b, hk, j)` point at key j's rows.
+// q and out are [B, Hq, T, D], or with `counts` (real queries per sequence, B of them) packed: [1, Hq,
+// N, D] with N = sum(counts), sequence b's query t at row counts[0] + ... + counts[b - 1] + t.  Packed,
+// a batch of blocks of different lengths costs only its real queries, each split evenly over threads.
 template <typename T, typename KeysOf, typename KeyRow, typename ValueRow>
-void attend_all(const at::Tensor& q, int64_t Hkv, int64_t L, float scale, at::Tensor& out, KeysOf keys_of,
-                KeyRow key_row, ValueRow value_row) {
-  const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3), group = Hq / Hkv;
+void attend_all(const at::Tensor& q, int64_t Hkv, int64_t L, float scale, at::Tensor& out, const int64_t* counts,
+                int64_t B, KeysOf keys_of, KeyRow key_row, ValueRow value_row) {
+  const int64_t Hq = q.size(1), QT = q.size(2), D = q.size(3), group = Hq / Hkv;
+  std::vector<int64_t> seq_of, t_of;  // packed row -> (sequence, query within its block)
+  if (counts != nullptr) {
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < counts[b]; ++t) {
+        seq_of.push_back(b);
+        t_of.push_back(t);
+      }
+  }
+  const int64_t items = counts != nullptr ? QT * Hkv : q.size(0) * Hkv * QT;
   T* op = out.data_ptr<T>();
   // Small calls (tiny models, short contexts) run inline: a parallel region costs more than they do.
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, group * L * D));
-  at::parallel_for(0, B * Hkv * T_, grain, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     Scratch w(group, L, D);
     std::vector<T*> orows(group);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / (Hkv * T_), hk = (i / T_) % Hkv, t = i % T_;
-      load_queries<T>(q, b, hk, t, group, w.qf.data());
+      int64_t b, hk, t, qb, qt;  // the query (sequence b, its query t) and where it sits in q and out
+      if (counts != nullptr) {
+        hk = i / QT, qt = i % QT, qb = 0, b = seq_of[qt], t = t_of[qt];
+      } else {
+        b = i / (Hkv * QT), hk = (i / QT) % Hkv, t = i % QT, qb = b, qt = t;
+      }
+      load_queries<T>(q, qb, hk, qt, group, w.qf.data());
       const int64_t n = keys_of(b, t, w.keys.data());
-      for (int64_t g = 0; g < group; ++g) orows[g] = op + ((b * Hq + hk * group + g) * T_ + t) * D;
+      for (int64_t g = 0; g < group; ++g) orows[g] = op + ((qb * Hq + hk * group + g) * QT + qt) * D;
       attend_one<T>(w.qf.data(), group, D, w.keys.data(), n, [&](int64_t j) { return key_row(b, hk, j); },
                     [&](int64_t j) { return value_row(b, hk, j); }, scale, w.s.data(), L, w.m.data(), w.l.data(),
                     w.o.data(), w.row.data(), orows.data());
@@ -196,7 +213,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const T* vp = v.data_ptr<T>();
   const auto ks = k.strides(), vs = v.strides();
   attend_all<T>(
-      q, k.size(1), L, scale, out,
+      q, k.size(1), L, scale, out, nullptr, q.size(0),
       [&](int64_t b, int64_t t, int64_t* keys) {
         const bool* allowed = mask != nullptr ? mask + b * mask_sb + t * mask_st : nullptr;
         int64_t n = 0;
@@ -214,16 +231,17 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
 // and the block (lens[b] <= j < lens[b] + W), what block_mask[b, t, j - lens[b]] allows, or with no
 // block mask every j <= start[b] + t (causal); and always itself.  Same allowed keys in the same order
 // as `attend` over the gathered rows and the full mask: bitwise the same outputs.
+// With `counts`, q and out are packed (see attend_all) and block_mask is [B, T, W] over each
+// sequence's block.
 template <typename T>
 void attend_paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& vp_, const int64_t* rows,
-                  const int64_t* lens, const int64_t* start, const bool* bm, int64_t W, int64_t L, float scale,
-                  at::Tensor& out) {
-  const int64_t T_ = q.size(2);
+                  const int64_t* lens, const int64_t* start, const bool* bm, int64_t T_, int64_t W, int64_t L,
+                  const int64_t* counts, int64_t B, float scale, at::Tensor& out) {
   const T* kp = kp_.data_ptr<T>();
   const T* vp = vp_.data_ptr<T>();
   const auto ks = kp_.strides(), vs = vp_.strides();
   attend_all<T>(
-      q, kp_.size(1), L, scale, out,
+      q, kp_.size(1), L, scale, out, counts, B,
       [&](int64_t b, int64_t t, int64_t* keys) {
         const int64_t committed = std::min(lens[b], L), self = start[b] + t;
         int64_t n = 0;
@@ -277,7 +295,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& rows, const at::Tensor& lens, const at::Tensor& start,
-                           const c10::optional<at::Tensor>& block_mask, double scale) {
+                           const c10::optional<at::Tensor>& block_mask, double scale,
+                           const c10::optional<at::Tensor>& counts) {
   TORCH_CHECK(q.dim() == 4 && k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes(),
               "paged_attention: q must be [B, Hq, T, D], the pools [R, Hkv, D]");
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
@@ -289,7 +308,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
               "paged_attention: head sizes do not match");
   TORCH_CHECK(q.stride(3) == 1 && k_pool.stride(2) == 1 && v_pool.stride(2) == 1,
               "paged_attention: the head dimension must be contiguous");
-  const int64_t B = q.size(0);
+  const bool packed = counts.has_value() && counts->defined();
+  const at::Tensor cn = packed ? counts->contiguous() : at::Tensor();
+  const int64_t B = packed ? cn.numel() : q.size(0);
+  int64_t T_ = q.size(2);  // queries per sequence (packed: the longest block)
+  if (packed) {
+    TORCH_CHECK(cn.scalar_type() == at::kLong && cn.device().is_cpu(), "paged_attention: counts [B] int64 on the CPU");
+    TORCH_CHECK(q.size(0) == 1 && cn.sum().item<int64_t>() == q.size(2) && (B == 0 || cn.min().item<int64_t>() >= 0),
+                "paged_attention: packed q must be [1, Hq, sum(counts), D]");
+    T_ = B == 0 ? 0 : cn.max().item<int64_t>();
+  }
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.size(0) == B, "paged_attention: rows [B, L] int64");
   TORCH_CHECK(lens.scalar_type() == at::kLong && start.scalar_type() == at::kLong && lens.numel() == B &&
                   start.numel() == B, "paged_attention: lens and start [B] int64");
@@ -302,9 +330,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   at::Tensor m;
   if (block_mask.has_value() && block_mask->defined()) {
     m = block_mask->contiguous();
-    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 3 && m.size(0) == B && m.size(1) == q.size(2),
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 3 && m.size(0) == B &&
+                    (packed ? m.size(1) >= T_ : m.size(1) == T_),
                 "paged_attention: the block mask must be bool [B, T, W]");
     bm = m.data_ptr<bool>();
+    T_ = m.size(1);
     W = m.size(2);
   }
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
@@ -312,10 +342,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   const float s = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat)
     attend_paged<float>(q, k_pool, v_pool, r.data_ptr<int64_t>(), ln.data_ptr<int64_t>(), st.data_ptr<int64_t>(), bm,
-                        W, L, s, out);
+                        T_, W, L, packed ? cn.data_ptr<int64_t>() : nullptr, B, s, out);
   else
     attend_paged<c10::BFloat16>(q, k_pool, v_pool, r.data_ptr<int64_t>(), ln.data_ptr<int64_t>(),
-                                st.data_ptr<int64_t>(), bm, W, L, s, out);
+                                st.data_ptr<int64_t>(), bm, T_, W, L, packed ? cn.data_ptr<int64_t>() : nullptr, B,
+                                s, out);
   return out;
 }
 
@@ -324,7 +355,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
 TORCH_LIBRARY_FRAGMENT(mcsd_cpu, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor rows, Tensor lens, Tensor start, "
-        "Tensor? block_mask, float scale) -> Tensor");
+        "Tensor? block_mask, float scale, Tensor? counts=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mcsd_cpu, CPU, m) {

@@ -153,3 +153,29 @@ def test_paged_attention_equals_attention_over_the_gathered_rows(dtype, tree):
     assert got.dtype == dtype and torch.equal(got, want)
     with pytest.raises(RuntimeError, match="out of the pool"):
         cpu_kernels.paged_attention(q, k_pool, v_pool, rows + pool, lens, start, block_mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tree", [True, False], ids=["block-mask", "causal"])
+def test_packed_paged_attention_equals_the_padded_call(dtype, tree):
+    """Blocks of 5, 1 and 3 real queries packed as [1, Hq, 9, D] with ``counts``: each real query's
+    output is bitwise its output in the padded [3, Hq, 5, D] call, and a malformed packing is refused."""
+    g = torch.Generator().manual_seed(4)
+    b, hq, hkv, t, d, pool = 3, 4, 2, 5, 32, 200
+    counts = torch.tensor([5, 1, 3])
+    lens = torch.tensor([7, 12, 0])
+    pending = torch.tensor([2, 0, 4]) if tree else torch.zeros(3, dtype=torch.long)
+    start = lens + pending
+    kv_len = int(start.max()) + t
+    rows = torch.stack([torch.randperm(pool, generator=g)[:kv_len] for _ in range(b)])
+    k_pool = torch.randn(pool, hkv, d, generator=g).to(dtype)
+    v_pool = torch.randn(pool, hkv, d, generator=g).to(dtype)
+    q = torch.randn(b, hq, t, d, generator=g).to(dtype)
+    block_mask = (torch.rand(b, t, int(pending.max()) + t, generator=g) < 0.6) if tree else None
+    padded = cpu_kernels.paged_attention(q, k_pool, v_pool, rows, lens, start, block_mask)
+    packed_q = torch.cat([q[i, :, :n] for i, n in enumerate(counts.tolist())], dim=1)[None]  # [1, hq, 9, d]
+    got = cpu_kernels.paged_attention(packed_q, k_pool, v_pool, rows, lens, start, block_mask, counts)
+    want = torch.cat([padded[i, :, :n] for i, n in enumerate(counts.tolist())], dim=1)[None]
+    assert got.shape == (1, hq, 9, d) and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="packed q"):
+        cpu_kernels.paged_attention(packed_q[:, :, :8], k_pool, v_pool, rows, lens, start, block_mask, counts)
