@@ -30,7 +30,6 @@ import logging
 import math
 import os
 import platform
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,14 +59,17 @@ class CostCurve:
 
     @classmethod
     def fit(cls, points: list[tuple[float, float]]) -> "CostCurve":
-        """Monotone piecewise-linear curve through the median time at each token count."""
+        """Monotone piecewise-linear curve through the fastest time at each token count: interference
+        (another process, a stall) only ever adds time, so the minimum is the forward's own cost, where
+        a median of two or three samples still carries a stall into the curve (a 5-row forward measured
+        at twice a 4-row one, and every proposal priced out)."""
         by_n: dict[float, list[float]] = {}
         for n, s in points:
             by_n.setdefault(float(n), []).append(float(s))
         ns = sorted(by_n)
         secs, best = [], 0.0
         for n in ns:
-            best = max(best, statistics.median(by_n[n]))
+            best = max(best, min(by_n[n]))
             secs.append(best)
         return cls(tuple(ns), tuple(secs))
 
@@ -209,28 +211,32 @@ def measure_curve(model: LlamaModel, cache: KVCache, points: list[tuple[int, int
                   vocab: Optional[OutputVocab] = None) -> CostCurve:
     """Times ``reps`` forwards of ``B`` slots x ``T`` tokens for each ``(B, T)``, on temporarily allocated
     cache slots that are freed afterwards.  One untimed forward first warms the model up (first touch of
-    the weights, thread pools, lazy initialisation); later shapes need no warm-up of their own."""
+    the weights, thread pools, lazy initialisation); later shapes need no warm-up of their own.  The
+    points are timed round-robin, ``reps`` rounds, so that a stall of the machine (another tenant, a
+    page-cache flush) lands on one sample of several points rather than on every sample of one."""
     need = max(b for b, _ in points)
     if cache.free_slots < need:
         raise ValueError(f"measuring the cost curve needs {need} free cache slots, {cache.free_slots} are free")
     slots = [cache.allocate() for _ in range(need)]
     samples = []
+
+    def forward(b: int, t: int) -> float:
+        ids = torch.zeros(b, t, dtype=torch.long, device=model.device)
+        pos = torch.arange(t)[None].expand(b, t)
+        rows = torch.arange(t)[None].expand(b, t)
+        synchronize(model.device)
+        t0 = time.perf_counter()
+        model(ids, pos, cache, slots[:b], logits_rows=rows, vocab=vocab)
+        synchronize(model.device)  # the device's time, not the launch's
+        dt = time.perf_counter() - t0
+        for s in slots[:b]:
+            cache.discard(s)
+        return dt
+
     try:
-        for i, (b, t) in enumerate(points):
-            ids = torch.zeros(b, t, dtype=torch.long, device=model.device)
-            pos = torch.arange(t)[None].expand(b, t)
-            rows = torch.arange(t, device=model.device)[None].expand(b, t)
-            warm = 1 if i == 0 else 0
-            for rep in range(reps + warm):
-                synchronize(model.device)
-                t0 = time.perf_counter()
-                model(ids, pos, cache, slots[:b], logits_rows=rows, vocab=vocab)
-                synchronize(model.device)  # the device's time, not the launch's
-                dt = time.perf_counter() - t0
-                for s in slots[:b]:
-                    cache.discard(s)
-                if rep >= warm:
-                    samples.append((b * t, dt))
+        forward(*points[0])  # warm-up, untimed
+        for _ in range(reps):
+            samples += [(b * t, forward(b, t)) for b, t in points]
     finally:
         for s in slots:
             cache.free(s)

@@ -253,9 +253,9 @@ def test_undrafted_depths_inherit_the_rate_one_level_up():
     assert chooser.choose([(1, stale)], plain=0) == (1,)
 
 def test_cost_curve_fit_and_interpolation():
-    c = CostCurve.fit([(1, 1.0), (10, 2.0), (10, 2.2), (10, 1.9), (20, 1.5), (30, 3.0)])
-    assert c.tokens == (1.0, 10.0, 20.0, 30.0) and c.seconds == (1.0, 2.0, 2.0, 3.0)  # median, then monotone
-    assert c(5.5) == pytest.approx(1.5) and c(0.5) == 1.0 and c(40) == pytest.approx(4.0)
+    c = CostCurve.fit([(1, 1.0), (10, 2.0), (10, 4.2), (10, 1.9), (20, 1.5), (30, 3.0)])
+    assert c.tokens == (1.0, 10.0, 20.0, 30.0) and c.seconds == (1.0, 1.9, 1.9, 3.0)  # fastest, then monotone
+    assert c(5.5) == pytest.approx(1.45) and c(0.5) == 1.0 and c(40) == pytest.approx(4.1)
 
 
 RATES = torch.tensor([[0.7, 0.2, 0.1, 0.05]]).expand(3, 4)
