@@ -14,7 +14,7 @@ from typing import Sequence as Sequence_
 
 import torch
 
-from engine.batching import Block, padding_groups, run_blocks
+from engine.batching import Block, run_blocks
 from engine.device import Pending, finish_all, synchronize
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
@@ -56,11 +56,8 @@ class ModelRunner:
         """
         blocks = [Block(s.slot, s.tokens[s.target_cached:end], list(range(s.target_cached, end)), [])
                   for s, end in chunks]
-        # chunks of very different lengths run as separate forwards: padding them to the longest would
-        # compute rows for nothing (prefill is compute-bound: a forward of tens of rows already amortises
-        # the weights)
-        for group in padding_groups([len(b.tokens) for b in blocks]):
-            run_blocks(self.target, self.cache, [blocks[i] for i in group])
+        # one forward: chunks of different lengths run packed, so none is padded to the longest
+        run_blocks(self.target, self.cache, blocks)
         for s, end in chunks:
             self.cache.commit(s.slot)
             s.target_cached = end

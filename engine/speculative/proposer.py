@@ -41,7 +41,6 @@ DRAFT_TREE_DRAFTER, MCSD = "draft-tree", "mcsd"
 
 
 class DraftModelProposer:
-    SHORT = 4  # catch-ups up to this many tokens share one forward (the usual lag is 1 or 2)
 
     def __init__(self, model: LlamaModel, cache: KVCache, vocab_size: int, without_replacement: bool = True,
                  topology: Optional[TreeTopology] = None, policy: Optional[SpecPolicy] = None,
@@ -103,34 +102,23 @@ class DraftModelProposer:
 
         A sequence drafting for the first time catches up on its whole prompt (draft prefill is lazy,
         see ``ModelRunner.prefill``), at most ``chunk`` tokens per forward."""
-        # A forward pads every block to the longest one, and padding needs cache room too: a prompt
-        # catch-up therefore never shares a forward with a sequence that only lags a token or two.
-        logits: list[torch.Tensor] = [None] * len(seqs)
-        hidden: list[torch.Tensor] = [None] * len(seqs)
-        short = [i for i, s in enumerate(seqs) if len(s.tokens) - s.draft_cached <= self.SHORT]
-        groups = ([short] if short else []) + [[i] for i in range(len(seqs)) if i not in short]
-        for group in groups:
-            for i in group:
-                s = seqs[i]
-                while len(s.tokens) - s.draft_cached > self.chunk:
-                    self.forward([Block(
-                        s.draft_slot, s.tokens[s.draft_cached: s.draft_cached + self.chunk],
-                        list(range(s.draft_cached, s.draft_cached + self.chunk)), [])])
-                    self.cache.commit(s.draft_slot)
-                    s.draft_cached += self.chunk
-            blocks = []
-            for i in group:
-                s = seqs[i]
-                new = s.tokens[s.draft_cached:]
-                blocks.append(Block(s.draft_slot, new, list(range(s.draft_cached, len(s.tokens))), [len(new) - 1]))
-            out, lg = self.forward(blocks)
-            for j, i in enumerate(group):
-                s = seqs[i]
+        # Blocks of different lengths run packed (no padding), so a prompt's last chunk and a lag of a
+        # token or two share the one forward.
+        for s in seqs:
+            while len(s.tokens) - s.draft_cached > self.chunk:
+                self.forward([Block(s.draft_slot, s.tokens[s.draft_cached: s.draft_cached + self.chunk],
+                                    list(range(s.draft_cached, s.draft_cached + self.chunk)), [])])
                 self.cache.commit(s.draft_slot)
-                s.draft_cached = len(s.tokens)
-                logits[i] = lg[j][0]
-                hidden[i] = out.hidden[j, len(blocks[j].tokens) - 1]
-        return logits, hidden
+                s.draft_cached += self.chunk
+        blocks = []
+        for s in seqs:
+            new = s.tokens[s.draft_cached:]
+            blocks.append(Block(s.draft_slot, new, list(range(s.draft_cached, len(s.tokens))), [len(new) - 1]))
+        out, lg = self.forward(blocks)
+        for j, s in enumerate(seqs):
+            self.cache.commit(s.draft_slot)
+            s.draft_cached = len(s.tokens)
+        return [g[0] for g in lg], [out.hidden[j, len(b.tokens) - 1] for j, b in enumerate(blocks)]
 
     def _run_level(self, seqs, trees, to_run: list[int], d: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         blocks = []
