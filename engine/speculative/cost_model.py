@@ -59,17 +59,32 @@ class CostCurve:
 
     @classmethod
     def fit(cls, points: list[tuple[float, float]]) -> "CostCurve":
-        """Monotone piecewise-linear curve through the fastest time at each token count: interference
-        (another process, a stall) only ever adds time, so the minimum is the forward's own cost, where
-        a median of two or three samples still carries a stall into the curve (a 5-row forward measured
-        at twice a 4-row one, and every proposal priced out)."""
-        by_n: dict[float, list[float]] = {}
+        """The lower convex hull of the fastest time at each token count, made non-decreasing.
+
+        The fastest, because interference (another process, a stall) only ever adds time: the minimum
+        is the forward's own cost.  The convex hull, because a forward's cost is: flat while the
+        weights' bytes bound it, then rising by a fixed cost per row once the multiplies do.  A curve
+        through every point instead keeps a stall of one point as a step that the points after it
+        flatten out, and a flat stretch prices added rows at nothing (measured: rows 17-28 at one
+        price, and the length chooser filled them)."""
+        by_n: dict[float, float] = {}
         for n, s in points:
-            by_n.setdefault(float(n), []).append(float(s))
+            by_n[float(n)] = min(float(s), by_n.get(float(n), float("inf")))
         ns = sorted(by_n)
+        hull: list[tuple[float, float]] = []  # Andrew's monotone chain, lower half
+        for p in ((n, by_n[n]) for n in ns):
+            while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0:
+                hull.pop()
+            hull.append(p)
         secs, best = [], 0.0
         for n in ns:
-            best = max(best, min(by_n[n]))
+            i = max(j for j in range(len(hull)) if hull[j][0] <= n)
+            if i == len(hull) - 1:
+                y = hull[i][1]
+            else:
+                (x0, y0), (x1, y1) = hull[i], hull[i + 1]
+                y = y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+            best = max(best, y)
             secs.append(best)
         return cls(tuple(ns), tuple(secs))
 
@@ -84,6 +99,11 @@ class CostCurve:
         i = min(max(j for j in range(len(xs) - 1) if xs[j] <= n), len(xs) - 2)
         slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
         return ys[i] + slope * (n - xs[i])  # beyond the last point: the last segment's slope
+
+
+def _cross(o: tuple[float, float], a: tuple[float, float], b: tuple[float, float]) -> float:
+    """> 0 when o -> a -> b turns left (a lies below the line o-b)."""
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
 
 
 @dataclass(frozen=True)

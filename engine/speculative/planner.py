@@ -103,16 +103,17 @@ class Planner:
         if self.lengths is None:
             return plans
         shares: list[Optional[MaxGramShare]] = [p.share(MAXGRAM_DRAFTER) for p in plans]
-        match = [self.maxgram.root_match(s) if mg is not None and mg.length and mg.branches
-                 and s.request.spec.adaptive is not False else None for s, mg in zip(seqs, shares)]
+        roots = [self.maxgram.root_match(s) if mg is not None and mg.length and mg.branches else None
+                 for s, mg in zip(seqs, shares)]
+        match = [m if s.request.spec.adaptive is not False else None for s, m in zip(seqs, roots)]
         if all(m is None for m in match):
             return plans
         counts = [0] * MATCH_CLASSES
         others = 0  # verification rows the caps do not change
-        for m, p, mg in zip(match, plans, shares):
+        for m, root, p, mg in zip(match, roots, plans, shares):
             rows = p.sub.num_nodes + sum(share_rows(v) for k, v in p.shares.items() if k != MAXGRAM_DRAFTER)
-            if m is None:
-                others += 1 + rows + (mg.rows if mg is not None else 0)
+            if m is None:  # uncapped: its whole share, but nothing from the root without a match there
+                others += 1 + rows + (0 if mg is None else mg.tail if root is None else mg.rows)
             else:
                 counts[match_class(m)] += 1
                 others += rows + mg.tail  # zero for a trusted plan

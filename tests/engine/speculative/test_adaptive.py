@@ -254,8 +254,22 @@ def test_undrafted_depths_inherit_the_rate_one_level_up():
 
 def test_cost_curve_fit_and_interpolation():
     c = CostCurve.fit([(1, 1.0), (10, 2.0), (10, 4.2), (10, 1.9), (20, 1.5), (30, 3.0)])
-    assert c.tokens == (1.0, 10.0, 20.0, 30.0) and c.seconds == (1.0, 1.9, 1.9, 3.0)  # fastest, then monotone
-    assert c(5.5) == pytest.approx(1.45) and c(0.5) == 1.0 and c(40) == pytest.approx(4.1)
+    assert c.tokens == (1.0, 10.0, 20.0, 30.0)
+    # fastest at each count (1.9 at 10), then the lower convex hull: 10 lies above the line 1 -> 20
+    assert c.seconds == pytest.approx((1.0, 1.0 + 0.5 * 9 / 19, 1.5, 3.0))
+    assert c(5.5) == pytest.approx(1.0 + 0.5 * 4.5 / 19) and c(0.5) == 1.0 and c(40) == pytest.approx(4.5)
+
+
+def test_cost_curve_fit_prices_every_added_row_after_a_stalled_point():
+    """A stall at 5 rows (measured today: 4 rows 207 ms, 5 rows 303 ms, then 318 up to 8 and one price
+    from 17 to 28 rows) must not leave stretches where added rows cost nothing."""
+    c = CostCurve.fit([(1, .108), (4, .207), (5, .303), (7, .318), (8, .318), (17, .721), (20, .721),
+                       (28, .721), (40, 1.549), (56, 1.989)])
+    slopes = [(c(n + 1) - c(n)) for n in range(1, 55)]
+    assert min(slopes) > 0.02  # every row costs something: 20 ms or more
+    assert all(b >= a - 1e-12 for a, b in zip(slopes, slopes[1:]))  # convex: never cheaper further on
+    flat = CostCurve.fit([(1, 1.0), (4, 0.8), (8, 2.0)])  # a first point slower than the next
+    assert flat.seconds == pytest.approx((1.0, 1.0, 2.0))  # still never decreasing
 
 
 RATES = torch.tensor([[0.7, 0.2, 0.1, 0.05]]).expand(3, 4)

@@ -394,3 +394,38 @@ def test_batched_cascade_review_matches_the_walk_on_the_same_numbers():
         for (probs, guess, room, greedy, u), result in zip(chains, got):
             want = review_guess(probs, guess, room, greedy, None if greedy else ReviewCoins(u))
             assert result == want, (trial, guess, room, greedy)
+
+
+def test_maxgram_length_chooser_prices_sequences_without_a_match_as_one_row(models, monkeypatch):
+    """A sequence whose context has no suffix match proposes nothing from the root, so it adds one
+    verification row (its root) to the batch the chooser prices, not its share's whole length: priced
+    at 1 + 8 rows, four unmatched sequences made a busy batch look large, and on a curve flat there
+    the matched ones were given long proposals as if free."""
+    from engine.speculative import maxgram
+    target, _, _ = models
+    seen: list[tuple[int, int, int]] = []  # (sequences, sequences with a match, rows priced for the rest)
+    real = maxgram.LengthChooser.choose
+
+    def choose(self, counts, other_rows):
+        seen.append((n_seqs[0], sum(counts), other_rows))
+        return real(self, counts, other_rows)
+
+    monkeypatch.setattr(maxgram.LengthChooser, "choose", choose)
+    from engine.speculative import planner as planner_mod
+    n_seqs = [0]
+    original = planner_mod.Planner.plan
+
+    def plan(self, seqs):
+        n_seqs[0] = len(seqs)
+        return original(self, seqs)
+
+    monkeypatch.setattr(planner_mod.Planner, "plan", plan)
+    repeating = [5, 6, 7, 8, 9] * 6  # suffix matches from the start
+    distinct = [list(range(10 + 20 * i, 30 + 20 * i)) for i in range(3)]  # no match at first
+    outs, _ = run_engine(target, None, [repeating] + distinct, tree=(), max_tokens=8, ignore_eos=True,
+                         spec=SpecOptions(method="maxgram"), config=dict(load_aware=True, maxgram_len=8))
+    assert seen and any(n > matched for n, matched, _ in seen)  # some steps had unmatched sequences
+    for n, matched, others in seen:
+        assert others == n - matched  # one root row each, nothing for a share that cannot propose
+    base, _ = run_engine(target, None, [repeating] + distinct, tree=(), max_tokens=8, ignore_eos=True)
+    assert [o.tokens for o in outs] == [o.tokens for o in base]
