@@ -218,13 +218,19 @@ def machine_identity(device: torch.device) -> dict:
             "torch": torch.__version__, "kernels": cpu_kernels.build_name(), "switches": switches, "gpu": gpu}
 
 
+#: How curves are measured and fitted (:func:`measure_curve`, :meth:`CostCurve.fit`); part of the key, so
+#: a start never reuses curves stored by an older method.  2: round-robin, fastest, lower convex hull.
+FIT_METHOD = 2
+
+
 def cost_key(target, draft, **settings) -> Optional[dict]:
-    """The key :meth:`CostModel.stored` files curves under: both models, the machine, and the measuring
-    ``settings`` (batch, tree, blocks, ...).  None when a model has no files."""
+    """The key :meth:`CostModel.stored` files curves under: both models, the machine, the measuring
+    ``settings`` (batch, tree, blocks, ...) and :data:`FIT_METHOD`.  None when a model has no files."""
     t, d = model_identity(target), model_identity(draft)
     if t is None or d is None:
         return None
-    return {"target": t, "draft": d, "machine": machine_identity(target.model.device), "settings": settings}
+    return {"target": t, "draft": d, "machine": machine_identity(target.model.device), "settings": settings,
+            "fit": FIT_METHOD}
 
 
 def measure_curve(model: LlamaModel, cache: KVCache, points: list[tuple[int, int]], reps: int,
