@@ -70,6 +70,7 @@ class StepBudget:
     block: float = 0.0  # verification rows of the step so far (the roots, then each level kept)
     decided: dict[int, tuple[SeqView, bool]] = field(default_factory=dict)  # catch-up decisions, by id(seq)
     rates: dict[bool, torch.Tensor] = field(default_factory=dict)  # calibrator rates read at planning, by greedy
+    probe: bool = False  # the smallest tree granted although it did not pay (the calibrator keeps learning)
 
 
 class SpecPolicy:
@@ -279,6 +280,7 @@ class AdaptiveSpeculation(SpecPolicy):
         self._idle_steps = 0
         self._chosen_depth = self.min_depth
         step.widths = (1,) * self.min_depth  # a probe
+        step.probe = True
         return step
 
     def _choose(self, spec: list[SeqView], plain: int, step: StepBudget) -> tuple[int, ...]:
@@ -296,6 +298,9 @@ class AdaptiveSpeculation(SpecPolicy):
             return True
         if seq.num_output == 0:
             return False  # time to first token: the first step decodes plainly, the catch-up comes after
+        if step is not None and step.probe:
+            return False  # a probe learns from the drafts that cost nothing extra, never from a prompt's
+            # catch-up (measured at four streams: two probes caught four prompts up, 2.3 s each)
         if self.chooser is None:
             return True
         if float(self.calibrators[seq.request.sampling.greedy].seen[0, 0]) < self.EXPLORE_NODES:

@@ -447,6 +447,20 @@ def test_probe_when_speculation_has_not_paid_for_a_while():
     assert [policy.budget([Seq()]).widths for _ in range(6)] == [(), (), (1, 1), (), (), (1, 1)]
 
 
+def test_a_probe_never_catches_a_prompt_up():
+    """A probe grants the smallest tree although speculation did not pay; it drafts with the sequences
+    whose draft is (nearly) caught up, and never runs a prompt's catch-up through the draft model, even
+    while the acceptance is still the prior (when an ordinary budget would catch up to learn it)."""
+    topo = TreeTopology((2, 1))
+    prohibitive = CostModel(CostCurve((1.0, 1000.0), (1.0, 1000.0)), CostCurve((1.0, 1000.0), (0.01, 10.0)))
+    policy = AdaptiveSpeculation(topo, cost=prohibitive, probe_every=2)
+    near, far = LaggingSeq(2, 100), LaggingSeq(300, 100)
+    steps = [policy.budget([near, far]) for _ in range(2)]
+    assert [s.widths for s in steps] == [(), (1,)] and steps[1].probe
+    assert policy.catch_up_pays(near, steps[1]) and not policy.catch_up_pays(far, steps[1])
+    assert policy.catch_up_pays(far)  # outside a probe, the prior's acceptance is still measured
+
+
 def test_a_lagging_draft_catches_up_only_when_the_remaining_tokens_pay_for_it():
     topo = TreeTopology((2, 1, 1))
     # verification rows nearly free, a draft forward of T tokens costs T/100 s: speculation saves time
