@@ -116,3 +116,21 @@ def test_packing_is_none_without_padding():
     x = torch.arange(6).view(2, 3)
     assert p.pack(x).tolist() == [[0, 1, 2, 3]]
     assert p.unpack(p.pack(x)).tolist() == [[0, 1, 2], [3, 0, 0]]
+
+
+@pytest.mark.parametrize("kernel", ["ours", "sdpa"])
+def test_the_gathering_attention_unpacks_and_packs_around_itself(monkeypatch, kernel):
+    """Off the CPU's paged kernel (a GPU: keys gathered, SDPA with the full mask), packed queries are
+    unpacked to the rectangle for the attention and packed back: the same logits as the paged path."""
+    from engine.models import cpu_kernels
+    m = ours_from_hf(tiny_hf("qwen2", layers=2))
+    contexts, new = prompts(3, seed=5), [[5, 6, 7, 8], [11], [12, 13]]
+    masks = [chain_mask(4), None, chain_mask(2)]
+    paged, _, _, _ = run(m, contexts, new, masks)
+    monkeypatch.setattr(cpu_kernels, "paged_attention_applies", lambda pool: False)
+    if kernel == "sdpa":
+        monkeypatch.setattr(cpu_kernels, "_invariant_attention", lambda: False)
+    gathered, _, cache, slots = run(m, contexts, new, masks)
+    for a, b in zip(paged, gathered):
+        assert torch.allclose(a, b, atol=1e-4)
+    assert [int(cache.pending[s]) for s in slots] == [4, 1, 2]
