@@ -247,14 +247,10 @@ class LlamaModel(nn.Module):
         cache.reserve(slots, counts)
         packing = Packing.of(counts, t, self.device)
         ctx = self._context(cache, slots, positions, block_mask, packing)
-        if packing is None:
-            hidden = self.hidden_states(input_ids, ctx)
-        else:
-            hidden = self.hidden_states(packing.pack(input_ids), ctx)
+        hidden = self.hidden_states(input_ids if packing is None else packing.pack(input_ids), ctx)
         cache.advance(slots, counts)
         if logits_rows is None:
-            rows = hidden if packing is None else hidden[0].view(1, -1, hidden.shape[-1])
-            logits_at = None
+            rows, logits_at = hidden, None
         else:
             rows, logits_at = self._logit_rows(hidden, logits_rows, num_logits, packing, t)
         logits = linear(rows, self.lm_head.weight).float() if vocab is None else vocab.logits(rows)
@@ -273,7 +269,7 @@ class LlamaModel(nn.Module):
         of ``logits_rows`` ([batch, rows] block indices, on the host when rows are packed or counted:
         the index is built there)."""
         b, k = logits_rows.shape
-        if packing is None and num_logits is None:
+        if packing is None and (num_logits is None or all(n == k for n in num_logits)):  # a decoding step
             idx = logits_rows.to(hidden.device)
             return torch.gather(hidden, 1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])), None
         counts = num_logits if num_logits is not None else [k] * b
