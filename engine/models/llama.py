@@ -90,11 +90,10 @@ class Packing:
     padded.  A verification step where one sequence carries a five-token tree among three plain ones
     computes 8 rows, not 20."""
 
-    rows: torch.Tensor  # [n] index of each real token in the flattened [batch * block], ascending
-    host_rows: torch.Tensor  # the same on the host (no device read to index host tensors)
-    counts: torch.Tensor  # [batch] real tokens per row, int64 on the device (the CPU attention reads it)
-    batch: int
+    lengths: list[int]  # real tokens per row; row b's are packed rows sum(lengths[:b]) onwards
     block: int
+    rows: torch.Tensor  # [n] index of each real token in the flattened [batch * block], on the device
+    counts: torch.Tensor  # ``lengths`` as int64 on the device (the CPU attention reads it)
 
     @staticmethod
     def of(counts: list[int], block: int, device: torch.device) -> Optional["Packing"]:
@@ -102,8 +101,11 @@ class Packing:
         if sum(counts) == len(counts) * block:
             return None
         rows = torch.cat([torch.arange(n) + b * block for b, n in enumerate(counts)])
-        return Packing(rows.to(device), rows, torch.tensor(counts, dtype=torch.long).to(device), len(counts),
-                       block)
+        return Packing(list(counts), block, rows.to(device), torch.tensor(counts, dtype=torch.long).to(device))
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, block, ...] -> [1, n, ...]"""
@@ -256,7 +258,7 @@ class LlamaModel(nn.Module):
         logits = linear(rows, self.lm_head.weight).float() if vocab is None else vocab.logits(rows)
         if logits_at is not None:  # [1, m, vocab] -> [batch, rows, vocab]
             logits = logits[0, logits_at]
-        elif packing is not None and logits_rows is None:
+        elif packing is not None:  # every row's logits, packed like the hidden states
             logits = packing.unpack(logits)
         if packing is not None:
             hidden = packing.unpack(hidden)
@@ -273,11 +275,9 @@ class LlamaModel(nn.Module):
             idx = logits_rows.to(hidden.device)
             return torch.gather(hidden, 1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])), None
         counts = num_logits if num_logits is not None else [k] * b
-        flat = torch.arange(b)[:, None] * block + logits_rows  # [batch, rows] in [batch * block]
-        if packing is not None:  # flat -> packed row
-            where = torch.zeros(b * block, dtype=torch.long)
-            where[packing.host_rows] = torch.arange(packing.host_rows.numel())
-            flat = where[flat]
+        lengths = packing.lengths if packing is not None else [block] * b  # hidden rows of each row
+        starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+        flat = starts[:, None] + logits_rows  # [batch, rows]: rows of hidden, flattened (or packed)
         wanted = torch.cat([flat[i, : max(n, 1)] for i, n in enumerate(counts)])
         firsts = torch.tensor([0] + [max(n, 1) for n in counts[:-1]]).cumsum(0)
         at = torch.stack([firsts[i] + torch.arange(k).clamp(max=max(n, 1) - 1) for i, n in enumerate(counts)])

@@ -76,15 +76,10 @@ class CostCurve:
             while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0:
                 hull.pop()
             hull.append(p)
+        on_hull = cls(tuple(x for x, _ in hull), tuple(y for _, y in hull))  # the hull spans every n
         secs, best = [], 0.0
         for n in ns:
-            i = max(j for j in range(len(hull)) if hull[j][0] <= n)
-            if i == len(hull) - 1:
-                y = hull[i][1]
-            else:
-                (x0, y0), (x1, y1) = hull[i], hull[i + 1]
-                y = y0 + (y1 - y0) * (n - x0) / (x1 - x0)
-            best = max(best, y)
+            best = max(best, on_hull(n))
             secs.append(best)
         return cls(tuple(ns), tuple(secs))
 

@@ -312,11 +312,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   const at::Tensor cn = packed ? counts->contiguous() : at::Tensor();
   const int64_t B = packed ? cn.numel() : q.size(0);
   int64_t T_ = q.size(2);  // queries per sequence (packed: the longest block)
-  if (packed) {
+  if (packed) {  // one pass over the counts (a handful of numbers, read every layer): no tensor reductions
     TORCH_CHECK(cn.scalar_type() == at::kLong && cn.device().is_cpu(), "paged_attention: counts [B] int64 on the CPU");
-    TORCH_CHECK(q.size(0) == 1 && cn.sum().item<int64_t>() == q.size(2) && (B == 0 || cn.min().item<int64_t>() >= 0),
+    const int64_t* c = cn.data_ptr<int64_t>();
+    int64_t total = 0, lowest = 0;
+    T_ = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      total += c[b];
+      lowest = std::min(lowest, c[b]);
+      T_ = std::max(T_, c[b]);
+    }
+    TORCH_CHECK(q.size(0) == 1 && total == q.size(2) && lowest >= 0,
                 "paged_attention: packed q must be [1, Hq, sum(counts), D]");
-    T_ = B == 0 ? 0 : cn.max().item<int64_t>();
   }
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.size(0) == B, "paged_attention: rows [B, L] int64");
   TORCH_CHECK(lens.scalar_type() == at::kLong && start.scalar_type() == at::kLong && lens.numel() == B &&

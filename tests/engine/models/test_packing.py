@@ -112,7 +112,7 @@ def test_unwanted_logit_rows_repeat_the_first():
 def test_packing_is_none_without_padding():
     assert Packing.of([3, 3], 3, torch.device("cpu")) is None
     p = Packing.of([3, 1], 3, torch.device("cpu"))
-    assert p.host_rows.tolist() == [0, 1, 2, 3]
+    assert p.rows.tolist() == [0, 1, 2, 3] and p.lengths == [3, 1]
     x = torch.arange(6).view(2, 3)
     assert p.pack(x).tolist() == [[0, 1, 2, 3]]
     assert p.unpack(p.pack(x)).tolist() == [[0, 1, 2], [3, 0, 0]]
