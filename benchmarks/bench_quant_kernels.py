@@ -7,7 +7,7 @@ each method cycles through copies of the weight totalling at least ``--pool-mib`
 reads each weight once).  Prints a table and writes JSON.
 
 Usage: ``python benchmarks/bench_quant_kernels.py [--types Q4_K,Q6_K,...] [--rows 1,2,4,8,16,32,64]
-[--shapes gate_up,down] [--min-time 0.3] [--out benchmarks/results/quant_kernels.json]``
+[--shapes gate_up,down] [--isas avx2,avx512] [--min-time 0.3] [--out benchmarks/results/quant_kernels.json]``
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.models import cpu_kernels  # noqa: E402
-from engine.models.qweight import BLOCK_TYPES, TYPE_IDS, QuantWeight  # noqa: E402
+from engine.models.qweight import BLOCK_TYPES, TYPE_IDS, QuantWeight, kernel_isa  # noqa: E402
+
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # the types with 512-bit kernels
 
 SHAPES = {"gate_up": (17920, 1536), "down": (1536, 8960), "qkv": (2048, 1536)}  # (N, K)
 
@@ -61,11 +63,15 @@ def main() -> None:
     ap.add_argument("--shapes", default="gate_up,down")
     ap.add_argument("--pool-mib", type=float, default=256.0)
     ap.add_argument("--min-time", type=float, default=0.3)
+    ap.add_argument("--isas", default="", help="k-quant kernels to time, e.g. 'avx2,avx512' (one row each, the "
+                    "same weights, interleaved per row count); default: the one the CPU uses")
     ap.add_argument("--out", default="benchmarks/results/quant_kernels.json")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     results = []
-    print(f"{'shape':8s} {'type':6s} {'MiB':>6s} " + " ".join(f"{f'M={m} ms':>9s}" for m in rows)
+    default_isa = kernel_isa()
+    print(f"k-quant kernels in use: {default_isa}")
+    print(f"{'shape':8s} {'type':11s} {'MiB':>6s} " + " ".join(f"{f'M={m} ms':>9s}" for m in rows)
           + f" {'GB/s@1':>7s} {'8/1':>5s}")
     for shape in args.shapes.split(","):
         n, k = SHAPES[shape]
@@ -84,21 +90,29 @@ def main() -> None:
                 weights = [QuantWeight(w0.data.clone(), w0.type_id, k) for _ in range(copies)]
                 fn = lambda x, w: w.linear(x)  # noqa: E731
                 dtype = torch.bfloat16
-            ms = {}
+            isas = args.isas.split(",") if args.isas and name in K_TYPES else [kernel_isa()]
+            ms = {isa: {} for isa in isas}
             with torch.inference_mode():
                 for m in rows:
                     x = torch.randn(m, k).to(dtype)
-                    ms[m] = time_calls(fn, weights, x, args.min_time)
-            gbs = nbytes / (ms[rows[0]] / 1e3) / 1e9
-            ratio = ms.get(8, float("nan")) / ms[rows[0]]
-            print(f"{shape:8s} {name:6s} {nbytes / 2**20:6.1f} " + " ".join(f"{ms[m]:9.2f}" for m in rows)
-                  + f" {gbs:7.1f} {ratio:5.2f}")
-            results.append({"shape": shape, "N": n, "K": k, "type": name, "weight_bytes": nbytes,
-                            "ms": {str(m): ms[m] for m in rows}, "gb_per_s_at_1": gbs})
+                    for isa in isas:
+                        kernel_isa(isa)
+                        ms[isa][m] = time_calls(fn, weights, x, args.min_time)
+            for isa in isas:
+                label = f"{name}/{isa}" if len(isas) > 1 else name
+                t = ms[isa]
+                gbs = nbytes / (t[rows[0]] / 1e3) / 1e9
+                ratio = t.get(8, float("nan")) / t[rows[0]]
+                print(f"{shape:8s} {label:11s} {nbytes / 2**20:6.1f} " + " ".join(f"{t[m]:9.2f}" for m in rows)
+                      + f" {gbs:7.1f} {ratio:5.2f}")
+                results.append({"shape": shape, "N": n, "K": k, "type": name, "kernels": isa, "weight_bytes": nbytes,
+                                "ms": {str(m): t[m] for m in rows}, "gb_per_s_at_1": gbs})
+            kernel_isa(default_isa)
             del weights
     meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "bf16_kernel": cpu_kernels.should_use(torch.zeros(2, 2, dtype=torch.bfloat16))}
+            "bf16_kernel": cpu_kernels.should_use(torch.zeros(2, 2, dtype=torch.bfloat16)),
+            "kquant_kernels": default_isa}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"wrote {args.out}")

@@ -23,6 +23,9 @@
 #include "lanes.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <string>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -680,7 +683,11 @@ void tile_times_panel(const WTile& w, int nrows, const QActs& a, int64_t m0, int
 
 constexpr int kSuper = 256;
 
-// Activations for the k-quants: q [M, K], dx [M, K/256], bsum [M, K/16] (int16).
+// Activations for the k-quants: q [M, K], dx [M, K/256], bsum [M, K/16] (int16, in weight order).
+// `paired` (the Q4_K / Q5_K kernels): within every 128 values q holds the four 32-value pieces in the
+// order 0, 2, 1, 3, so that the 64 bytes at 128 i pair the low nibbles of a 64-byte run of weight bytes
+// (weights 128 i .. +31 and 128 i + 64 .. +95) and the 64 bytes after them the high nibbles: one load
+// each in the 512-bit kernels.  The 256-bit ones read a piece wherever it is (xoff4).
 struct QActsK {
   std::vector<int8_t> q;
   std::vector<float> dx;
@@ -688,7 +695,11 @@ struct QActsK {
   int64_t K, supers;
 };
 
-QActsK quantize_acts_k(const float* x, int64_t M, int64_t K) {
+// Where the paired layout keeps the 32 activations of Q4_K / Q5_K chunk j's low (half 0) or high
+// (half 1) nibbles, i.e. weights 64 j + 32 half .. +31 of the super-block.
+constexpr int xoff4(int j, int half) { return (j / 2) * 128 + half * 64 + (j % 2) * 32; }
+
+QActsK quantize_acts_k(const float* x, int64_t M, int64_t K, bool paired) {
   QActsK a;
   a.K = K;
   a.supers = K / kSuper;
@@ -696,10 +707,15 @@ QActsK quantize_acts_k(const float* x, int64_t M, int64_t K) {
   a.dx.resize(static_cast<size_t>(M * a.supers));
   a.bsum.resize(static_cast<size_t>(M * K / 16));
   at::parallel_for(0, M, std::max<int64_t>(8, (1 << 16) / K), [&](int64_t m0, int64_t m1) {
+    int8_t q[kSuper];
     for (int64_t m = m0; m < m1; ++m) {
       for (int64_t s = 0; s < a.supers; ++s) {
         int sums[kSuper / 16];
-        a.dx[m * a.supers + s] = round_group(x + m * K + s * kSuper, kSuper, a.q.data() + m * K + s * kSuper, sums);
+        int8_t* out = a.q.data() + m * K + s * kSuper;
+        a.dx[m * a.supers + s] = round_group(x + m * K + s * kSuper, kSuper, paired ? q : out, sums);
+        if (paired)
+          for (int j = 0; j < 4; ++j)
+            for (int half = 0; half < 2; ++half) std::memcpy(out + xoff4(j, half), q + 64 * j + 32 * half, 32);
         int16_t* bs = a.bsum.data() + (m * K + s * kSuper) / 16;
         for (int h = 0; h < kSuper / 16; ++h) bs[h] = static_cast<int16_t>(sums[h]);
       }
@@ -755,8 +771,8 @@ void k4_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy
       }
       const __m256i s0 = lane16<2 * j>(sc2), s1 = lane16<2 * j + 1>(sc2);
       for (int c = 0; c < C; ++c) {
-        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load_x(a, m + c, s, 64 * j)), s0);
-        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load_x(a, m + c, s, 64 * j + 32)), s1);
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load_x(a, m + c, s, xoff4(j, 0))), s0);
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load_x(a, m + c, s, xoff4(j, 1))), s1);
         isum[c] = _mm256_add_epi32(isum[c], _mm256_add_epi32(p0, p1));
       }
     };
@@ -841,8 +857,8 @@ void k4_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy
         int32_t lo = 0, hi = 0;
         for (int l = 0; l < 32; ++l) {
           const int h = kFifth ? qh[l] >> (2 * j) : 0;
-          lo += ((qs[32 * j + l] & 0x0f) | ((h & 1) << 4)) * x[64 * j + l];
-          hi += ((qs[32 * j + l] >> 4) | (((h >> 1) & 1) << 4)) * x[64 * j + 32 + l];
+          lo += ((qs[32 * j + l] & 0x0f) | ((h & 1) << 4)) * x[xoff4(j, 0) + l];
+          hi += ((qs[32 * j + l] >> 4) | (((h >> 1) & 1) << 4)) * x[xoff4(j, 1) + l];
         }
         isum += sc8[2 * j] * lo + sc8[2 * j + 1] * hi;
       }
@@ -885,6 +901,142 @@ void q6k_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ld
 }
 #endif
 
+// ------------------------------------------------------------------------------------ k-quants, 512-bit
+// On CPUs with AVX-512 (F, BW, VL) and VNNI the same products run on 512-bit vectors: two 32-byte
+// pieces of weight bytes per instruction, and vpdpwssd adds the sub-block scales' products to the int32
+// sums in one instruction (madd, then add, above).  The 512-bit sum's two halves are added at the end,
+// so lane l of the 256-bit sum holds exactly the integer products lane l holds in the 256-bit kernel:
+// the same integers, then the 256-bit kernel's float operations.  Both kernels give bitwise the same
+// results (tested), so which one a CPU runs changes its time only.  Compiled for those instructions
+// whatever the build's flags (a target attribute) and chosen at run time (kquant_isa).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__GNUC__)
+#define MCSD_HAVE_512 1
+#define MCSD_TARGET_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// Scale picks for vpermw: 32 int16 lanes, 8 per entry.  Q4_K / Q5_K: per pair of chunks P, low nibbles
+// (sub-blocks 4P and 4P + 2, 16 lanes each) and high (4P + 1, 4P + 3).  Q6_K: per half h, runs 0-1
+// (scales 8h + 0..3) and runs 2-3 (8h + 4..7).
+struct ScalePicks {
+  int16_t v[8][32];
+};
+constexpr ScalePicks make_scale_picks() {
+  ScalePicks p{};
+  const int q[8][4] = {{0, 0, 2, 2}, {1, 1, 3, 3}, {4, 4, 6, 6}, {5, 5, 7, 7},
+                       {0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}};
+  for (int t = 0; t < 8; ++t)
+    for (int i = 0; i < 32; ++i) p.v[t][i] = static_cast<int16_t>(q[t][i / 8]);
+  return p;
+}
+alignas(64) constexpr ScalePicks kScalePicks = make_scale_picks();
+
+MCSD_TARGET_512 inline __m512i pick16(const __m512i& sc, int table) {
+  return _mm512_permutexvar_epi16(_mm512_loadu_si512(kScalePicks.v[table]), sc);
+}
+// 32 int16 shift counts: a in the low 256 bits, b in the high
+MCSD_TARGET_512 inline __m512i halves16(int a, int b) {
+  return _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(static_cast<int16_t>(a)),
+                                 _mm512_set1_epi16(static_cast<int16_t>(b)));
+}
+
+template <int C, bool kFifth>
+MCSD_TARGET_512 void k4_rows_512(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) {
+  constexpr int kBytes = kFifth ? 176 : 144;
+  __m256 acc[C], accm[C];
+  for (int c = 0; c < C; ++c) acc[c] = accm[c] = _mm256_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi8(1);
+  for (int64_t s = 0; s < a.supers; ++s) {
+    const uint8_t* b = w + s * kBytes;
+    const float d = fp16_to_f32(rd16(b)), dmin = fp16_to_f32(rd16(b + 2));
+    const KScaleWords k = kscale_words(b + 4);
+    const __m128i sm = _mm_set_epi32(static_cast<int>(k.w[3]), static_cast<int>(k.w[2]), static_cast<int>(k.w[1]),
+                                     static_cast<int>(k.w[0]));
+    const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));  // lanes 0-7 the scales
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
+    const uint8_t* qs = b + (kFifth ? 48 : 16);
+    const __m512i hb = kFifth ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)))
+                              : _mm512_setzero_si512();
+    __m512i isum[C];
+    for (int c = 0; c < C; ++c) isum[c] = _mm512_setzero_si512();
+    for (int P = 0; P < 2; ++P) {  // chunks 2P (low 256 bits) and 2P + 1 (high)
+      const __m512i v = _mm512_loadu_si512(qs + 64 * P);
+      __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      if (kFifth) {  // chunk j's fifth bits are bits 2j (low nibbles) and 2j + 1 (high) of the qh bytes
+        const __m512i h = _mm512_srlv_epi16(hb, halves16(4 * P, 4 * P + 2));
+        lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(h, one), 4));
+        hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 1), one), 4));
+      }
+      const __m512i s_lo = pick16(sc, 2 * P), s_hi = pick16(sc, 2 * P + 1);
+      for (int c = 0; c < C; ++c) {
+        const int8_t* xq = a.q.data() + (m + c) * a.K + s * kSuper + 128 * P;  // the paired layout
+        isum[c] = _mm512_dpwssd_epi32(isum[c], _mm512_maddubs_epi16(lo, _mm512_loadu_si512(xq)), s_lo);
+        isum[c] = _mm512_dpwssd_epi32(isum[c], _mm512_maddubs_epi16(hi, _mm512_loadu_si512(xq + 64)), s_hi);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m256i is = _mm256_add_epi32(_mm512_castsi512_si256(isum[c]), _mm512_extracti64x4_epi64(isum[c], 1));
+      const float dx = a.dx[(m + c) * a.supers + s];
+      const __m256i msum = _mm256_madd_epi16(mins, load_bsum(a, m + c, s));
+      acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(is), acc[c]);
+      accm[c] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(msum), accm[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) y[c * ldy] = mcsd::reduce_lanes(acc[c]) - mcsd::reduce_lanes(accm[c]);
+}
+
+template <int C>
+MCSD_TARGET_512 void q6k_rows_512(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) {
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0f), x30 = _mm512_set1_epi8(0x30);
+  const __m512i shl01 = halves16(4, 2), shr23 = halves16(0, 2);  // runs 0, 1: h << 4, h << 2; runs 2, 3: h, h >> 2
+  for (int64_t s = 0; s < a.supers; ++s) {
+    const uint8_t* b = w + s * 210;
+    const float d = fp16_to_f32(rd16(b + 208));
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    const __m512i sc = _mm512_castsi256_si512(sc16);
+    __m256i isum0[C];
+    __m512i isum[C];
+    for (int c = 0; c < C; ++c) {
+      isum0[c] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, load_bsum(a, m + c, s)), 5));
+      isum[c] = _mm512_setzero_si512();
+    }
+    for (int half = 0; half < 2; ++half) {
+      const __m512i l = _mm512_loadu_si512(b + 64 * half);  // ql of runs 0 | 1 (low nibbles), 2 | 3 (high)
+      const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half)));
+      const __m512i u01 = _mm512_or_si512(_mm512_and_si512(l, low4), _mm512_and_si512(_mm512_sllv_epi16(h, shl01), x30));
+      const __m512i u23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low4),
+                                          _mm512_and_si512(_mm512_srlv_epi16(h, shr23), x30));
+      const __m512i s01 = pick16(sc, 4 + 2 * half), s23 = pick16(sc, 5 + 2 * half);
+      for (int c = 0; c < C; ++c) {
+        const int8_t* xq = a.q.data() + (m + c) * a.K + s * kSuper + 128 * half;
+        isum[c] = _mm512_dpwssd_epi32(isum[c], _mm512_maddubs_epi16(u01, _mm512_loadu_si512(xq)), s01);
+        isum[c] = _mm512_dpwssd_epi32(isum[c], _mm512_maddubs_epi16(u23, _mm512_loadu_si512(xq + 64)), s23);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m256i is = _mm256_add_epi32(
+          isum0[c], _mm256_add_epi32(_mm512_castsi512_si256(isum[c]), _mm512_extracti64x4_epi64(isum[c], 1)));
+      const float dx = a.dx[(m + c) * a.supers + s];
+      acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(is), acc[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) y[c * ldy] = mcsd::reduce_lanes(acc[c]);
+}
+
+template <int C>
+void q4k_rows_512(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) { k4_rows_512<C, false>(w, a, m, y, ldy); }
+template <int C>
+void q5k_rows_512(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) { k4_rows_512<C, true>(w, a, m, y, ldy); }
+
+bool cpu_has_512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+#else
+bool cpu_has_512() { return false; }
+#endif
+
 using KRowsFn = void (*)(const uint8_t*, const QActsK&, int64_t, float*, int64_t);
 
 template <int C>
@@ -894,13 +1046,21 @@ void q5k_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ld
 
 struct KKernel {
   int64_t id;
-  KRowsFn rows4, rows2, rows1;
+  bool paired;  // reads its activations in the paired layout (QActsK)
+  KRowsFn rows4, rows2, rows1;  // the 256-bit (or portable) kernels
+  KRowsFn wide4, wide2, wide1;  // the 512-bit ones (null: none)
 };
+#if defined(MCSD_HAVE_512)
+#define WIDE(f) f<4>, f<2>, f<1>
+#else
+#define WIDE(f) nullptr, nullptr, nullptr
+#endif
 constexpr KKernel kKKernels[] = {
-    {12, q4k_rows<4>, q4k_rows<2>, q4k_rows<1>},
-    {13, q5k_rows<4>, q5k_rows<2>, q5k_rows<1>},
-    {14, q6k_rows<4>, q6k_rows<2>, q6k_rows<1>},
+    {12, true, q4k_rows<4>, q4k_rows<2>, q4k_rows<1>, WIDE(q4k_rows_512)},
+    {13, true, q5k_rows<4>, q5k_rows<2>, q5k_rows<1>, WIDE(q5k_rows_512)},
+    {14, false, q6k_rows<4>, q6k_rows<2>, q6k_rows<1>, WIDE(q6k_rows_512)},
 };
+#undef WIDE
 
 const KKernel* k_kernel(int64_t id) {
   for (const auto& k : kKKernels)
@@ -908,11 +1068,20 @@ const KKernel* k_kernel(int64_t id) {
   return nullptr;
 }
 
+// Which k-quant kernels run: the 512-bit ones where the CPU has them, unless MCSD_CPU_ISA=avx2 (read
+// once) or quant_isa() says otherwise.  Both give the same bits; this is for timing and tests.
+std::atomic<bool> g_wide{[] {
+  const char* env = std::getenv("MCSD_CPU_ISA");
+  return cpu_has_512() && !(env != nullptr && std::string(env) == "avx2");
+}()};
+
 // y [M, N] for a k-quant weight: threads split the weight rows; each row meets the activation rows
 // 4 at a time (then 2, 1), so its bytes are read from memory once and from L1 after.
 void k_linear(const KKernel& k, const uint8_t* wp, int64_t row_bytes, int64_t N, const float* x, int64_t M,
               int64_t K, float* yp) {
-  const QActsK a = quantize_acts_k(x, M, K);
+  const QActsK a = quantize_acts_k(x, M, K, k.paired);
+  const bool wide = g_wide.load(std::memory_order_relaxed);
+  const KRowsFn rows4 = wide ? k.wide4 : k.rows4, rows2 = wide ? k.wide2 : k.rows2, rows1 = wide ? k.wide1 : k.rows1;
   // Weight rows go in chunks of about kChunkBytes, which stay in the core's L2 while every panel of
   // 4 activation rows (4K bytes, in L1) passes over them: each activation byte is then read from L2
   // once per chunk, not once per weight row (at 256 rows that was 100 KB of activations per 1 KB of
@@ -936,12 +1105,12 @@ void k_linear(const KKernel& k, const uint8_t* wp, int64_t row_bytes, int64_t N,
         first = false;
       };
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4) pass(k.rows4, m);
+      for (; m + 4 <= M; m += 4) pass(rows4, m);
       if (M - m >= 2) {
-        pass(k.rows2, m);
+        pass(rows2, m);
         m += 2;
       }
-      if (m < M) pass(k.rows1, m);
+      if (m < M) pass(rows1, m);
     }
   });
 }
@@ -1021,11 +1190,31 @@ at::Tensor quant_dequantize(const at::Tensor& w, int64_t type, int64_t K) {
   return y;
 }
 
+// "avx512" or "avx2" (or "portable"): the k-quant kernels in use; `set` ("avx512" / "avx2", "" to only
+// ask) switches them, and asking for 512-bit kernels the CPU lacks is an error.
+std::string quant_isa(const std::string& set) {
+#if defined(__AVX2__)
+  const std::string narrow = "avx2";
+#else
+  const std::string narrow = "portable";
+#endif
+  if (set == "avx512") {
+    TORCH_CHECK(cpu_has_512(), "quant_isa: this CPU (or build) has no AVX-512 with VNNI");
+    g_wide = true;
+  } else if (set == "avx2" || set == "portable") {
+    g_wide = false;
+  } else {
+    TORCH_CHECK(set.empty(), "quant_isa: expected 'avx512', 'avx2' or '', got '", set, "'");
+  }
+  return g_wide ? "avx512" : narrow;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mcsd_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor weight, int type, int K, Tensor? bias=None) -> Tensor");
   m.def("quant_dequantize(Tensor weight, int type, int K) -> Tensor");
+  m.def("quant_isa(str set='') -> str", &quant_isa);  // no tensors: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(mcsd_cpu, CPU, m) {

@@ -156,3 +156,31 @@ def test_q8_0_quantization_is_the_gguf_layout_and_close():
     assert np.abs(q.data.numpy().astype(np.int16) - ref.astype(np.int16)).max() <= 1
     assert torch.allclose(q.dequantize(), reference(q))
     assert (q.dequantize() - w).abs().max() <= w.abs().max() / 127  # half a quantization step, rounded scale
+
+
+K_TYPES = [t for t in TYPES if BLOCK_TYPES[t][1] == 256]
+
+
+@pytest.mark.parametrize("type_id", K_TYPES, ids=lambda t: BLOCK_TYPES[t][0])
+def test_the_512_bit_kernels_give_the_same_bits(type_id):
+    """Where the CPU has AVX-512 with VNNI, the k-quants' 512-bit kernels are used, and every row count
+    gives bitwise the 256-bit kernels' result (so batch invariance and the exactness tests above carry
+    over).  Elsewhere asking for them is a clear error and the 256-bit ones stay in use."""
+    before = qweight.kernel_isa()
+    if before != "avx512":
+        with pytest.raises(RuntimeError, match="no AVX-512"):
+            qweight.kernel_isa("avx512")
+        assert qweight.kernel_isa() == before
+        return
+    w = random_blocks(type_id, 21, 768, seed=5)
+    x = torch.randn(64, 768, generator=torch.Generator().manual_seed(6))
+    try:
+        assert qweight.kernel_isa("avx2") == "avx2"
+        narrow = [w.linear(x[:m]) for m in range(1, 65)]
+        assert qweight.kernel_isa("avx512") == "avx512"
+        for m in range(1, 65):
+            assert torch.equal(w.linear(x[:m]), narrow[m - 1]), m
+    finally:
+        qweight.kernel_isa(before)
+    with pytest.raises(RuntimeError, match="expected 'avx512'"):
+        qweight.kernel_isa("sse")
