@@ -738,6 +738,14 @@ inline __m256i lane16(__m256i v8x2) {
   return _mm256_shuffle_epi8(v8x2, pick);
 }
 
+// A Q4_K / Q5_K super-block's scales (bytes 0-7) and mins (8-15), built in a register: through memory,
+// the 8-byte reload of two 4-byte stores missed store forwarding, in every super-block.
+inline __m128i kscale_vec(const uint8_t* q) {
+  const KScaleWords k = kscale_words(q);
+  return _mm_set_epi32(static_cast<int>(k.w[3]), static_cast<int>(k.w[2]), static_cast<int>(k.w[1]),
+                       static_cast<int>(k.w[0]));
+}
+
 // Q4_K (kFifth = false) and Q5_K: d, dmin, scales[12], [qh[32],] qs[128].  Weight row `w` (nsb
 // super-blocks) times activation rows m .. m + C - 1: y[c * ldy].
 template <int C, bool kFifth>
@@ -749,11 +757,7 @@ void k4_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy
   for (int64_t s = 0; s < a.supers; ++s) {
     const uint8_t* b = w + s * kBytes;
     const float d = fp16_to_f32(rd16(b)), dmin = fp16_to_f32(rd16(b + 2));
-    // bytes 0-7 the scales, 8-15 the mins, built in a register (through memory, the 8-byte reload of
-    // two 4-byte stores missed store forwarding, in every super-block)
-    const KScaleWords k = kscale_words(b + 4);
-    const __m128i sm = _mm_set_epi32(static_cast<int>(k.w[3]), static_cast<int>(k.w[2]), static_cast<int>(k.w[1]),
-                                     static_cast<int>(k.w[0]));
+    const __m128i sm = kscale_vec(b + 4);
     const __m256i sc2 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));  // the 8 scales as int16, in both halves
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));  // m_j for bsums 2j, 2j+1
     const uint8_t* qs = b + (kFifth ? 48 : 16);
@@ -947,9 +951,7 @@ MCSD_TARGET_512 void k4_rows_512(const uint8_t* w, const QActsK& a, int64_t m, f
   for (int64_t s = 0; s < a.supers; ++s) {
     const uint8_t* b = w + s * kBytes;
     const float d = fp16_to_f32(rd16(b)), dmin = fp16_to_f32(rd16(b + 2));
-    const KScaleWords k = kscale_words(b + 4);
-    const __m128i sm = _mm_set_epi32(static_cast<int>(k.w[3]), static_cast<int>(k.w[2]), static_cast<int>(k.w[1]),
-                                     static_cast<int>(k.w[0]));
+    const __m128i sm = kscale_vec(b + 4);
     const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));  // lanes 0-7 the scales
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
     const uint8_t* qs = b + (kFifth ? 48 : 16);
