@@ -90,7 +90,7 @@ def main() -> None:
                 weights = [QuantWeight(w0.data.clone(), w0.type_id, k) for _ in range(copies)]
                 fn = lambda x, w: w.linear(x)  # noqa: E731
                 dtype = torch.bfloat16
-            isas = args.isas.split(",") if args.isas and name in K_TYPES else [kernel_isa()]
+            isas = args.isas.split(",") if args.isas and name in K_TYPES else [default_isa]
             ms = {isa: {} for isa in isas}
             with torch.inference_mode():
                 for m in rows:

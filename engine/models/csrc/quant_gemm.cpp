@@ -514,14 +514,14 @@ inline void unpack_q8_0(const uint8_t* b, uint8_t* u, float* dg, float* mn) {
 using UnpackFn = void (*)(const uint8_t*, uint8_t*, float*, float*);
 
 // Every kernel reads its weights once per call, front to back within a thread's range.  The hardware
-// prefetcher alone left the one-row products waiting on memory: Q4_K at one row read 8 GB/s, against
-// 25 GB/s when the kernel asks for the bytes kPrefetchBytes ahead of the row it reads (measured on a
-// 2-core Xeon; 16 to 32 weight rows ahead were best, 4 rows ahead about 20% slower).  Prefetches never
-// pass `end`, the end of the thread's range.
+// prefetcher alone left the one-row products waiting on memory: on a 2-core Xeon, Q4_K at one row read
+// 8 GB/s, and 17-18 GB/s when the kernel asks for the bytes kPrefetchBytes ahead of the row it reads
+// (8 to 64 weight rows ahead into L2 did about equally well; into L1 was slower, its fill buffers are
+// few).  Prefetches never pass `end`, the end of the thread's range.
 constexpr int64_t kPrefetchBytes = 16 << 10;
 
 inline void prefetch(const uint8_t* p, const uint8_t* end) {
-  if (p < end) __builtin_prefetch(p, 0, 2);  // into L2: into L1 was slower (its fill buffers are few)
+  if (p < end) __builtin_prefetch(p, 0, 2);  // into L2
 }
 
 inline void prefetch_lines(const uint8_t* p, int64_t bytes, const uint8_t* end) {
@@ -746,6 +746,21 @@ inline __m128i kscale_vec(const uint8_t* q) {
                        static_cast<int>(k.w[0]));
 }
 
+// The only float arithmetic of the k-quant kernels, once per super-block s and activation row `row`:
+// the exact integer sums scaled into the fp32 lanes (Q4_K / Q5_K: isum by d dx, the mins' sum by
+// dmin dx).  The 256- and 512-bit kernels both call these, which is why their results are bitwise equal.
+inline void k4_accumulate(__m256& acc, __m256& accm, __m256i isum, __m256i mins, const QActsK& a, int64_t row,
+                          int64_t s, float d, float dmin) {
+  const float dx = a.dx[row * a.supers + s];
+  const __m256i msum = _mm256_madd_epi16(mins, load_bsum(a, row, s));
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum), acc);
+  accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(msum), accm);
+}
+
+inline void q6k_accumulate(__m256& acc, __m256i isum, const QActsK& a, int64_t row, int64_t s, float d) {
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.dx[row * a.supers + s]), _mm256_cvtepi32_ps(isum), acc);
+}
+
 // Q4_K (kFifth = false) and Q5_K: d, dmin, scales[12], [qh[32],] qs[128].  Weight row `w` (nsb
 // super-blocks) times activation rows m .. m + C - 1: y[c * ldy].
 template <int C, bool kFifth>
@@ -785,10 +800,7 @@ void k4_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy
     chunk(std::integral_constant<int, 2>{});
     chunk(std::integral_constant<int, 3>{});
     for (int c = 0; c < C; ++c) {
-      const float dx = a.dx[(m + c) * a.supers + s];
-      const __m256i msum = _mm256_madd_epi16(mins, load_bsum(a, m + c, s));
-      acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum[c]), acc[c]);
-      accm[c] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(msum), accm[c]);
+      k4_accumulate(acc[c], accm[c], isum[c], mins, a, m + c, s, d, dmin);
     }
   }
   for (int c = 0; c < C; ++c) y[c * ldy] = mcsd::reduce_lanes(acc[c]) - mcsd::reduce_lanes(accm[c]);
@@ -835,8 +847,7 @@ void q6k_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ld
       }
     }
     for (int c = 0; c < C; ++c) {
-      const float dx = a.dx[(m + c) * a.supers + s];
-      acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum[c]), acc[c]);
+      q6k_accumulate(acc[c], isum[c], a, m + c, s, d);
     }
   }
   for (int c = 0; c < C; ++c) y[c * ldy] = mcsd::reduce_lanes(acc[c]);
@@ -976,10 +987,7 @@ MCSD_TARGET_512 void k4_rows_512(const uint8_t* w, const QActsK& a, int64_t m, f
     }
     for (int c = 0; c < C; ++c) {
       const __m256i is = _mm256_add_epi32(_mm512_castsi512_si256(isum[c]), _mm512_extracti64x4_epi64(isum[c], 1));
-      const float dx = a.dx[(m + c) * a.supers + s];
-      const __m256i msum = _mm256_madd_epi16(mins, load_bsum(a, m + c, s));
-      acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(is), acc[c]);
-      accm[c] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(msum), accm[c]);
+      k4_accumulate(acc[c], accm[c], is, mins, a, m + c, s, d, dmin);
     }
   }
   for (int c = 0; c < C; ++c) y[c * ldy] = mcsd::reduce_lanes(acc[c]) - mcsd::reduce_lanes(accm[c]);
@@ -1018,8 +1026,7 @@ MCSD_TARGET_512 void q6k_rows_512(const uint8_t* w, const QActsK& a, int64_t m, 
     for (int c = 0; c < C; ++c) {
       const __m256i is = _mm256_add_epi32(
           isum0[c], _mm256_add_epi32(_mm512_castsi512_si256(isum[c]), _mm512_extracti64x4_epi64(isum[c], 1)));
-      const float dx = a.dx[(m + c) * a.supers + s];
-      acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(is), acc[c]);
+      q6k_accumulate(acc[c], is, a, m + c, s, d);
     }
   }
   for (int c = 0; c < C; ++c) y[c * ldy] = mcsd::reduce_lanes(acc[c]);
