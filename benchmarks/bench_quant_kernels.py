@@ -87,7 +87,7 @@ def main() -> None:
                 w0 = random_weight(TYPE_IDS[name], n, k, 0)
                 nbytes = w0.nbytes
                 copies = max(2, int(args.pool_mib * 2**20 / nbytes) + 1)
-                weights = [QuantWeight(w0.data.clone(), w0.type_id, k) for _ in range(copies)]
+                weights = [QuantWeight(w0.rows().clone(), w0.type_id, k) for _ in range(copies)]
                 fn = lambda x, w: w.linear(x)  # noqa: E731
                 dtype = torch.bfloat16
             isas = args.isas.split(",") if args.isas and name in K_TYPES else [default_isa]

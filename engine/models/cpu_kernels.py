@@ -166,7 +166,7 @@ def _register_fakes() -> None:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
     def quant_linear_out(x, weight, type_id, k, bias=None):
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
+        return x.new_empty(*x.shape[:-1], weight.shape[0] * (8 if type_id & 256 else 1))  # packed: 8 rows a group
 
     def quant_dequantize_out(weight, type_id, k):
         return weight.new_empty(weight.shape[0], k, dtype=torch.float32)

@@ -202,7 +202,7 @@ def _stack(parts: list):
         if isinstance(p, torch.Tensor) and isinstance(prev, torch.Tensor) and p.dtype == prev.dtype:
             runs[-1] = torch.cat([prev, p])
         elif isinstance(p, QuantWeight) and isinstance(prev, QuantWeight) and p.type_id == prev.type_id:
-            runs[-1] = QuantWeight(torch.cat([prev.data, p.data]), p.type_id, p.k)
+            runs[-1] = QuantWeight.concat([prev, p])
         else:
             runs.append(p)
     return runs[0] if len(runs) == 1 else StackedWeight(runs)

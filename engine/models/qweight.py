@@ -54,21 +54,43 @@ def _info(type_id: int) -> tuple[str, int, int]:
         raise ValueError(f"GGML block type {type_id} is not supported (supported: {names})") from None
 
 
+#: GGML k-quant types that run packed (``quant_pack``: 8 weight rows interleaved, see the kernel's header)
+PACKED_TYPES = (12, 13, 14)
+_PACKED_FLAG = 256  # quant_linear's type for a packed weight: the GGML type | this
+_PACK_ROWS = 8
+
+
 @dataclass
 class QuantWeight:
-    """A ``[N, K]`` linear weight in GGUF blocks of type ``type_id``."""
+    """A ``[N, K]`` linear weight in GGUF blocks of type ``type_id``, built from the GGUF rows
+    ``uint8 [N, row_bytes]``.  The k-quants (``PACKED_TYPES``) are kept packed for their kernels: groups
+    of 8 rows interleaved, ``uint8 [ceil(N / 8), ...]`` (the last group padded with zero rows), a
+    permutation of the GGUF bytes with the 6-bit scales as bytes (Q4_K / Q5_K 2-3% larger);
+    :meth:`rows` gives the GGUF bytes back exactly.  ``data`` is what is stored."""
 
-    data: torch.Tensor  # uint8 [N, row_bytes], contiguous, CPU
+    data: torch.Tensor  # uint8: GGUF rows [N, row_bytes], or packed groups when `packed`
     type_id: int
     k: int
+    n: int = -1  # rows; given (only) with packed data
+    packed: bool = False
 
     def __post_init__(self) -> None:
         name, _, _ = _info(self.type_id)
+        if self.packed:
+            if self.n <= 0 or self.data.dtype != torch.uint8 or self.data.dim() != 2 \
+                    or self.data.shape[0] != -(-self.n // _PACK_ROWS):
+                raise ValueError(f"packed {name} weight of {self.n} rows needs uint8 [{-(-self.n // _PACK_ROWS)}, ...], "
+                                 f"got {self.data.dtype} {list(self.data.shape)}")
+            return
         expected = row_bytes(self.type_id, self.k)
         if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[1] != expected:
             raise ValueError(f"{name} weight of K={self.k} needs uint8 [N, {expected}], got "
                              f"{self.data.dtype} {list(self.data.shape)}")
+        self.n = self.data.shape[0]
         self.data = self.data.contiguous()
+        if self.type_id in PACKED_TYPES and cpu_kernels.available():
+            self.data = torch.ops.mcsd_cpu.quant_pack(self.data, self.type_id, self.k)
+            self.packed = True
 
     @property
     def type_name(self) -> str:
@@ -76,19 +98,51 @@ class QuantWeight:
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.data.shape[0], self.k))
+        return torch.Size((self.n, self.k))
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``x @ W.T + bias`` in fp32, returned in ``x``'s dtype; ``x`` [..., K].  One operator call."""
-        return torch.ops.mcsd_cpu.quant_linear(x, self.data, self.type_id, self.k, bias)
+        """``x @ W.T + bias`` in fp32, returned in ``x``'s dtype; ``x`` [..., K].  One operator call
+        (two where a packed weight's last group is padded)."""
+        if not self.packed:
+            return torch.ops.mcsd_cpu.quant_linear(x, self.data, self.type_id, self.k, bias)
+        kernel_type = self.type_id | _PACKED_FLAG
+        if self.n % _PACK_ROWS == 0:
+            return torch.ops.mcsd_cpu.quant_linear(x, self.data, kernel_type, self.k, bias)
+        y = torch.ops.mcsd_cpu.quant_linear(x, self.data, kernel_type, self.k, None)[..., :self.n]
+        return y.contiguous() if bias is None else y + bias.to(y.dtype)
+
+    def rows(self, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The GGUF bytes of all rows, or of the rows ``index`` (1-D), ``uint8 [len, row_bytes]``."""
+        if not self.packed:
+            return self.data if index is None else self.data.index_select(0, index)
+        if index is None:
+            index = torch.arange(self.n)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.n):
+            raise IndexError(f"row index out of range for a weight of {self.n} rows")
+        return torch.ops.mcsd_cpu.quant_unpack(self.data, self.type_id, self.k, index.long().contiguous())
+
+    def select(self, index: torch.Tensor) -> "QuantWeight":
+        """A weight of the rows ``index`` (1-D), in that order."""
+        return QuantWeight(self.rows(index), self.type_id, self.k)
+
+    @classmethod
+    def concat(cls, parts: list["QuantWeight"]) -> "QuantWeight":
+        """The parts' rows stacked (one type and K).  Packed parts of whole groups are stacked as they are."""
+        first = parts[0]
+        if any(p.type_id != first.type_id or p.k != first.k for p in parts):
+            raise ValueError("QuantWeight.concat needs parts of one block type and K")
+        if all(p.packed and p.n % _PACK_ROWS == 0 for p in parts):
+            return cls(torch.cat([p.data for p in parts]), first.type_id, first.k,
+                       n=sum(p.n for p in parts), packed=True)
+        return cls(torch.cat([p.rows() for p in parts]), first.type_id, first.k)
 
     def dequantize(self, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """fp32 ``[N, K]`` (or only ``rows``, e.g. the embedding rows of some token ids)."""
-        data = self.data if rows is None else self.data.index_select(0, rows.flatten())
+        data = self.rows(None if rows is None else rows.flatten())
         out = torch.ops.mcsd_cpu.quant_dequantize(data, self.type_id, self.k)
         return out if rows is None else out.view(*rows.shape, self.k)
 

@@ -36,7 +36,7 @@ class OutputVocab:
         self.vocab_size = vocab_size
         if isinstance(lm_head, QuantWeight):  # an output layer in GGUF blocks: keep the rows' blocks
             self.ids = kept
-            self.weight = QuantWeight(lm_head.data.index_select(0, kept), lm_head.type_id, lm_head.k)
+            self.weight = lm_head.select(kept)
             return
         self.ids = kept if lm_head is None else kept.to(lm_head.device)
         self.weight = None if lm_head is None else lm_head.index_select(0, self.ids).contiguous()  # [kept, hidden]

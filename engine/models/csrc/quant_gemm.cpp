@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -31,6 +32,7 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -659,383 +661,496 @@ void tile_times_panel(const WTile& w, int nrows, const QActs& a, int64_t m0, int
   if (m < m1) micro<1, kSigned>(w, nrows, a, m, y + m * N, N);
 }
 
-// ------------------------------------------------------------------------------------ k-quants, direct
-// Q4_K, Q5_K and Q6_K are multiplied straight from their blocks, the way llama.cpp's ggml-cpu
-// pairs them with "Q8_K" activations (our own code):
+// ------------------------------------------------------------------------------------ k-quants, packed
+// Q4_K, Q5_K and Q6_K are multiplied from a packed form of their blocks (quant_pack, once at load time;
+// quant_unpack gives back the GGUF bytes exactly).  The integer work is llama.cpp's pairing of k-quant
+// weights with "Q8_K" activations (our own code); the packing lets one instruction serve 8 weight rows,
+// so the float work per super-block is one multiply-add per 8 rows, not per row.
 //
+// Packing.  Weight rows go in groups of 8 (the last one padded with zero rows); a group's super-block s
+// holds the 8 rows' super-blocks s, interleaved so that one 64-byte load holds 8 bytes of every row (row
+// r in 64-bit lane r), and the sub-block scales come as bytes, per pair of sub-blocks [row][2]:
+//   Q4_K (1184 bytes = 8 x 148): d[8], dmin[8] (fp16); scales and mins, [pair p][row][2] each (64 + 64);
+//        qs[chunk j][l-block b][row][8] (1024): bytes 32 j + 8 b .. +7 of the row's qs, whose low nibbles
+//        are weights 64 j + 8 b .. +7 (sub-block 2j) and the high ones the same + 32 (sub-block 2j + 1).
+//   Q5_K (1440 = 8 x 180): the same, then qh[l-block b][row][8] (256): bits 2j, 2j + 1 are chunk j's.
+//   Q6_K (1680 = 8 x 210): d[8]; the 16 int8 scales as [pair][row][2] (128); then per half h and
+//        l-block b, three [row][8] runs (192 bytes): ql bytes 64 h + 8 b.., ql 64 h + 32 + 8 b.., qh 32 h
+//        + 8 b..; together they hold weights 128 h + 32 p + 8 b .. +7 for p = 0..3.
+// The 6-bit scales and mins are stored a byte each: 32 bytes more per 8 rows' Q4_K / Q5_K super-block
+// (2.8%, 2.2%); Q6_K keeps its size.
+//
+// The product.
 //  1. Activations are rounded to int8 per 256 (one super-block): dx = max|x| / 127 (fp32), q =
-//     round(x / dx), ties to even, and per 16 the exact sum of q (int16).
-//  2. A weight row's super-block is unpacked in registers, never stored: nibbles (and fifth / high
-//     bits) become unsigned bytes u, the 6-bit (Q4_K, Q5_K) or int8 (Q6_K) sub-block scales int16
-//     lanes.  For every activation row c of the call (up to 4 at a time, sharing the unpacked bytes)
-//        isum = sum_sub sc_sub * sum_{i in sub} u_i q_i          (maddubs, madd: int32, exact)
-//     Q6_K's zero point -32 is subtracted in integers: isum -= 32 * sum_sub sc_sub * bsum_sub.
-//     Q4_K / Q5_K's mins:  msum = sum_sub m_sub * bsum_sub (int32, exact).
-//  3. Then once per super-block, in fp32 lanes:  acc += (d * dx) * isum,  acc_m += (dmin * dx) * msum,
-//     and y = reduce(acc) - reduce(acc_m) with the fixed reduction of lanes.h.
+//     round(x / dx), ties to even, with the exact sums of q per sub-block (16 or 32 values).
+//  2. Per activation row c, group and super-block, one register's int32 lanes gather every row's exact
+//        isum_r = sum_sub sc_sub(r) * sum_{i in sub} u_i(r) q_i     (maddubs, then madd or vpdpwssd)
+//     where u are the unsigned quants; Q6_K's zero point comes off in integers, isum_r -= 32 sum_sub
+//     sc_sub(r) S_sub (S the sub-block sums of q), and for Q4_K / Q5_K's mins msum_r = sum_sub m_sub(r) S_sub.
+//  3. Then, the only float arithmetic, for the 8 rows' lanes at once (k_scaled):
+//        acc += (d * dx) * isum,  acc_m += (dmin * dx) * msum,  and at the end y = acc - acc_m.
+// Every kernel variant (512-bit, 256-bit, portable) computes the same integers and then exactly these
+// float operations, per row in super-block order: all give the same bits, and a row's result does
+// not depend on M, on the other rows or on the threads (batch-invariant).  Error against fp32 math: at
+// most sum_k |w_k| dx_{sb(k)} / 2.
 //
-// So one multiply-add in floats per 256 weights, and every float operation of y[m, n] is the same
-// whatever M is and whichever rows share the call (batch-invariant).  Error against fp32 math: at
-// most sum_k |w_k| dx_{sb(k)} / 2, dx now per 256.
-//
-// Sums stay in range: Q4_K / Q5_K 8 sub-blocks x 63 x 32 x 31 x 127 < 2^31; Q6_K 16 x 127 x 16 x 63
-// x 127 < 2^31; a maddubs pair at most 2 x 63 x 127 < 2^15.
+// Sums stay in range: Q4_K / Q5_K 8 sub-blocks x 63 x 32 x 31 x 127 < 2^31; Q6_K 16 x 128 x 16 x 63 x
+// 127 < 2^31; a maddubs pair at most 2 x 63 x 127 < 2^15; a sub-block's sum of q at most 32 x 127.
 
 constexpr int kSuper = 256;
+constexpr int kPackRows = 8;
+constexpr int64_t kPackedFlag = 256;  // quant_linear's type for a packed weight: the GGML type | kPackedFlag
 
-// Activations for the k-quants: q [M, K], dx [M, K/256], bsum [M, K/16] (int16, in weight order).
-// `paired` (the Q4_K / Q5_K kernels): within every 128 values q holds the four 32-value pieces in the
-// order 0, 2, 1, 3, so that the 64 bytes at 128 i pair the low nibbles of a 64-byte run of weight bytes
-// (weights 128 i .. +31 and 128 i + 64 .. +95) and the 64 bytes after them the high nibbles: one load
-// each in the 512-bit kernels.  The 256-bit ones read a piece wherever it is (xoff4).
+// Bytes of one packed super-block (8 rows), and where Q4_K / Q5_K keep their parts.
+constexpr int packed_bytes(int64_t id) { return id == 12 ? 1184 : id == 13 ? 1440 : 1680; }
+constexpr int kK4Mins = 96, kK4Qs = 160, kK5Qh = 1184;  // d at 0, dmin at 16, scales at 32
+constexpr int kK6Scales = 16, kK6Runs = 144;            // d at 0
+
+bool is_k_quant(int64_t id) { return id == 12 || id == 13 || id == 14; }
+
+// Inverse of kscale_bytes: 8 scales and 8 mins (6 bits each) into the 12 bytes of the GGUF layout.
+void kscale_encode(const uint8_t* sc, const uint8_t* m, uint8_t* q) {
+  for (int j = 0; j < 4; ++j) {
+    q[j] = static_cast<uint8_t>((sc[j] & 0x3f) | ((sc[j + 4] >> 4) << 6));
+    q[j + 4] = static_cast<uint8_t>((m[j] & 0x3f) | ((m[j + 4] >> 4) << 6));
+    q[j + 8] = static_cast<uint8_t>((sc[j + 4] & 0x0f) | ((m[j + 4] & 0x0f) << 4));
+  }
+}
+
+// Moves row r's super-block between its GGUF bytes g and its place in a packed super-block p: packing
+// (kPack) or unpacking; every GGUF byte is covered, so the two are exact inverses.
+template <bool kPack>
+inline void mv(uint8_t* g, uint8_t* p, int n) {
+  if (kPack)
+    std::memcpy(p, g, n);
+  else
+    std::memcpy(g, p, n);
+}
+
+template <bool kPack>
+void move_k4(uint8_t* g, uint8_t* p, int r, bool fifth) {
+  mv<kPack>(g, p + 2 * r, 2);
+  mv<kPack>(g + 2, p + 16 + 2 * r, 2);
+  uint8_t sc[8], m[8];
+  if (kPack) kscale_bytes(g + 4, sc, m);
+  for (int j = 0; j < 8; ++j) {
+    uint8_t* ps = p + 32 + 16 * (j / 2) + 2 * r + j % 2;
+    if (kPack) {
+      ps[0] = sc[j];
+      ps[kK4Mins - 32] = m[j];
+    } else {
+      sc[j] = ps[0];
+      m[j] = ps[kK4Mins - 32];
+    }
+  }
+  if (!kPack) kscale_encode(sc, m, g + 4);
+  const int qs = fifth ? 48 : 16;
+  for (int j = 0; j < 4; ++j)
+    for (int b = 0; b < 4; ++b) mv<kPack>(g + qs + 32 * j + 8 * b, p + kK4Qs + 256 * j + 64 * b + 8 * r, 8);
+  if (fifth)
+    for (int b = 0; b < 4; ++b) mv<kPack>(g + 16 + 8 * b, p + kK5Qh + 64 * b + 8 * r, 8);
+}
+
+template <bool kPack>
+void move_q6k(uint8_t* g, uint8_t* p, int r) {
+  mv<kPack>(g + 208, p + 2 * r, 2);
+  for (int k = 0; k < 16; ++k) mv<kPack>(g + 192 + k, p + kK6Scales + 16 * (k / 2) + 2 * r + k % 2, 1);
+  for (int h = 0; h < 2; ++h)
+    for (int b = 0; b < 4; ++b) {
+      uint8_t* unit = p + kK6Runs + 192 * (4 * h + b) + 8 * r;
+      mv<kPack>(g + 64 * h + 8 * b, unit, 8);
+      mv<kPack>(g + 64 * h + 32 + 8 * b, unit + 64, 8);
+      mv<kPack>(g + 128 + 32 * h + 8 * b, unit + 128, 8);
+    }
+}
+
+template <bool kPack>
+void move_super(int64_t id, uint8_t* g, uint8_t* p, int r) {
+  if (id == 14)
+    move_q6k<kPack>(g, p, r);
+  else
+    move_k4<kPack>(g, p, r, id == 13);
+}
+
+// Activations for the k-quants: q [M, K], dx [M, K/256], and per super-block the exact sums of q per
+// sub-block (32 values for Q4_K / Q5_K, 16 for Q6_K), laid out for a madd against 8 rows' scales:
+// per pair of sub-blocks (2p, 2p + 1) the two sums, repeated 8 times (16 int16, one int32 lane per
+// weight row).
 struct QActsK {
   std::vector<int8_t> q;
   std::vector<float> dx;
-  std::vector<int16_t> bsum;
-  int64_t K, supers;
+  std::vector<int16_t> sums;  // [M, supers, pairs, 16]
+  int64_t K, supers, pairs;
+  const int8_t* x(int64_t m, int64_t s) const { return q.data() + m * K + s * kSuper; }
+  const int16_t* pair_sums(int64_t m, int64_t s) const { return sums.data() + (m * supers + s) * pairs * 16; }
+  float scale(int64_t m, int64_t s) const { return dx[m * supers + s]; }
 };
 
-// Where the paired layout keeps the 32 activations of Q4_K / Q5_K chunk j's low (half 0) or high
-// (half 1) nibbles, i.e. weights 64 j + 32 half .. +31 of the super-block.
-constexpr int xoff4(int j, int half) { return (j / 2) * 128 + half * 64 + (j % 2) * 32; }
-
-QActsK quantize_acts_k(const float* x, int64_t M, int64_t K, bool paired) {
+QActsK quantize_acts_k(const float* x, int64_t M, int64_t K, int sub) {
   QActsK a;
   a.K = K;
   a.supers = K / kSuper;
+  a.pairs = kSuper / sub / 2;
   a.q.resize(static_cast<size_t>(M * K));
   a.dx.resize(static_cast<size_t>(M * a.supers));
-  a.bsum.resize(static_cast<size_t>(M * K / 16));
+  a.sums.resize(static_cast<size_t>(M * a.supers * a.pairs * 16));
   at::parallel_for(0, M, std::max<int64_t>(8, (1 << 16) / K), [&](int64_t m0, int64_t m1) {
-    int8_t q[kSuper];
-    for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t m = m0; m < m1; ++m)
       for (int64_t s = 0; s < a.supers; ++s) {
-        int sums[kSuper / 16];
-        int8_t* out = a.q.data() + m * K + s * kSuper;
-        a.dx[m * a.supers + s] = round_group(x + m * K + s * kSuper, kSuper, paired ? q : out, sums);
-        if (paired)
-          for (int j = 0; j < 4; ++j)
-            for (int half = 0; half < 2; ++half) std::memcpy(out + xoff4(j, half), q + 64 * j + 32 * half, 32);
-        int16_t* bs = a.bsum.data() + (m * K + s * kSuper) / 16;
-        for (int h = 0; h < kSuper / 16; ++h) bs[h] = static_cast<int16_t>(sums[h]);
+        int s16[kSuper / 16];
+        a.dx[m * a.supers + s] = round_group(x + m * K + s * kSuper, kSuper, a.q.data() + m * K + s * kSuper, s16);
+        int16_t* out = a.sums.data() + (m * a.supers + s) * a.pairs * 16;
+        for (int64_t j = 0; j < 2 * a.pairs; ++j) {
+          const int v = sub == 16 ? s16[j] : s16[2 * j] + s16[2 * j + 1];
+          for (int r = 0; r < kPackRows; ++r) out[16 * (j / 2) + 2 * r + j % 2] = static_cast<int16_t>(v);
+        }
       }
-    }
   });
   return a;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline __m256i load_x(const QActsK& a, int64_t m, int64_t s, int off) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + m * a.K + s * kSuper + off));
-}
-inline __m256i load_bsum(const QActsK& a, int64_t m, int64_t s) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsum.data() + (m * a.K + s * kSuper) / 16));
-}
-// 16 int16 lanes holding lane j of the 8 int16 in `v8` (j = 0..7, a compile-time constant).
-template <int J>
-inline __m256i lane16(__m256i v8x2) {
-  const __m256i pick = _mm256_set1_epi16(static_cast<int16_t>((2 * J) | ((2 * J + 1) << 8)));
-  return _mm256_shuffle_epi8(v8x2, pick);
+inline __m128i load16(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m256i load32b(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline int64_t load64(const int8_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
 }
 
-// A Q4_K / Q5_K super-block's scales (bytes 0-7) and mins (8-15), built in a register: through memory,
-// the 8-byte reload of two 4-byte stores missed store forwarding, in every super-block.
-inline __m128i kscale_vec(const uint8_t* q) {
-  const KScaleWords k = kscale_words(q);
-  return _mm_set_epi32(static_cast<int>(k.w[3]), static_cast<int>(k.w[2]), static_cast<int>(k.w[1]),
-                       static_cast<int>(k.w[0]));
+// pshufb controls that spread one sub-block's scales of 8 rows (byte 2 r + t of a [row][2] pair of
+// scales, the 16 bytes broadcast to every 128-bit lane) over the four int16 lanes of each row's 64-bit
+// lane: zero-extended, or (kSigned) into the high byte, which a shift right by 8 then sign-extends.  A
+// 512-bit register holds rows 0-7 (128-bit lane L: rows 2 L, 2 L + 1); a 256-bit one rows 4 h .. 4 h + 3,
+// the table's bytes 32 h ...
+struct ScaleCtl {
+  int8_t b[2][2][64];  // [signed][t]
+};
+constexpr ScaleCtl make_scale_ctl() {
+  ScaleCtl c{};
+  for (int sg = 0; sg < 2; ++sg)
+    for (int t = 0; t < 2; ++t)
+      for (int k = 0; k < 64; ++k) {
+        const int row = 2 * (k / 16) + (k % 16) / 8;
+        c.b[sg][t][k] = (k % 2 == sg) ? static_cast<int8_t>(2 * row + t) : static_cast<int8_t>(-128);
+      }
+  return c;
+}
+alignas(64) constexpr ScaleCtl kScaleCtl = make_scale_ctl();
+
+// Rows 4 h .. 4 h + 3's scales of sub-block t of `pair`, as the int16 lanes of their 64-bit lanes.
+template <bool kSigned>
+inline __m256i scales_256(__m256i pair_x2, int t, int h) {
+  const __m256i v = _mm256_shuffle_epi8(pair_x2, load32b(kScaleCtl.b[kSigned][t] + 32 * h));
+  return kSigned ? _mm256_srai_epi16(v, 8) : v;
 }
 
-// The only float arithmetic of the k-quant kernels, once per super-block s and activation row `row`:
-// the exact integer sums scaled into the fp32 lanes (Q4_K / Q5_K: isum by d dx, the mins' sum by
-// dmin dx).  The 256- and 512-bit kernels both call these, which is why their results are bitwise equal.
-inline void k4_accumulate(__m256& acc, __m256& accm, __m256i isum, __m256i mins, const QActsK& a, int64_t row,
-                          int64_t s, float d, float dmin) {
-  const float dx = a.dx[row * a.supers + s];
-  const __m256i msum = _mm256_madd_epi16(mins, load_bsum(a, row, s));
-  acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum), acc);
-  accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(msum), accm);
+// The only float arithmetic of the k-quant kernels, per super-block and activation row: 8 weight rows'
+// exact integer sums scaled into their fp32 lanes, acc + isum * (d * dx).  Every kernel variant does
+// these operations, and the portable one the same per lane (k_scaled_lane).
+inline __m256 k_scaled(__m256 acc, __m256i isum, __m256 d8, float dx) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d8, _mm256_set1_ps(dx)), acc);
+}
+inline __m256 fp16x8(const uint8_t* p) { return _mm256_cvtph_ps(load16(p)); }
+
+// Rows 0-3 (lane pairs 2 r, 2 r + 1 of `a`) and 4-7 (of `b`) -> one int32 lane per row, in order.
+inline __m256i pair_sums_256(__m256i a, __m256i b) {
+  return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), _MM_SHUFFLE(3, 1, 2, 0));
 }
 
-inline void q6k_accumulate(__m256& acc, __m256i isum, const QActsK& a, int64_t row, int64_t s, float d) {
-  acc = _mm256_fmadd_ps(_mm256_set1_ps(d * a.dx[row * a.supers + s]), _mm256_cvtepi32_ps(isum), acc);
+// sum_pair madd(8 rows' [row][2] bytes of the pair as int16, the activation's pair sums): one int32 lane
+// per row.  Q4_K / Q5_K's mins (4 pairs, unsigned) and Q6_K's scales (8 pairs, signed).
+template <int kPairs, bool kSigned>
+inline __m256i scale_dot(const uint8_t* pairs, const int16_t* sums) {
+  __m256i t = _mm256_setzero_si256();
+  for (int p = 0; p < kPairs; ++p) {
+    const __m128i b = load16(pairs + 16 * p);
+    const __m256i s = kSigned ? _mm256_cvtepi8_epi16(b) : _mm256_cvtepu8_epi16(b);
+    t = _mm256_add_epi32(t, _mm256_madd_epi16(s, load32b(sums + 16 * p)));
+  }
+  return t;
 }
 
-// Q4_K (kFifth = false) and Q5_K: d, dmin, scales[12], [qh[32],] qs[128].  Weight row `w` (nsb
-// super-blocks) times activation rows m .. m + C - 1: y[c * ldy].
+// Bit `bit` of every byte, moved to bit 4 (Q5_K's fifth bits).
+inline __m256i fifth_256(__m256i h, int bit) {
+  const __m256i b = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(bit)), _mm256_set1_epi8(1));
+  return _mm256_slli_epi16(b, 4);
+}
+
+// Q4_K (kFifth = false) and Q5_K, 256-bit: packed group `w` times activation rows m .. m + C - 1;
+// y[c * ldy + r] for the group's 8 rows r.  Rows 0-3 and 4-7 take turns (h): a register holds 4 rows.
 template <int C, bool kFifth>
-void k4_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) {
-  constexpr int kBytes = kFifth ? 176 : 144;
+void k4_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) {
+  constexpr int kBytes = kFifth ? 1440 : 1184;
   __m256 acc[C], accm[C];
   for (int c = 0; c < C; ++c) acc[c] = accm[c] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
   for (int64_t s = 0; s < a.supers; ++s) {
     const uint8_t* b = w + s * kBytes;
-    const float d = fp16_to_f32(rd16(b)), dmin = fp16_to_f32(rd16(b + 2));
-    const __m128i sm = kscale_vec(b + 4);
-    const __m256i sc2 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));  // the 8 scales as int16, in both halves
-    const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));  // m_j for bsums 2j, 2j+1
-    const uint8_t* qs = b + (kFifth ? 48 : 16);
-    __m256i hbits = kFifth ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
-    __m256i isum[C];
-    for (int c = 0; c < C; ++c) isum[c] = _mm256_setzero_si256();
-    const auto chunk = [&](auto jc) {
-      constexpr int j = decltype(jc)::value;
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-      __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      if (kFifth) {
-        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hbits, one), 4));
-        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 1), one), 4));
-        hbits = _mm256_srli_epi16(hbits, 2);
+    __m256i isum[2][C];
+    for (int h = 0; h < 2; ++h) {
+      for (int c = 0; c < C; ++c) isum[h][c] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i pair = _mm256_broadcastsi128_si256(load16(b + 32 + 16 * j));
+        const __m256i slo = scales_256<false>(pair, 0, h), shi = scales_256<false>(pair, 1, h);
+        for (int lb = 0; lb < 4; ++lb) {
+          const __m256i v = load32b(b + kK4Qs + 256 * j + 64 * lb + 32 * h);
+          __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          if (kFifth) {
+            const __m256i qh = load32b(b + kK5Qh + 64 * lb + 32 * h);
+            lo = _mm256_or_si256(lo, fifth_256(qh, 2 * j));
+            hi = _mm256_or_si256(hi, fifth_256(qh, 2 * j + 1));
+          }
+          for (int c = 0; c < C; ++c) {
+            const int8_t* xq = a.x(m + c, s) + 64 * j + 8 * lb;
+            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi64x(load64(xq))), slo);
+            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi64x(load64(xq + 32))), shi);
+            isum[h][c] = _mm256_add_epi32(isum[h][c], _mm256_add_epi32(p0, p1));
+          }
+        }
       }
-      const __m256i s0 = lane16<2 * j>(sc2), s1 = lane16<2 * j + 1>(sc2);
-      for (int c = 0; c < C; ++c) {
-        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load_x(a, m + c, s, xoff4(j, 0))), s0);
-        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load_x(a, m + c, s, xoff4(j, 1))), s1);
-        isum[c] = _mm256_add_epi32(isum[c], _mm256_add_epi32(p0, p1));
-      }
-    };
-    chunk(std::integral_constant<int, 0>{});
-    chunk(std::integral_constant<int, 1>{});
-    chunk(std::integral_constant<int, 2>{});
-    chunk(std::integral_constant<int, 3>{});
+    }
+    const __m256 d8 = fp16x8(b), dm8 = fp16x8(b + 16);
     for (int c = 0; c < C; ++c) {
-      k4_accumulate(acc[c], accm[c], isum[c], mins, a, m + c, s, d, dmin);
+      const float dx = a.scale(m + c, s);
+      acc[c] = k_scaled(acc[c], pair_sums_256(isum[0][c], isum[1][c]), d8, dx);
+      accm[c] = k_scaled(accm[c], scale_dot<4, false>(b + kK4Mins, a.pair_sums(m + c, s)), dm8, dx);
     }
   }
-  for (int c = 0; c < C; ++c) y[c * ldy] = mcsd::reduce_lanes(acc[c]) - mcsd::reduce_lanes(accm[c]);
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * ldy, _mm256_sub_ps(acc[c], accm[c]));
 }
 
-// Q6_K: ql[128], qh[64], int8 scales[16], d.  Per half (128 weights) four runs of 32: run p takes
-// the low (p < 2) or high nibbles of ql[32 (p % 2) ...] and bits 2p, 2p + 1 of qh; its two 16s have
-// scales 2p and 2p + 1 of the half.
+// Q6_K, 256-bit.  Unit (half hf, l-block lb) has run p's weights under scale 8 hf + 2 p + lb / 2.
 template <int C>
-void q6k_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) {
+void q6k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) {
   __m256 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0f), x30 = _mm256_set1_epi8(0x30);
   for (int64_t s = 0; s < a.supers; ++s) {
-    const uint8_t* b = w + s * 210;
-    const float d = fp16_to_f32(rd16(b + 208));
-    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
-    const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);  // all 16 scales, int16
-    __m256i isum[C];
-    for (int c = 0; c < C; ++c) isum[c] = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                                          _mm256_slli_epi32(_mm256_madd_epi16(sc16, load_bsum(a, m + c, s)), 5));
-    for (int half = 0; half < 2; ++half) {
-      const uint8_t* ql = b + 64 * half;
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
-      // the half's 8 scales as int16, in both 128-bit halves: run p's pair is lanes 2p, 2p + 1
-      const __m256i s8 = _mm256_broadcastsi128_si256(half == 0 ? _mm256_castsi256_si128(sc16)
-                                                               : _mm256_extracti128_si256(sc16, 1));
-      const __m256i u[4] = {
-          _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), x30)),
-          _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), x30)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(h, x30)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                          _mm256_and_si256(_mm256_srli_epi16(h, 2), x30))};
-      const __m256i pick0 = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,  //
-                                             2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-      for (int p = 0; p < 4; ++p) {
-        const __m256i sp = _mm256_shuffle_epi8(s8, _mm256_add_epi8(pick0, _mm256_set1_epi8(static_cast<char>(4 * p))));
-        for (int c = 0; c < C; ++c) {
-          const __m256i prod = _mm256_maddubs_epi16(u[p], load_x(a, m + c, s, 128 * half + 32 * p));
-          isum[c] = _mm256_add_epi32(isum[c], _mm256_madd_epi16(prod, sp));
+    const uint8_t* b = w + s * 1680;
+    __m256i isum[2][C];
+    for (int h = 0; h < 2; ++h) {
+      for (int c = 0; c < C; ++c) isum[h][c] = _mm256_setzero_si256();
+      for (int hf = 0; hf < 2; ++hf)
+        for (int t = 0; t < 2; ++t) {
+          __m256i sp[4];
+          for (int p = 0; p < 4; ++p)
+            sp[p] = scales_256<true>(_mm256_broadcastsi128_si256(load16(b + kK6Scales + 16 * (4 * hf + p))), t, h);
+          for (int lb = 2 * t; lb < 2 * t + 2; ++lb) {
+            const uint8_t* unit = b + kK6Runs + 192 * (4 * hf + lb) + 32 * h;
+            const __m256i qa = load32b(unit), qb = load32b(unit + 64), qh = load32b(unit + 128);
+            const __m256i u[4] = {  // the four runs' 6-bit quants
+                _mm256_or_si256(_mm256_and_si256(qa, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), x30)),
+                _mm256_or_si256(_mm256_and_si256(qb, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), x30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), low4), _mm256_and_si256(qh, x30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
+                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), x30))};
+            for (int c = 0; c < C; ++c) {
+              const int8_t* xq = a.x(m + c, s) + 128 * hf + 8 * lb;
+              for (int p = 0; p < 4; ++p) {
+                const __m256i prod = _mm256_maddubs_epi16(u[p], _mm256_set1_epi64x(load64(xq + 32 * p)));
+                isum[h][c] = _mm256_add_epi32(isum[h][c], _mm256_madd_epi16(prod, sp[p]));
+              }
+            }
+          }
         }
-      }
     }
+    const __m256 d8 = fp16x8(b);
     for (int c = 0; c < C; ++c) {
-      q6k_accumulate(acc[c], isum[c], a, m + c, s, d);
+      const __m256i zero_point = _mm256_slli_epi32(scale_dot<8, true>(b + kK6Scales, a.pair_sums(m + c, s)), 5);
+      const __m256i isum8 = _mm256_sub_epi32(pair_sums_256(isum[0][c], isum[1][c]), zero_point);
+      acc[c] = k_scaled(acc[c], isum8, d8, a.scale(m + c, s));
     }
   }
-  for (int c = 0; c < C; ++c) y[c * ldy] = mcsd::reduce_lanes(acc[c]);
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * ldy, acc[c]);
 }
-#else  // portable: the same integer sums per super-block, one float multiply-add each
+#else  // portable: the same integer sums, then the same float operations per row
+inline float k_scaled_lane(float acc, int32_t isum, float d, float dx) {
+  return std::fma(static_cast<float>(isum), d * dx, acc);
+}
+
 template <int C, bool kFifth>
-void k4_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) {
-  constexpr int kBytes = kFifth ? 176 : 144;
-  for (int c = 0; c < C; ++c) {
-    float acc = 0.0f, accm = 0.0f;
-    for (int64_t s = 0; s < a.supers; ++s) {
-      const uint8_t* b = w + s * kBytes;
-      const float d = fp16_to_f32(rd16(b)), dmin = fp16_to_f32(rd16(b + 2));
-      uint8_t sc8[8], m8[8];
-      kscale_bytes(b + 4, sc8, m8);
-      const uint8_t* qh = b + 16;
-      const uint8_t* qs = b + (kFifth ? 48 : 16);
-      const int8_t* x = a.q.data() + (m + c) * a.K + s * kSuper;
-      const int16_t* bs = a.bsum.data() + ((m + c) * a.K + s * kSuper) / 16;
-      int32_t isum = 0, msum = 0;
-      for (int j = 0; j < 4; ++j) {
-        int32_t lo = 0, hi = 0;
-        for (int l = 0; l < 32; ++l) {
-          const int h = kFifth ? qh[l] >> (2 * j) : 0;
-          lo += ((qs[32 * j + l] & 0x0f) | ((h & 1) << 4)) * x[xoff4(j, 0) + l];
-          hi += ((qs[32 * j + l] >> 4) | (((h >> 1) & 1) << 4)) * x[xoff4(j, 1) + l];
+void k4_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) {
+  constexpr int kBytes = kFifth ? 1440 : 1184;
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < kPackRows; ++r) {
+      float acc = 0.0f, accm = 0.0f;
+      for (int64_t s = 0; s < a.supers; ++s) {
+        const uint8_t* b = w + s * kBytes;
+        const int8_t* x = a.x(m + c, s);
+        const int16_t* sums = a.pair_sums(m + c, s);
+        int32_t isum = 0, msum = 0;
+        for (int sub = 0; sub < 8; ++sub) {
+          const int j = sub / 2, hi = sub % 2;
+          int32_t dot = 0;
+          for (int lb = 0; lb < 4; ++lb)
+            for (int l = 0; l < 8; ++l) {
+              const uint8_t byte = b[kK4Qs + 256 * j + 64 * lb + 8 * r + l];
+              int u = hi ? byte >> 4 : byte & 0x0f;
+              if (kFifth) u |= ((b[kK5Qh + 64 * lb + 8 * r + l] >> sub) & 1) << 4;
+              dot += u * x[64 * j + 32 * hi + 8 * lb + l];
+            }
+          isum += b[32 + 16 * j + 2 * r + hi] * dot;
+          msum += b[kK4Mins + 16 * j + 2 * r + hi] * sums[16 * j + hi];
         }
-        isum += sc8[2 * j] * lo + sc8[2 * j + 1] * hi;
+        const float dx = a.scale(m + c, s);
+        acc = k_scaled_lane(acc, isum, fp16_to_f32(rd16(b + 2 * r)), dx);
+        accm = k_scaled_lane(accm, msum, fp16_to_f32(rd16(b + 16 + 2 * r)), dx);
       }
-      for (int j = 0; j < 8; ++j) msum += m8[j] * (bs[2 * j] + bs[2 * j + 1]);
-      const float dx = a.dx[(m + c) * a.supers + s];
-      acc += (d * dx) * static_cast<float>(isum);
-      accm += (dmin * dx) * static_cast<float>(msum);
+      y[c * ldy + r] = acc - accm;
     }
-    y[c * ldy] = acc - accm;
-  }
 }
 
 template <int C>
-void q6k_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) {
-  for (int c = 0; c < C; ++c) {
-    float acc = 0.0f;
-    for (int64_t s = 0; s < a.supers; ++s) {
-      const uint8_t* b = w + s * 210;
-      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-      const int8_t* x = (a.q.data() + (m + c) * a.K + s * kSuper);
-      int32_t isum = 0;
-      for (int half = 0; half < 2; ++half) {
-        const uint8_t* ql = b + 64 * half;
-        const uint8_t* qh = b + 128 + 32 * half;
-        for (int p = 0; p < 4; ++p)
-          for (int sub = 0; sub < 2; ++sub) {
-            int32_t part = 0;
-            for (int l = 16 * sub; l < 16 * sub + 16; ++l) {
-              const int low = (p < 2 ? ql[32 * (p & 1) + l] : ql[32 * (p & 1) + l] >> 4) & 0x0f;
-              const int u = low | (((qh[l] >> (2 * p)) & 3) << 4);
-              part += (u - 32) * x[128 * half + 32 * p + l];
+void q6k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) {
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < kPackRows; ++r) {
+      float acc = 0.0f;
+      for (int64_t s = 0; s < a.supers; ++s) {
+        const uint8_t* b = w + s * 1680;
+        const int8_t* x = a.x(m + c, s);
+        const int16_t* sums = a.pair_sums(m + c, s);
+        const int8_t* sc = reinterpret_cast<const int8_t*>(b + kK6Scales);
+        int32_t isum = 0;
+        for (int hf = 0; hf < 2; ++hf)
+          for (int lb = 0; lb < 4; ++lb) {
+            const uint8_t* unit = b + kK6Runs + 192 * (4 * hf + lb) + 8 * r;
+            for (int p = 0; p < 4; ++p) {
+              const int sub = 8 * hf + 2 * p + lb / 2;
+              int32_t dot = 0;
+              for (int l = 0; l < 8; ++l) {
+                const int low = ((p % 2 ? unit[64 + l] : unit[l]) >> (p < 2 ? 0 : 4)) & 0x0f;
+                dot += (low | (((unit[128 + l] >> (2 * p)) & 3) << 4)) * x[128 * hf + 32 * p + 8 * lb + l];
+              }
+              isum += sc[16 * (sub / 2) + 2 * r + sub % 2] * dot;
             }
-            isum += sc[8 * half + 2 * p + sub] * part;
           }
+        for (int sub = 0; sub < 16; ++sub) isum -= 32 * sc[16 * (sub / 2) + 2 * r + sub % 2] * sums[16 * (sub / 2) + sub % 2];
+        acc = k_scaled_lane(acc, isum, fp16_to_f32(rd16(b + 2 * r)), a.scale(m + c, s));
       }
-      acc += (fp16_to_f32(rd16(b + 208)) * a.dx[(m + c) * a.supers + s]) * static_cast<float>(isum);
+      y[c * ldy + r] = acc;
     }
-    y[c * ldy] = acc;
-  }
 }
 #endif
 
 // ------------------------------------------------------------------------------------ k-quants, 512-bit
-// On CPUs with AVX-512 (F, BW, VL) and VNNI the same products run on 512-bit vectors: two 32-byte
-// pieces of weight bytes per instruction, and vpdpwssd adds the sub-block scales' products to the int32
-// sums in one instruction (madd, then add, above).  The 512-bit sum's two halves are added at the end,
-// so lane l of the 256-bit sum holds exactly the integer products lane l holds in the 256-bit kernel:
-// the same integers, then the 256-bit kernel's float operations.  Both kernels give bitwise the same
-// results (tested), so which one a CPU runs changes its time only.  Compiled for those instructions
-// whatever the build's flags (a target attribute) and chosen at run time (kquant_isa).
+// On CPUs with AVX-512 (F, BW, VL) and VNNI the same products run on 512-bit vectors: one register holds
+// all 8 rows, and vpdpwssd adds the scales' products to the int32 sums in one instruction (madd, then
+// add, above).  The integers are the same, and the float work is k_scaled: the results are bitwise the
+// 256-bit kernels' (tested), so which one a CPU runs changes its time only.  Compiled for those
+// instructions whatever the build's flags (a target attribute) and chosen at run time (quant_isa).
 #if defined(__AVX2__) && defined(__FMA__) && defined(__GNUC__)
 #define MCSD_HAVE_512 1
 #define MCSD_TARGET_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
-// Scale picks for vpermw: 32 int16 lanes, 8 per entry.  Q4_K / Q5_K: per pair of chunks P, low nibbles
-// (sub-blocks 4P and 4P + 2, 16 lanes each) and high (4P + 1, 4P + 3).  Q6_K: per half h, runs 0-1
-// (scales 8h + 0..3) and runs 2-3 (8h + 4..7).
-struct ScalePicks {
-  int16_t v[8][32];
-};
-constexpr ScalePicks make_scale_picks() {
-  ScalePicks p{};
-  const int q[8][4] = {{0, 0, 2, 2}, {1, 1, 3, 3}, {4, 4, 6, 6}, {5, 5, 7, 7},
-                       {0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}};
-  for (int t = 0; t < 8; ++t)
-    for (int i = 0; i < 32; ++i) p.v[t][i] = static_cast<int16_t>(q[t][i / 8]);
-  return p;
+template <bool kSigned>
+MCSD_TARGET_512 inline __m512i scales_512(const uint8_t* pair, int t) {
+  const __m512i v = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(load16(pair)), _mm512_load_si512(kScaleCtl.b[kSigned][t]));
+  return kSigned ? _mm512_srai_epi16(v, 8) : v;
 }
-alignas(64) constexpr ScalePicks kScalePicks = make_scale_picks();
-
-MCSD_TARGET_512 inline __m512i pick16(const __m512i& sc, int table) {
-  return _mm512_permutexvar_epi16(_mm512_loadu_si512(kScalePicks.v[table]), sc);
+// Lanes 2 r + 2 r + 1 -> lane r (rows 0-7).
+MCSD_TARGET_512 inline __m256i pair_sums_512(__m512i v) {
+  return _mm512_cvtepi64_epi32(_mm512_add_epi32(v, _mm512_srli_epi64(v, 32)));
 }
-// 32 int16 shift counts: a in the low 256 bits, b in the high
-MCSD_TARGET_512 inline __m512i halves16(int a, int b) {
-  return _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(static_cast<int16_t>(a)),
-                                 _mm512_set1_epi16(static_cast<int16_t>(b)));
+MCSD_TARGET_512 inline __m256i halves_sum(__m512i v) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+// scale_dot on 512 bits: two pairs per madd, the halves added at the end (the same integers).
+template <int kPairs, bool kSigned>
+MCSD_TARGET_512 inline __m256i scale_dot_512(const uint8_t* pairs, const int16_t* sums) {
+  __m512i t = _mm512_setzero_si512();
+  for (int p = 0; p < kPairs; p += 2) {
+    const __m256i b = load32b(pairs + 16 * p);
+    const __m512i s = kSigned ? _mm512_cvtepi8_epi16(b) : _mm512_cvtepu8_epi16(b);
+    t = _mm512_dpwssd_epi32(t, s, _mm512_loadu_si512(sums + 16 * p));
+  }
+  return halves_sum(t);
+}
+MCSD_TARGET_512 inline __m512i fifth_512(__m512i h, int bit) {
+  const __m512i b = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(bit)), _mm512_set1_epi8(1));
+  return _mm512_slli_epi16(b, 4);
 }
 
 template <int C, bool kFifth>
-MCSD_TARGET_512 void k4_rows_512(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) {
-  constexpr int kBytes = kFifth ? 176 : 144;
+MCSD_TARGET_512 void k4_group_512(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) {
+  constexpr int kBytes = kFifth ? 1440 : 1184;
   __m256 acc[C], accm[C];
   for (int c = 0; c < C; ++c) acc[c] = accm[c] = _mm256_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi8(1);
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
   for (int64_t s = 0; s < a.supers; ++s) {
     const uint8_t* b = w + s * kBytes;
-    const float d = fp16_to_f32(rd16(b)), dmin = fp16_to_f32(rd16(b + 2));
-    const __m128i sm = kscale_vec(b + 4);
-    const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));  // lanes 0-7 the scales
-    const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
-    const uint8_t* qs = b + (kFifth ? 48 : 16);
-    const __m512i hb = kFifth ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)))
-                              : _mm512_setzero_si512();
     __m512i isum[C];
     for (int c = 0; c < C; ++c) isum[c] = _mm512_setzero_si512();
-    for (int P = 0; P < 2; ++P) {  // chunks 2P (low 256 bits) and 2P + 1 (high)
-      const __m512i v = _mm512_loadu_si512(qs + 64 * P);
-      __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      if (kFifth) {  // chunk j's fifth bits are bits 2j (low nibbles) and 2j + 1 (high) of the qh bytes
-        const __m512i h = _mm512_srlv_epi16(hb, halves16(4 * P, 4 * P + 2));
-        lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(h, one), 4));
-        hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 1), one), 4));
-      }
-      const __m512i s_lo = pick16(sc, 2 * P), s_hi = pick16(sc, 2 * P + 1);
-      for (int c = 0; c < C; ++c) {
-        const int8_t* xq = a.q.data() + (m + c) * a.K + s * kSuper + 128 * P;  // the paired layout
-        isum[c] = _mm512_dpwssd_epi32(isum[c], _mm512_maddubs_epi16(lo, _mm512_loadu_si512(xq)), s_lo);
-        isum[c] = _mm512_dpwssd_epi32(isum[c], _mm512_maddubs_epi16(hi, _mm512_loadu_si512(xq + 64)), s_hi);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i slo = scales_512<false>(b + 32 + 16 * j, 0), shi = scales_512<false>(b + 32 + 16 * j, 1);
+      for (int lb = 0; lb < 4; ++lb) {
+        const __m512i v = _mm512_loadu_si512(b + kK4Qs + 256 * j + 64 * lb);
+        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if (kFifth) {
+          const __m512i qh = _mm512_loadu_si512(b + kK5Qh + 64 * lb);
+          lo = _mm512_or_si512(lo, fifth_512(qh, 2 * j));
+          hi = _mm512_or_si512(hi, fifth_512(qh, 2 * j + 1));
+        }
+        for (int c = 0; c < C; ++c) {
+          const int8_t* xq = a.x(m + c, s) + 64 * j + 8 * lb;
+          isum[c] = _mm512_dpwssd_epi32(isum[c], _mm512_maddubs_epi16(lo, _mm512_set1_epi64(load64(xq))), slo);
+          isum[c] = _mm512_dpwssd_epi32(isum[c], _mm512_maddubs_epi16(hi, _mm512_set1_epi64(load64(xq + 32))), shi);
+        }
       }
     }
+    const __m256 d8 = fp16x8(b), dm8 = fp16x8(b + 16);
     for (int c = 0; c < C; ++c) {
-      const __m256i is = _mm256_add_epi32(_mm512_castsi512_si256(isum[c]), _mm512_extracti64x4_epi64(isum[c], 1));
-      k4_accumulate(acc[c], accm[c], is, mins, a, m + c, s, d, dmin);
+      const float dx = a.scale(m + c, s);
+      acc[c] = k_scaled(acc[c], pair_sums_512(isum[c]), d8, dx);
+      accm[c] = k_scaled(accm[c], scale_dot_512<4, false>(b + kK4Mins, a.pair_sums(m + c, s)), dm8, dx);
     }
   }
-  for (int c = 0; c < C; ++c) y[c * ldy] = mcsd::reduce_lanes(acc[c]) - mcsd::reduce_lanes(accm[c]);
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * ldy, _mm256_sub_ps(acc[c], accm[c]));
 }
 
 template <int C>
-MCSD_TARGET_512 void q6k_rows_512(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) {
+MCSD_TARGET_512 void q6k_group_512(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) {
   __m256 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0f), x30 = _mm512_set1_epi8(0x30);
-  const __m512i shl01 = halves16(4, 2), shr23 = halves16(0, 2);  // runs 0, 1: h << 4, h << 2; runs 2, 3: h, h >> 2
   for (int64_t s = 0; s < a.supers; ++s) {
-    const uint8_t* b = w + s * 210;
-    const float d = fp16_to_f32(rd16(b + 208));
-    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
-    const __m512i sc = _mm512_castsi256_si512(sc16);
-    __m256i isum0[C];
+    const uint8_t* b = w + s * 1680;
     __m512i isum[C];
-    for (int c = 0; c < C; ++c) {
-      isum0[c] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, load_bsum(a, m + c, s)), 5));
-      isum[c] = _mm512_setzero_si512();
-    }
-    for (int half = 0; half < 2; ++half) {
-      const __m512i l = _mm512_loadu_si512(b + 64 * half);  // ql of runs 0 | 1 (low nibbles), 2 | 3 (high)
-      const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half)));
-      const __m512i u01 = _mm512_or_si512(_mm512_and_si512(l, low4), _mm512_and_si512(_mm512_sllv_epi16(h, shl01), x30));
-      const __m512i u23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low4),
-                                          _mm512_and_si512(_mm512_srlv_epi16(h, shr23), x30));
-      const __m512i s01 = pick16(sc, 4 + 2 * half), s23 = pick16(sc, 5 + 2 * half);
-      for (int c = 0; c < C; ++c) {
-        const int8_t* xq = a.q.data() + (m + c) * a.K + s * kSuper + 128 * half;
-        isum[c] = _mm512_dpwssd_epi32(isum[c], _mm512_maddubs_epi16(u01, _mm512_loadu_si512(xq)), s01);
-        isum[c] = _mm512_dpwssd_epi32(isum[c], _mm512_maddubs_epi16(u23, _mm512_loadu_si512(xq + 64)), s23);
+    for (int c = 0; c < C; ++c) isum[c] = _mm512_setzero_si512();
+    for (int hf = 0; hf < 2; ++hf)
+      for (int t = 0; t < 2; ++t) {
+        __m512i sp[4];
+        for (int p = 0; p < 4; ++p) sp[p] = scales_512<true>(b + kK6Scales + 16 * (4 * hf + p), t);
+        for (int lb = 2 * t; lb < 2 * t + 2; ++lb) {
+          const uint8_t* unit = b + kK6Runs + 192 * (4 * hf + lb);
+          const __m512i qa = _mm512_loadu_si512(unit), qb = _mm512_loadu_si512(unit + 64),
+                        qh = _mm512_loadu_si512(unit + 128);
+          const __m512i u[4] = {
+              _mm512_or_si512(_mm512_and_si512(qa, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), x30)),
+              _mm512_or_si512(_mm512_and_si512(qb, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), x30)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(qa, 4), low4), _mm512_and_si512(qh, x30)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(qb, 4), low4),
+                              _mm512_and_si512(_mm512_srli_epi16(qh, 2), x30))};
+          for (int c = 0; c < C; ++c) {
+            const int8_t* xq = a.x(m + c, s) + 128 * hf + 8 * lb;
+            for (int p = 0; p < 4; ++p)
+              isum[c] = _mm512_dpwssd_epi32(isum[c], _mm512_maddubs_epi16(u[p], _mm512_set1_epi64(load64(xq + 32 * p))), sp[p]);
+          }
+        }
       }
-    }
+    const __m256 d8 = fp16x8(b);
     for (int c = 0; c < C; ++c) {
-      const __m256i is = _mm256_add_epi32(
-          isum0[c], _mm256_add_epi32(_mm512_castsi512_si256(isum[c]), _mm512_extracti64x4_epi64(isum[c], 1)));
-      q6k_accumulate(acc[c], is, a, m + c, s, d);
+      const __m256i zero_point = _mm256_slli_epi32(scale_dot_512<8, true>(b + kK6Scales, a.pair_sums(m + c, s)), 5);
+      acc[c] = k_scaled(acc[c], _mm256_sub_epi32(pair_sums_512(isum[c]), zero_point), d8, a.scale(m + c, s));
     }
   }
-  for (int c = 0; c < C; ++c) y[c * ldy] = mcsd::reduce_lanes(acc[c]);
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * ldy, acc[c]);
 }
 
 template <int C>
-void q4k_rows_512(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) { k4_rows_512<C, false>(w, a, m, y, ldy); }
+void q4k_group_512(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) { k4_group_512<C, false>(w, a, m, y, ldy); }
 template <int C>
-void q5k_rows_512(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) { k4_rows_512<C, true>(w, a, m, y, ldy); }
+void q5k_group_512(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) { k4_group_512<C, true>(w, a, m, y, ldy); }
 
 bool cpu_has_512() {
   __builtin_cpu_init();
@@ -1046,35 +1161,35 @@ bool cpu_has_512() {
 bool cpu_has_512() { return false; }
 #endif
 
-using KRowsFn = void (*)(const uint8_t*, const QActsK&, int64_t, float*, int64_t);
+using KGroupFn = void (*)(const uint8_t*, const QActsK&, int64_t, float*, int64_t);
 
 template <int C>
-void q4k_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) { k4_rows<C, false>(w, a, m, y, ldy); }
+void q4k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) { k4_group<C, false>(w, a, m, y, ldy); }
 template <int C>
-void q5k_rows(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) { k4_rows<C, true>(w, a, m, y, ldy); }
+void q5k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) { k4_group<C, true>(w, a, m, y, ldy); }
 
 struct KKernel {
   int64_t id;
-  bool paired;  // reads its activations in the paired layout (QActsK)
-  KRowsFn rows4, rows2, rows1;  // the 256-bit (or portable) kernels
-  KRowsFn wide4, wide2, wide1;  // the 512-bit ones (null: none)
+  int sub;  // weights per sub-block scale: the activations' sums are per this many
+  KGroupFn rows4, rows2, rows1;  // the 256-bit (or portable) kernels
+  KGroupFn wide8, wide4, wide2, wide1;  // the 512-bit ones (null: none)
 };
 #if defined(MCSD_HAVE_512)
-#define WIDE(f) f<4>, f<2>, f<1>
+#define WIDE(f) f<8>, f<4>, f<2>, f<1>
 #else
-#define WIDE(f) nullptr, nullptr, nullptr
+#define WIDE(f) nullptr, nullptr, nullptr, nullptr
 #endif
 constexpr KKernel kKKernels[] = {
-    {12, true, q4k_rows<4>, q4k_rows<2>, q4k_rows<1>, WIDE(q4k_rows_512)},
-    {13, true, q5k_rows<4>, q5k_rows<2>, q5k_rows<1>, WIDE(q5k_rows_512)},
-    {14, false, q6k_rows<4>, q6k_rows<2>, q6k_rows<1>, WIDE(q6k_rows_512)},
+    {12, 32, q4k_group<4>, q4k_group<2>, q4k_group<1>, WIDE(q4k_group_512)},
+    {13, 32, q5k_group<4>, q5k_group<2>, q5k_group<1>, WIDE(q5k_group_512)},
+    {14, 16, q6k_group<4>, q6k_group<2>, q6k_group<1>, WIDE(q6k_group_512)},
 };
 #undef WIDE
 
-const KKernel* k_kernel(int64_t id) {
+const KKernel& k_kernel(int64_t id) {
   for (const auto& k : kKKernels)
-    if (k.id == id) return &k;
-  return nullptr;
+    if (k.id == id) return k;
+  TORCH_CHECK(false, "quant_linear: no packed kernel for GGML type ", id);
 }
 
 // Which k-quant kernels run: the 512-bit ones where the CPU has them, unless MCSD_CPU_ISA=avx2 (read
@@ -1084,36 +1199,39 @@ std::atomic<bool> g_wide{[] {
   return cpu_has_512() && !(env != nullptr && std::string(env) == "avx2");
 }()};
 
-// y [M, N] for a k-quant weight: threads split the weight rows; each row meets the activation rows
-// 4 at a time (then 2, 1), so its bytes are read from memory once and from L1 after.
-void k_linear(const KKernel& k, const uint8_t* wp, int64_t row_bytes, int64_t N, const float* x, int64_t M,
-              int64_t K, float* yp) {
-  const QActsK a = quantize_acts_k(x, M, K, k.paired);
+// y [M, 8 G] for a packed k-quant weight of G groups: threads split the groups; each group meets the
+// activation rows 4 at a time (then 2, 1), so its bytes are read from memory once and from L1 after.
+void k_linear(const KKernel& k, const uint8_t* wp, int64_t G, const float* x, int64_t M, int64_t K, float* yp) {
+  const QActsK a = quantize_acts_k(x, M, K, k.sub);
   const bool wide = g_wide.load(std::memory_order_relaxed);
-  const KRowsFn rows4 = wide ? k.wide4 : k.rows4, rows2 = wide ? k.wide2 : k.rows2, rows1 = wide ? k.wide1 : k.rows1;
-  // Weight rows go in chunks of about kChunkBytes, which stay in the core's L2 while every panel of
-  // 4 activation rows (4K bytes, in L1) passes over them: each activation byte is then read from L2
-  // once per chunk, not once per weight row (at 256 rows that was 100 KB of activations per 1 KB of
-  // weights).  The chunking only orders the work: every output is computed by the same operations.
+  const KGroupFn rows8 = wide ? k.wide8 : nullptr, rows4 = wide ? k.wide4 : k.rows4;
+  const KGroupFn rows2 = wide ? k.wide2 : k.rows2, rows1 = wide ? k.wide1 : k.rows1;
+  const int64_t N = kPackRows * G, group_bytes = a.supers * packed_bytes(k.id);
+  // Groups go in chunks of about kChunkBytes, which stay in the core's L2 while every panel of 4
+  // activation rows (4K bytes, in L1) passes over them: each activation byte is then read from L2 once
+  // per chunk, not once per group.  The chunking only orders the work: every output is computed by the
+  // same operations.
   constexpr int64_t kChunkBytes = 160 << 10;
   const int64_t threads = at::get_num_threads();
-  const int64_t chunk = std::max<int64_t>(1, std::min(kChunkBytes / row_bytes, (N + 4 * threads - 1) / (4 * threads)));
-  const int64_t chunks = (N + chunk - 1) / chunk;
+  const int64_t chunk = std::max<int64_t>(1, std::min(kChunkBytes / group_bytes, (G + 4 * threads - 1) / (4 * threads)));
+  const int64_t chunks = (G + chunk - 1) / chunk;
   // Small calls run inline (a parallel region costs more than they do).
-  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, chunk * K * M));
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, kPackRows * chunk * K * M));
   at::parallel_for(0, chunks, grain, [&](int64_t c0, int64_t c1) {
-    const uint8_t* end = wp + std::min(N, c1 * chunk) * row_bytes;  // this thread's last weight row
+    const uint8_t* end = wp + std::min(G, c1 * chunk) * group_bytes;  // this thread's last group
     for (int64_t c = c0; c < c1; ++c) {
-      const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
+      const int64_t g0 = c * chunk, g1 = std::min(G, g0 + chunk);
       bool first = true;  // the chunk's first pass reads it from memory (prefetching ahead), the others from L2
-      const auto pass = [&](KRowsFn rows, int64_t m) {
-        for (int64_t n = n0; n < n1; ++n) {
-          if (first) prefetch_lines(wp + n * row_bytes + kPrefetchBytes, row_bytes, end);
-          rows(wp + n * row_bytes, a, m, yp + m * N + n, N);
+      const auto pass = [&](KGroupFn rows, int64_t m) {
+        for (int64_t g = g0; g < g1; ++g) {
+          if (first) prefetch_lines(wp + g * group_bytes + kPrefetchBytes, group_bytes, end);
+          rows(wp + g * group_bytes, a, m, yp + m * N + kPackRows * g, N);
         }
         first = false;
       };
       int64_t m = 0;
+      if (rows8 != nullptr)
+        for (; m + 8 <= M; m += 8) pass(rows8, m);
       for (; m + 4 <= M; m += 4) pass(rows4, m);
       if (M - m >= 2) {
         pass(rows2, m);
@@ -1124,17 +1242,83 @@ void k_linear(const KKernel& k, const uint8_t* wp, int64_t row_bytes, int64_t N,
   });
 }
 
-at::Tensor quant_linear_f32(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K) {
+// A packed k-quant weight: uint8 [G, K / 256 * packed bytes].
+void check_packed(const at::Tensor& w, int64_t type, int64_t K) {
+  const BlockType& t = block_type(type);
+  TORCH_CHECK(is_k_quant(type), "quant_linear: only Q4_K, Q5_K and Q6_K weights are packed, not ", t.name);
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "quant_linear: a packed weight must be a contiguous 2-D uint8 CPU tensor (quant_pack's)");
+  TORCH_CHECK(K > 0 && K % kSuper == 0, "quant_linear: K = ", K, " is not a multiple of the ", t.name,
+              " block size ", kSuper);
+  TORCH_CHECK(w.size(1) == K / kSuper * packed_bytes(type), "quant_linear: packed ", t.name, " groups of K = ", K,
+              " take ", K / kSuper * packed_bytes(type), " bytes, the weight has ", w.size(1));
+}
+
+// A k-quant weight's GGUF rows [N, row_bytes] packed in groups of 8 rows: [ceil(N / 8), K / 256 * packed
+// bytes], the last group padded with zero rows (whose products are 0).
+at::Tensor quant_pack(const at::Tensor& w, int64_t type, int64_t K) {
   const BlockType& t = check_weight(w, type, K);
+  TORCH_CHECK(is_k_quant(type), "quant_pack: only Q4_K, Q5_K and Q6_K are packed, not ", t.name);
+  const int64_t N = w.size(0), G = (N + kPackRows - 1) / kPackRows, supers = K / kSuper, pb = packed_bytes(type);
+  at::Tensor out = at::zeros({G, supers * pb}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, G, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int r = 0; r < kPackRows && g * kPackRows + r < N; ++r)
+        for (int64_t s = 0; s < supers; ++s)
+          move_super<true>(type, const_cast<uint8_t*>(src) + (g * kPackRows + r) * w.size(1) + s * t.bytes,
+                           dst + (g * supers + s) * pb, r);
+  });
+  return out;
+}
+
+// Rows `rows` of a packed weight as GGUF bytes, uint8 [len(rows), row_bytes].
+at::Tensor quant_unpack(const at::Tensor& w, int64_t type, int64_t K, const at::Tensor& rows) {
+  check_packed(w, type, K);
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.device().is_cpu(),
+              "quant_unpack: rows must be a 1-D int64 CPU tensor");
+  const BlockType& t = block_type(type);
+  const int64_t supers = K / kSuper, pb = packed_bytes(type), N = kPackRows * w.size(0), R = rows.size(0);
+  const at::Tensor idx = rows.contiguous();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "quant_unpack: row ", ip[i], " is outside the weight's ", N, " rows");
+  at::Tensor out = at::empty({R, supers * t.bytes}, w.options());
+  uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, R, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = ip[i] / kPackRows;
+      const int r = static_cast<int>(ip[i] % kPackRows);
+      for (int64_t s = 0; s < supers; ++s)
+        move_super<false>(type, dst + i * supers * t.bytes + s * t.bytes, src + (g * supers + s) * pb, r);
+    }
+  });
+  return out;
+}
+
+at::Tensor quant_linear_f32(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K) {
+  const bool packed = (type & kPackedFlag) != 0;
+  if (packed) {
+    type &= ~kPackedFlag;
+    check_packed(w, type, K);
+  } else {
+    check_weight(w, type, K);
+    TORCH_CHECK(!is_k_quant(type), "quant_linear: ", block_type(type).name,
+                " weights run packed: quant_pack them and pass type ", type | kPackedFlag);
+  }
+  const BlockType& t = block_type(type);
   TORCH_CHECK(x_in.size(-1) == K, "quant_linear: x has ", x_in.size(-1), " columns, the weight K = ", K);
   const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = x.size(0), N = w.size(0), nblocks = K / t.block, row_bytes = w.size(1);
+  const int64_t M = x.size(0), N = packed ? kPackRows * w.size(0) : w.size(0), nblocks = K / t.block;
+  const int64_t row_bytes = w.size(1);
   std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
   out_shape.back() = N;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y.reshape(out_shape);
-  if (const KKernel* kk = k_kernel(type)) {
-    k_linear(*kk, w.data_ptr<uint8_t>(), row_bytes, N, x.data_ptr<float>(), M, K, y.data_ptr<float>());
+  if (packed) {
+    k_linear(k_kernel(type), w.data_ptr<uint8_t>(), w.size(0), x.data_ptr<float>(), M, K, y.data_ptr<float>());
     return y.reshape(out_shape);
   }
   const Unpacker& up = unpacker(type);
@@ -1179,8 +1363,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, 
                        const std::optional<at::Tensor>& bias) {
   at::Tensor y = quant_linear_f32(x, w, type, K);
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), "quant_linear: the bias needs one value per output (",
-                w.size(0), "), got shape ", bias->sizes());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == y.size(-1), "quant_linear: the bias needs one value per output (",
+                y.size(-1), "), got shape ", bias->sizes());
     y.add_(bias->to(at::kFloat));
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
@@ -1223,10 +1407,14 @@ std::string quant_isa(const std::string& set) {
 TORCH_LIBRARY_FRAGMENT(mcsd_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor weight, int type, int K, Tensor? bias=None) -> Tensor");
   m.def("quant_dequantize(Tensor weight, int type, int K) -> Tensor");
+  m.def("quant_pack(Tensor weight, int type, int K) -> Tensor");
+  m.def("quant_unpack(Tensor weight, int type, int K, Tensor rows) -> Tensor");
   m.def("quant_isa(str set='') -> str", &quant_isa);  // no tensors: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(mcsd_cpu, CPU, m) {
   m.impl("quant_linear", &quant_linear);
   m.impl("quant_dequantize", &quant_dequantize);
+  m.impl("quant_pack", &quant_pack);
+  m.impl("quant_unpack", &quant_unpack);
 }

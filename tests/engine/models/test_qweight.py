@@ -42,7 +42,7 @@ def random_blocks(type_id: int, n: int, k: int, seed: int = 0) -> QuantWeight:
 def reference(w: QuantWeight) -> torch.Tensor:
     """The ``gguf`` package's dequantization (numpy), float32 [N, K]."""
     return torch.from_numpy(np.ascontiguousarray(
-        quants.dequantize(w.data.numpy(), GGMLQuantizationType(w.type_id))).astype(np.float32))
+        quants.dequantize(w.rows().numpy(), GGMLQuantizationType(w.type_id))).astype(np.float32))
 
 
 @pytest.mark.parametrize("type_id", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
@@ -133,12 +133,23 @@ def test_odd_shapes_are_refused_with_a_clear_error():
     w = random_blocks(12, 4, 256)
     with pytest.raises(RuntimeError, match="x has 255 columns"):
         w.linear(torch.randn(2, 255))
+    raw = w.rows()
     with pytest.raises(RuntimeError, match="not a multiple of the Q4_K block size 256"):
-        torch.ops.mcsd_cpu.quant_linear(torch.randn(1, 128), w.data, 12, 128)
+        torch.ops.mcsd_cpu.quant_linear(torch.randn(1, 128), raw, 12, 128)
     with pytest.raises(RuntimeError, match="take 144 bytes"):
-        torch.ops.mcsd_cpu.quant_linear(torch.randn(1, 256), w.data[:, :100].contiguous(), 12, 256)
+        torch.ops.mcsd_cpu.quant_linear(torch.randn(1, 256), raw[:, :100].contiguous(), 12, 256)
     with pytest.raises(RuntimeError, match="unsupported GGML block type 10"):
-        torch.ops.mcsd_cpu.quant_linear(torch.randn(1, 256), w.data, 10, 256)
+        torch.ops.mcsd_cpu.quant_linear(torch.randn(1, 256), raw, 10, 256)
+    with pytest.raises(RuntimeError, match="Q4_K weights run packed"):
+        torch.ops.mcsd_cpu.quant_linear(torch.randn(1, 256), raw, 12, 256)
+    with pytest.raises(RuntimeError, match="packed Q4_K groups of K = 256 take 1184 bytes"):
+        torch.ops.mcsd_cpu.quant_linear(torch.randn(1, 256), w.data[:, :1000].contiguous(), 12 | 256, 256)
+    with pytest.raises(RuntimeError, match="only Q4_K, Q5_K and Q6_K"):
+        torch.ops.mcsd_cpu.quant_pack(torch.zeros(2, 18, dtype=torch.uint8), 2, 32)
+    with pytest.raises(RuntimeError, match="row 8 is outside the weight's 8 rows"):
+        torch.ops.mcsd_cpu.quant_unpack(w.data, 12, 256, torch.tensor([8]))
+    with pytest.raises(IndexError, match="out of range"):
+        w.rows(torch.tensor([4]))  # 4 rows, packed in a group of 8
     with pytest.raises(ValueError, match="rows hold multiples of 32"):
         QuantWeight(torch.zeros(2, 18, dtype=torch.uint8), 2, 40)
     with pytest.raises(ValueError, match="not supported"):
@@ -159,6 +170,43 @@ def test_q8_0_quantization_is_the_gguf_layout_and_close():
 
 
 K_TYPES = [t for t in TYPES if BLOCK_TYPES[t][1] == 256]
+
+
+@pytest.mark.parametrize("type_id", K_TYPES, ids=lambda t: BLOCK_TYPES[t][0])
+def test_k_quants_are_packed_and_give_back_their_gguf_bytes(type_id):
+    """The k-quants are stored packed (groups of 8 rows, the last padded); rows() is the GGUF bytes,
+    exactly, for any bytes (every bit of the 6-bit scale encoding survives the round trip)."""
+    name, _, nbytes = BLOCK_TYPES[type_id]
+    g = torch.Generator().manual_seed(type_id)
+    raw = torch.randint(0, 256, (13, 3 * nbytes), generator=g, dtype=torch.uint8)
+    w = QuantWeight(raw.clone(), type_id, 768)
+    assert w.packed and w.shape == (13, 768) and w.data.shape[0] == 2
+    assert torch.equal(w.rows(), raw)
+    idx = torch.tensor([12, 0, 7, 8, 7])
+    assert torch.equal(w.rows(idx), raw[idx])
+    assert torch.equal(w.select(idx).rows(), raw[idx])
+    # stacking: whole groups stay packed as they are, a padded part is repacked
+    eight = QuantWeight(raw[:8].clone(), type_id, 768)
+    both = QuantWeight.concat([eight, eight])
+    assert both.packed and both.shape == (16, 768) and torch.equal(both.rows(), torch.cat([raw[:8], raw[:8]]))
+    assert torch.equal(QuantWeight.concat([w, eight]).rows(), torch.cat([raw, raw[:8]]))
+    with pytest.raises(ValueError, match="one block type"):
+        QuantWeight.concat([w, random_blocks(2, 4, 768)])
+
+
+@pytest.mark.parametrize("type_id", K_TYPES, ids=lambda t: BLOCK_TYPES[t][0])
+def test_a_padded_group_keeps_the_shape_and_the_bias(type_id):
+    """N not a multiple of 8: the padding rows never show, and a row's output is the same as in a
+    weight of whole groups."""
+    w = random_blocks(type_id, 11, 512, seed=8)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(9))
+    bias = torch.randn(11)
+    whole = QuantWeight.concat([w, w.select(torch.arange(5))])  # 16 rows: two whole groups
+    assert whole.shape == (16, 512)
+    y = w.linear(x, bias)
+    assert y.shape == (3, 11) and y.is_contiguous()
+    assert torch.equal(y, whole.linear(x)[:, :11] + bias)
+    assert w.linear(x.bfloat16(), bias.bfloat16()).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("type_id", K_TYPES, ids=lambda t: BLOCK_TYPES[t][0])
