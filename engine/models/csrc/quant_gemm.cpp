@@ -932,25 +932,19 @@ void q6k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t l
     for (int h = 0; h < 2; ++h) {
       for (int c = 0; c < C; ++c) isum[h][c] = _mm256_setzero_si256();
       for (int hf = 0; hf < 2; ++hf)
-        for (int t = 0; t < 2; ++t) {
-          __m256i sp[4];
-          for (int p = 0; p < 4; ++p)
-            sp[p] = scales_256<true>(_mm256_broadcastsi128_si256(load16(b + kK6Scales + 16 * (4 * hf + p))), t, h);
-          for (int lb = 2 * t; lb < 2 * t + 2; ++lb) {
-            const uint8_t* unit = b + kK6Runs + 192 * (4 * hf + lb) + 32 * h;
-            const __m256i qa = load32b(unit), qb = load32b(unit + 64), qh = load32b(unit + 128);
-            const __m256i u[4] = {  // the four runs' 6-bit quants
-                _mm256_or_si256(_mm256_and_si256(qa, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), x30)),
-                _mm256_or_si256(_mm256_and_si256(qb, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), x30)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), low4), _mm256_and_si256(qh, x30)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
-                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), x30))};
+        for (int lb = 0; lb < 4; ++lb) {
+          const uint8_t* unit = b + kK6Runs + 192 * (4 * hf + lb) + 32 * h;
+          const __m256i qa = load32b(unit), qb = load32b(unit + 64), qh = load32b(unit + 128);
+          for (int p = 0; p < 4; ++p) {  // run p: one at a time, which keeps the registers in hand
+            const __m256i lo = p < 2 ? (p == 0 ? qa : qb) : _mm256_srli_epi16(p == 2 ? qa : qb, 4);
+            const __m256i hi = p == 0 ? _mm256_slli_epi16(qh, 4) : p == 1 ? _mm256_slli_epi16(qh, 2)
+                                                                   : p == 2 ? qh : _mm256_srli_epi16(qh, 2);
+            const __m256i u = _mm256_or_si256(_mm256_and_si256(lo, low4), _mm256_and_si256(hi, x30));
+            const __m256i sp = scales_256<true>(_mm256_broadcastsi128_si256(load16(b + kK6Scales + 16 * (4 * hf + p))),
+                                                lb / 2, h);
             for (int c = 0; c < C; ++c) {
-              const int8_t* xq = a.x(m + c, s) + 128 * hf + 8 * lb;
-              for (int p = 0; p < 4; ++p) {
-                const __m256i prod = _mm256_maddubs_epi16(u[p], _mm256_set1_epi64x(load64(xq + 32 * p)));
-                isum[h][c] = _mm256_add_epi32(isum[h][c], _mm256_madd_epi16(prod, sp[p]));
-              }
+              const __m256i prod = _mm256_maddubs_epi16(u, _mm256_set1_epi64x(load64(a.x(m + c, s) + 128 * hf + 32 * p + 8 * lb)));
+              isum[h][c] = _mm256_add_epi32(isum[h][c], _mm256_madd_epi16(prod, sp));
             }
           }
         }
@@ -1232,11 +1226,9 @@ void k_linear(const KKernel& k, const uint8_t* wp, int64_t G, const float* x, in
       int64_t m = 0;
       if (rows8 != nullptr)
         for (; m + 8 <= M; m += 8) pass(rows8, m);
-      for (; m + 4 <= M; m += 4) pass(rows4, m);
-      if (M - m >= 2) {
-        pass(rows2, m);
-        m += 2;
-      }
+      if (rows4 != nullptr)
+        for (; m + 4 <= M; m += 4) pass(rows4, m);
+      for (; m + 2 <= M; m += 2) pass(rows2, m);
       if (m < M) pass(rows1, m);
     }
   });
