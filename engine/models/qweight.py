@@ -54,8 +54,6 @@ def _info(type_id: int) -> tuple[str, int, int]:
         raise ValueError(f"GGML block type {type_id} is not supported (supported: {names})") from None
 
 
-#: GGML k-quant types that run packed (``quant_pack``: 8 weight rows interleaved, see the kernel's header)
-PACKED_TYPES = (12, 13, 14)
 _PACKED_FLAG = 256  # quant_linear's type for a packed weight: the GGML type | this
 _PACK_ROWS = 8
 
@@ -63,10 +61,10 @@ _PACK_ROWS = 8
 @dataclass
 class QuantWeight:
     """A ``[N, K]`` linear weight in GGUF blocks of type ``type_id``, built from the GGUF rows
-    ``uint8 [N, row_bytes]``.  The k-quants (``PACKED_TYPES``) are kept packed for their kernels: groups
-    of 8 rows interleaved, ``uint8 [ceil(N / 8), ...]`` (the last group padded with zero rows), a
-    permutation of the GGUF bytes with the 6-bit scales as bytes (Q4_K / Q5_K 2-3% larger);
-    :meth:`rows` gives the GGUF bytes back exactly.  ``data`` is what is stored."""
+    ``uint8 [N, row_bytes]``.  Where the kernels are available it is kept packed for them: groups of 8
+    rows interleaved, ``uint8 [ceil(N / 8), ...]`` (the last group padded with zero rows), a permutation
+    of the GGUF bytes (Q4_K / Q5_K 2-3% larger: their 6-bit scales as bytes); :meth:`rows` gives the
+    GGUF bytes back exactly.  ``data`` is what is stored."""
 
     data: torch.Tensor  # uint8: GGUF rows [N, row_bytes], or packed groups when `packed`
     type_id: int
@@ -88,7 +86,7 @@ class QuantWeight:
                              f"{self.data.dtype} {list(self.data.shape)}")
         self.n = self.data.shape[0]
         self.data = self.data.contiguous()
-        if self.type_id in PACKED_TYPES and cpu_kernels.available():
+        if cpu_kernels.available():
             self.data = torch.ops.mcsd_cpu.quant_pack(self.data, self.type_id, self.k)
             self.packed = True
 

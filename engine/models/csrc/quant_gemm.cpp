@@ -361,39 +361,22 @@ const BlockType& check_weight(const at::Tensor& w, int64_t type, int64_t K) {
 }
 
 // ------------------------------------------------------------------------------------ the product
-// Integer dot products, as llama.cpp's ggml-cpu does them (our own code).  Two kernels, one per
-// family of layouts; a type always takes the same one, so each is batch-invariant on its own.
-//
-// The 32-weight types (Q4_0, Q4_1, Q5_0, Q8_0).  Per call:
-//  1. Activations.  Each row of x is quantized per group of 32: scale dx = max|x| / 127 (fp32) and
-//     int8 q = round(x / dx) (nearest, ties to even), plus, per 16, the scaled sum dx * sum(q).
-//  2. Weights.  A thread takes 4 weight rows at a time and unpacks their blocks into a small scratch
-//     (in L1/L2): per weight one byte, unsigned 0..31 (Q8_0: signed -128..127), per group of 32 an
-//     fp32 scale dg, and per 16 an fp32 "offset" coefficient mn (Q4_1's mins, and the -8 / -16 zero
-//     points of Q4_0 / Q5_0, which keep the bytes unsigned).  So a weight is dg * u + mn.
-//  3. The product of weight row r and activation row c is
-//         sum_g (dg * dx_g) * int32(sum_{i in g} u_i * q_i)  +  sum_{h of 16} mn_h * (dx * sum q)_h,
-//     the first with maddubs / madd (32 products per instruction pair) into 8 fp32 lanes, the second a
-//     short fp32 dot over K / 16 terms.
-// Folding 4 weight rows into one vector (hadd) shares each activation load and each float
-// multiply-add among 4 rows, which pays from a few activation rows on.  (Unpacking in registers with
-// one multiply-add per block and row, as the k-quants below do, was 10-20% faster at one row and up
-// to 1.6x slower at 8 to 64 rows, measured.)
-//
-// The k-quants (Q4_K, Q5_K, Q6_K) are multiplied straight from their blocks: see "k-quants, direct".
+// Integer dot products, the way llama.cpp's ggml-cpu does them (our own code), on weights packed in
+// groups of 8 rows (quant_pack, once at load time; quant_unpack gives back the GGUF bytes exactly):
+// one register then holds a few quant bytes of each of the 8 rows, the activation's bytes are broadcast
+// to all of them, and the float work after each block's exact integer sums is one multiply-add per 8
+// rows.  Two families: the k-quants ("k-quants, packed") and the 32-weight blocks ("32-weight blocks,
+// packed"); "the driver" runs either over a call.
 //
 // Numerics (batch invariance).  The integer sums are exact; every float operation of y[m, n] is the
-// same whatever M is, whatever the other rows hold and however many threads run (lane l of the
-// accumulator takes the groups in increasing order, then a fixed reduction), so greedy speculative
-// decoding sees exactly the logits of single-row decoding steps.  Against fp32 math the error is the
-// activation rounding: at most sum_k |w_k| * dx_{g(k)} / 2 (tests/engine/models/test_qweight.py
-// checks that bound).
+// same whatever M is, whatever the other rows hold, however many threads run and whichever kernel
+// variant (512-bit, 256-bit, portable) runs, so greedy speculative decoding sees exactly the logits of
+// single-row decoding steps.  Against fp32 math the error is the activation rounding: at most
+// sum_k |w_k| * dx_{g(k)} / 2, g a block of 32 or a super-block of 256 (tests/engine/models/
+// test_qweight.py checks that bound).
 
-constexpr int kGroup = 32;
-constexpr int kTileRows = 4;   // weight rows unpacked together
-constexpr int64_t kPanel = 64;  // activation rows per pass over a tile
-
-inline int64_t pad8(int64_t n) { return (n + 7) / 8 * 8; }
+constexpr int kPackRows = 8;
+constexpr int64_t kPackedFlag = 256;  // quant_linear's type for a packed weight: the GGML type | kPackedFlag
 
 // Rounds one group of n activations (n a multiple of 16) to int8: q = round(x / dx), nearest, ties to
 // even, with dx = max|x| / 127.  Writes q and the exact integer sum of each 16; returns dx.
@@ -414,107 +397,6 @@ inline float round_group(const float* x, int n, int8_t* q, int* sums16) {
   return d;
 }
 
-// The quantized activations of M rows, row-major: q [M, K], dx [M, K/32], s16 [M, pad8(K/16)].
-struct QActs {
-  std::vector<int8_t> q;
-  std::vector<float> dx, s16;
-  int64_t K, groups, halves;  // halves = pad8(K / 16), the row stride of s16 (zero tail)
-};
-
-QActs quantize_acts(const float* x, int64_t M, int64_t K) {
-  QActs a;
-  a.K = K;
-  a.groups = K / kGroup;
-  a.halves = pad8(K / 16);
-  a.q.resize(static_cast<size_t>(M * K));
-  a.dx.resize(static_cast<size_t>(M * a.groups));
-  a.s16.assign(static_cast<size_t>(M * a.halves), 0.0f);
-  at::parallel_for(0, M, std::max<int64_t>(8, (1 << 16) / K), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      for (int64_t g = 0; g < a.groups; ++g) {
-        int sum[2];
-        const float d = round_group(x + m * K + g * kGroup, kGroup, a.q.data() + m * K + g * kGroup, sum);
-        a.dx[m * a.groups + g] = d;
-        a.s16[m * a.halves + 2 * g] = d * static_cast<float>(sum[0]);
-        a.s16[m * a.halves + 2 * g + 1] = d * static_cast<float>(sum[1]);
-      }
-    }
-  });
-  return a;
-}
-
-// One weight row, unpacked: u [K] bytes, dg [K/32], mn [pad8(K/16)] (zero tail).
-struct WRow {
-  uint8_t* u;
-  float* dg;
-  float* mn;
-};
-
-// Byte work of the unpackers, AVX2 and portable.
-#if defined(__AVX2__)
-inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline void store32(uint8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
-inline __m256i nib_lo32(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
-inline __m256i nib_hi32(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
-
-// 32 bytes, 0x10 where bit i of `bits` is set (weight i), else 0.
-inline __m256i bits_to_16s(uint32_t bits) {
-  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
-  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(0x10));
-}
-
-// Q4_0 / Q4_1 / Q5_0 layout: 16 bytes hold weights j (low nibble) and j + 16 (high nibble).
-inline void nibbles16(const uint8_t* qs, uint8_t* u, uint32_t fifth_bits) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i m = _mm_set1_epi8(0x0f);
-  const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
-  store32(u, _mm256_or_si256(q, bits_to_16s(fifth_bits)));
-}
-
-#else
-inline void nibbles16(const uint8_t* qs, uint8_t* u, uint32_t fifth_bits) {
-  for (int j = 0; j < 16; ++j) {
-    u[j] = static_cast<uint8_t>((qs[j] & 0x0f) | (((fifth_bits >> j) & 1u) << 4));
-    u[j + 16] = static_cast<uint8_t>((qs[j] >> 4) | (((fifth_bits >> (j + 16)) & 1u) << 4));
-  }
-}
-
-#endif
-
-// Unpackers: block `b` into weights [0, 32) of u, group 0 of dg and halves 0, 1 of mn.
-inline void unpack_q4_0(const uint8_t* b, uint8_t* u, float* dg, float* mn) {
-  const float d = fp16_to_f32(rd16(b));
-  nibbles16(b + 2, u, 0);
-  dg[0] = d;
-  mn[0] = mn[1] = -8.0f * d;
-}
-
-inline void unpack_q4_1(const uint8_t* b, uint8_t* u, float* dg, float* mn) {
-  nibbles16(b + 4, u, 0);
-  dg[0] = fp16_to_f32(rd16(b));
-  mn[0] = mn[1] = fp16_to_f32(rd16(b + 2));
-}
-
-inline void unpack_q5_0(const uint8_t* b, uint8_t* u, float* dg, float* mn) {
-  const float d = fp16_to_f32(rd16(b));
-  uint32_t qh;
-  std::memcpy(&qh, b + 2, 4);
-  nibbles16(b + 6, u, qh);
-  dg[0] = d;
-  mn[0] = mn[1] = -16.0f * d;
-}
-
-inline void unpack_q8_0(const uint8_t* b, uint8_t* u, float* dg, float* mn) {
-  std::memcpy(u, b + 2, 32);  // signed bytes, taken as such by the Q8_0 product
-  dg[0] = fp16_to_f32(rd16(b));
-  mn[0] = mn[1] = 0.0f;
-}
-
-using UnpackFn = void (*)(const uint8_t*, uint8_t*, float*, float*);
-
 // Every kernel reads its weights once per call, front to back within a thread's range.  The hardware
 // prefetcher alone left the one-row products waiting on memory: on a 2-core Xeon, Q4_K at one row read
 // 8 GB/s, and 17-18 GB/s when the kernel asks for the bytes kPrefetchBytes ahead of the row it reads
@@ -530,136 +412,16 @@ inline void prefetch_lines(const uint8_t* p, int64_t bytes, const uint8_t* end) 
   for (int64_t off = 0; off < bytes; off += 64) prefetch(p + off, end);
 }
 
-// A row of nblocks blocks of B weights (kBytes each, at most a cache line), prefetching ahead.
-template <UnpackFn F, int B, int kBytes>
-void unpack_row(const uint8_t* wr, int64_t nblocks, const uint8_t* end, const WRow& row) {
-  static_assert(kBytes <= 64, "one prefetch per block must reach every cache line");
-  constexpr int kGroups = B / kGroup;
-  for (int64_t blk = 0; blk < nblocks; ++blk) {
-    const uint8_t* b = wr + blk * kBytes;
-    prefetch(b + kPrefetchBytes, end);
-    F(b, row.u + blk * B, row.dg + blk * kGroups, row.mn + blk * 2 * kGroups);
-  }
-}
-
-struct Unpacker {
-  int64_t id;
-  void (*row)(const uint8_t*, int64_t, const uint8_t*, const WRow&);
-  bool is_signed;  // Q8_0's bytes are signed and it has no offsets; the others' bytes are unsigned
-};
-
-constexpr Unpacker kUnpackers[] = {
-    {2, unpack_row<unpack_q4_0, 32, 18>, false},
-    {3, unpack_row<unpack_q4_1, 32, 20>, false},
-    {6, unpack_row<unpack_q5_0, 32, 22>, false},
-    {8, unpack_row<unpack_q8_0, 32, 34>, true},
-};
-
-const Unpacker& unpacker(int64_t id) {
-  for (const auto& t : kUnpackers)
-    if (t.id == id) return t;
-  TORCH_CHECK(false, "quant_linear: no unpacker for type ", id);
-}
-
-// A tile: 4 unpacked weight rows (a short tile is padded with zero rows) and their group scales
-// interleaved, dg4[4 g + r], so that one load gives the 4 rows' scales of group g.
-struct WTile {
-  WRow row[kTileRows];
-  const float* dg4;
-};
-
-// The offset term of one (weight row, activation row) pair: a fixed-order dot over pad8(K / 16).
-#if defined(__AVX2__) && defined(__FMA__)
-using mcsd::reduce_lanes;
-
-inline float offset_dot(const float* mn, const float* s16, int64_t halves) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t h = 0; h < halves; h += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(mn + h), _mm256_loadu_ps(s16 + h), acc);
-  return reduce_lanes(acc);
-}
-
-// The tile's 4 weight rows times C quantized activation rows: y[c * ldy + r], r < nrows.
-// Per group g and activation row c, the 4 rows' sums are folded by three hadds into one vector of
-// int32 (lanes r and 4 + r: row r; for the unsigned 4-5 bit weights the hadds run on int16, exact),
-// converted, scaled by dg4[g] * dx[c, g] and added to one accumulator per c; at the end
-// y[r] = lane r + lane 4 + r.  The same operations for every C.
-template <int C, bool kSigned>
-void micro(const WTile& w, int nrows, const QActs& a, int64_t m, float* y, int64_t ldy) {
-  constexpr bool kOffsets = !kSigned;  // Q4_0 / Q4_1 / Q5_0 zero points and mins
-  const int64_t groups = a.groups, K = a.K;
-  __m256 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i wv[kTileRows];
-    for (int r = 0; r < kTileRows; ++r) wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.row[r].u + g * kGroup));
-    const __m256 dg = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(w.dg4 + 4 * g));
-    for (int c = 0; c < C; ++c) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m + c) * K + g * kGroup));
-      __m256i p[kTileRows], s;
-      if (!kSigned) {  // weights < 32: a lane of 8 products fits int16 (8 * 31 * 127 < 2^15)
-        for (int r = 0; r < kTileRows; ++r) p[r] = _mm256_maddubs_epi16(wv[r], xv);
-        const __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
-        s = _mm256_madd_epi16(h, ones);
-      } else {
-        for (int r = 0; r < kTileRows; ++r)
-          p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv[r], wv[r]), _mm256_sign_epi8(xv, wv[r])), ones);
-        s = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-      }
-      const __m256 scale = _mm256_mul_ps(dg, _mm256_broadcast_ss(a.dx.data() + (m + c) * groups + g));
-      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[c]);
-    }
-  }
-  for (int c = 0; c < C; ++c) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc[c]);
-    for (int r = 0; r < nrows; ++r) {
-      float v = lanes[r] + lanes[4 + r];
-      if (kOffsets) v += offset_dot(w.row[r].mn, a.s16.data() + (m + c) * a.halves, a.halves);
-      y[c * ldy + r] = v;
-    }
-  }
-}
-#else  // portable: the same sums, one group at a time
-inline float offset_dot(const float* mn, const float* s16, int64_t halves) {
-  float acc = 0.0f;
-  for (int64_t h = 0; h < halves; ++h) acc += mn[h] * s16[h];
-  return acc;
-}
-
-template <int C, bool kSigned>
-void micro(const WTile& w, int nrows, const QActs& a, int64_t m, float* y, int64_t ldy) {
-  constexpr bool kOffsets = !kSigned;
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < nrows; ++r) {
-      const int8_t* x = a.q.data() + (m + c) * a.K;
-      const float* dx = a.dx.data() + (m + c) * a.groups;
-      const WRow& row = w.row[r];
-      float acc = 0.0f;
-      for (int64_t g = 0; g < a.groups; ++g) {
-        int32_t sum = 0;
-        for (int i = 0; i < kGroup; ++i) {
-          const int wi = kSigned ? static_cast<int8_t>(row.u[g * kGroup + i]) : row.u[g * kGroup + i];
-          sum += wi * x[g * kGroup + i];
-        }
-        acc += static_cast<float>(sum) * (w.dg4[4 * g + r] * dx[g]);
-      }
-      if (kOffsets) acc += offset_dot(row.mn, a.s16.data() + (m + c) * a.halves, a.halves);
-      y[c * ldy + r] = acc;
-    }
+#if defined(__AVX2__)
+// 32 bytes, 0x10 where bit i of `bits` is set, else 0.
+inline __m256i bits_to_16s(uint32_t bits) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(0x10));
 }
 #endif
-
-template <bool kSigned>
-void tile_times_panel(const WTile& w, int nrows, const QActs& a, int64_t m0, int64_t m1, float* y, int64_t N) {
-  int64_t m = m0;
-  for (; m + 4 <= m1; m += 4) micro<4, kSigned>(w, nrows, a, m, y + m * N, N);
-  if (m1 - m >= 2) {
-    micro<2, kSigned>(w, nrows, a, m, y + m * N, N);
-    m += 2;
-  }
-  if (m < m1) micro<1, kSigned>(w, nrows, a, m, y + m * N, N);
-}
 
 // ------------------------------------------------------------------------------------ k-quants, packed
 // Q4_K, Q5_K and Q6_K are multiplied from a packed form of their blocks (quant_pack, once at load time;
@@ -698,11 +460,9 @@ void tile_times_panel(const WTile& w, int nrows, const QActs& a, int64_t m0, int
 // 127 < 2^31; a maddubs pair at most 2 x 63 x 127 < 2^15; a sub-block's sum of q at most 32 x 127.
 
 constexpr int kSuper = 256;
-constexpr int kPackRows = 8;
-constexpr int64_t kPackedFlag = 256;  // quant_linear's type for a packed weight: the GGML type | kPackedFlag
 
 // Bytes of one packed super-block (8 rows), and where Q4_K / Q5_K keep their parts.
-constexpr int packed_bytes(int64_t id) { return id == 12 ? 1184 : id == 13 ? 1440 : 1680; }
+constexpr int k_packed_bytes(int64_t id) { return id == 12 ? 1184 : id == 13 ? 1440 : 1680; }
 constexpr int kK4Mins = 96, kK4Qs = 160, kK5Qh = 1184;  // d at 0, dmin at 16, scales at 32
 constexpr int kK6Scales = 16, kK6Runs = 144;            // d at 0
 
@@ -1155,55 +915,275 @@ bool cpu_has_512() {
 bool cpu_has_512() { return false; }
 #endif
 
-using KGroupFn = void (*)(const uint8_t*, const QActsK&, int64_t, float*, int64_t);
+// ------------------------------------------------------------------------------------ 32-weight blocks, packed
+// Q4_0, Q4_1, Q5_0 and Q8_0 are packed like the k-quants, in groups of 8 rows, block by block (a
+// packed block holds the 8 rows' blocks of 32 weights; the same bytes as the GGUF rows):
+//   Q8_0 (272 = 8 x 34): d[8] (fp16); qs[l-block b][row][8] (256): the row's quants 8 b .. 8 b + 7.
+//   Q4_0 (144 = 8 x 18): d[8]; qs[half h][row][8] (128): the row's qs bytes 8 h .. +7, whose low nibbles
+//        are weights 8 h .. +7 and high ones 16 + 8 h .. +7.
+//   Q4_1 (160 = 8 x 20): d[8], m[8]; qs as Q4_0.
+//   Q5_0 (176 = 8 x 22): d[8]; qh[l-block b][row] (32): byte b of the row's qh (the fifth bits of
+//        weights 8 b .. +7); qs as Q4_0.
+// Activations are rounded to int8 per 32 (dx; S the exact sum of the block's q).  Per activation row
+// and block, one register's int32 lanes gather the 8 rows' exact
+//     isum_r = sum_i u_i(r) q_i - z S
+// (u the unsigned quants: maddubs then madd on AVX2, vpdpbusd on AVX-512; z the zero point, Q4_0 8,
+// Q5_0 16, Q8_0 128 where its quants are read as w + 128, or none where AVX2 multiplies them signed),
+// then the float work of the 8 rows at once, k_scaled:  acc += (d * dx) * isum, and for Q4_1 also
+// acc += m * (dx * S).  So per 32 weights one multiply-add per 8 rows, where a row-at-a-time kernel
+// pays one per row.  Sums: a maddubs pair at most 2 x 31 x 127 (4-5 bits; four of them still fit in
+// int16) or 2 x 127 x 127 (Q8_0, signed); a block's sum at most 32 x 255 x 127 < 2^31.
 
-template <int C>
-void q4k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) { k4_group<C, false>(w, a, m, y, ldy); }
-template <int C>
-void q5k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) { k4_group<C, true>(w, a, m, y, ldy); }
+// Where a packed block keeps its parts.
+constexpr int b32_bytes(int64_t id) { return id == 8 ? 272 : id == 2 ? 144 : id == 3 ? 160 : 176; }
+constexpr int b32_qs(int64_t id) { return id == 8 ? 16 : id == 2 ? 16 : id == 3 ? 32 : 48; }
+constexpr int b32_zero_point(int64_t id) { return id == 2 ? 8 : id == 6 ? 16 : 0; }  // Q8_0's: see above
 
-struct KKernel {
-  int64_t id;
-  int sub;  // weights per sub-block scale: the activations' sums are per this many
-  KGroupFn rows4, rows2, rows1;  // the 256-bit (or portable) kernels
-  KGroupFn wide8, wide4, wide2, wide1;  // the 512-bit ones (null: none)
+template <bool kPack>
+void move_b32(int64_t id, uint8_t* g, uint8_t* p, int r) {
+  mv<kPack>(g, p + 2 * r, 2);  // d
+  if (id == 8) {
+    for (int b = 0; b < 4; ++b) mv<kPack>(g + 2 + 8 * b, p + 16 + 64 * b + 8 * r, 8);
+    return;
+  }
+  const int qs_in = id == 3 ? 4 : id == 6 ? 6 : 2;  // where the GGUF block keeps qs
+  if (id == 3) mv<kPack>(g + 2, p + 16 + 2 * r, 2);  // m
+  if (id == 6)
+    for (int b = 0; b < 4; ++b) mv<kPack>(g + 2 + b, p + 16 + 8 * b + r, 1);  // qh, byte b
+  for (int h = 0; h < 2; ++h) mv<kPack>(g + qs_in + 8 * h, p + b32_qs(id) + 64 * h + 8 * r, 8);
+}
+
+// Activations for the 32-weight blocks: q [M, K], dx and S [M, K/32].
+struct QActs32 {
+  std::vector<int8_t> q;
+  std::vector<float> dx;
+  std::vector<int32_t> sums;
+  int64_t K, blocks;
+  const int8_t* x(int64_t m, int64_t blk) const { return q.data() + m * K + blk * 32; }
+  float scale(int64_t m, int64_t blk) const { return dx[m * blocks + blk]; }
+  int32_t sum(int64_t m, int64_t blk) const { return sums[m * blocks + blk]; }
 };
+
+QActs32 quantize_acts_32(const float* x, int64_t M, int64_t K) {
+  QActs32 a;
+  a.K = K;
+  a.blocks = K / 32;
+  a.q.resize(static_cast<size_t>(M * K));
+  a.dx.resize(static_cast<size_t>(M * a.blocks));
+  a.sums.resize(static_cast<size_t>(M * a.blocks));
+  at::parallel_for(0, M, std::max<int64_t>(8, (1 << 16) / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t blk = 0; blk < a.blocks; ++blk) {
+        int s16[2];
+        a.dx[m * a.blocks + blk] = round_group(x + m * K + blk * 32, 32, a.q.data() + m * K + blk * 32, s16);
+        a.sums[m * a.blocks + blk] = s16[0] + s16[1];
+      }
+  });
+  return a;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Packed group `w` (K / 32 blocks) times activation rows m .. m + C - 1: y[c * ldy + r], rows 0-3 and
+// 4-7 in turn (h).
+template <int C, int64_t kType>
+void b32_group(const uint8_t* w, const QActs32& a, int64_t m, float* y, int64_t ldy) {
+  constexpr int kBytes = b32_bytes(kType), kQs = b32_qs(kType);
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
+  for (int64_t blk = 0; blk < a.blocks; ++blk) {
+    const uint8_t* b = w + blk * kBytes;
+    __m256i isum[2][C];
+    for (int h = 0; h < 2; ++h) {
+      if (kType == 8) {  // signed quants: |w| times q with w's sign, pair sums up to 2 x 127 x 127
+        for (int c = 0; c < C; ++c) isum[h][c] = _mm256_setzero_si256();
+        for (int lb = 0; lb < 4; ++lb) {
+          const __m256i v = load32b(b + 16 + 64 * lb + 32 * h), av = _mm256_abs_epi8(v);
+          for (int c = 0; c < C; ++c) {
+            const __m256i xq = _mm256_set1_epi64x(load64(a.x(m + c, blk) + 8 * lb));
+            isum[h][c] = _mm256_add_epi32(isum[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(xq, v)), ones));
+          }
+        }
+        continue;
+      }
+      __m256i s16[C];  // int16 pair sums of the 4 l-blocks: at most 4 x 2 x 31 x 127
+      for (int c = 0; c < C; ++c) s16[c] = _mm256_setzero_si256();
+      for (int lb = 0; lb < 4; ++lb) {
+        const __m256i nib = load32b(b + kQs + 64 * (lb & 1) + 32 * h);
+        __m256i u = _mm256_and_si256(lb < 2 ? nib : _mm256_srli_epi16(nib, 4), low4);
+        if (kType == 6) {
+          uint32_t bits;
+          std::memcpy(&bits, b + 16 + 8 * lb + 4 * h, 4);  // rows 4 h .. 4 h + 3: bit 8 r' + l, weight 8 lb + l
+          u = _mm256_or_si256(u, bits_to_16s(bits));
+        }
+        for (int c = 0; c < C; ++c)
+          s16[c] = _mm256_add_epi16(s16[c], _mm256_maddubs_epi16(u, _mm256_set1_epi64x(load64(a.x(m + c, blk) + 8 * lb))));
+      }
+      for (int c = 0; c < C; ++c) isum[h][c] = _mm256_madd_epi16(s16[c], ones);
+    }
+    const __m256 d8 = fp16x8(b);
+    for (int c = 0; c < C; ++c) {
+      __m256i i8 = pair_sums_256(isum[0][c], isum[1][c]);
+      if (b32_zero_point(kType) != 0)
+        i8 = _mm256_sub_epi32(i8, _mm256_set1_epi32(b32_zero_point(kType) * a.sum(m + c, blk)));
+      const float dx = a.scale(m + c, blk);
+      acc[c] = k_scaled(acc[c], i8, d8, dx);
+      if (kType == 3) acc[c] = _mm256_fmadd_ps(fp16x8(b + 16), _mm256_set1_ps(dx * static_cast<float>(a.sum(m + c, blk))), acc[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * ldy, acc[c]);
+}
+#else  // portable: the same integer sums, then the same float operations per row
+template <int C, int64_t kType>
+void b32_group(const uint8_t* w, const QActs32& a, int64_t m, float* y, int64_t ldy) {
+  constexpr int kBytes = b32_bytes(kType), kQs = b32_qs(kType);
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < kPackRows; ++r) {
+      float acc = 0.0f;
+      for (int64_t blk = 0; blk < a.blocks; ++blk) {
+        const uint8_t* b = w + blk * kBytes;
+        const int8_t* x = a.x(m + c, blk);
+        int32_t isum = 0;
+        for (int i = 0; i < 32; ++i) {
+          const int lb = i / 8, l = i % 8;
+          int u;
+          if (kType == 8) {
+            u = static_cast<int8_t>(b[16 + 64 * lb + 8 * r + l]);
+          } else {
+            const uint8_t byte = b[kQs + 64 * (lb & 1) + 8 * r + l];
+            u = lb < 2 ? byte & 0x0f : byte >> 4;
+            if (kType == 6) u |= ((b[16 + 8 * lb + r] >> l) & 1) << 4;
+          }
+          isum += u * x[i];
+        }
+        isum -= b32_zero_point(kType) * a.sum(m + c, blk);
+        const float dx = a.scale(m + c, blk);
+        acc = k_scaled_lane(acc, isum, fp16_to_f32(rd16(b + 2 * r)), dx);
+        if (kType == 3) acc = std::fma(fp16_to_f32(rd16(b + 16 + 2 * r)), dx * static_cast<float>(a.sum(m + c, blk)), acc);
+      }
+      y[c * ldy + r] = acc;
+    }
+}
+#endif
+
+#if defined(MCSD_HAVE_512)
+// 512-bit: a register holds all 8 rows and vpdpbusd takes the products to int32 in one instruction;
+// Q8_0's quants are read as w + 128 (unsigned), so z = 128.  The same integers as the 256-bit kernel.
+template <int C, int64_t kType>
+MCSD_TARGET_512 void b32_group_512(const uint8_t* w, const QActs32& a, int64_t m, float* y, int64_t ldy) {
+  constexpr int kBytes = b32_bytes(kType), kQs = b32_qs(kType), kZero = kType == 8 ? 128 : b32_zero_point(kType);
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  for (int64_t blk = 0; blk < a.blocks; ++blk) {
+    const uint8_t* b = w + blk * kBytes;
+    __m512i isum[C];
+    for (int c = 0; c < C; ++c) isum[c] = _mm512_setzero_si512();
+    for (int lb = 0; lb < 4; ++lb) {
+      __m512i u;
+      if (kType == 8) {
+        u = _mm512_xor_si512(_mm512_loadu_si512(b + 16 + 64 * lb), _mm512_set1_epi8(static_cast<char>(0x80)));
+      } else {
+        const __m512i nib = _mm512_loadu_si512(b + kQs + 64 * (lb & 1));
+        u = _mm512_and_si512(lb < 2 ? nib : _mm512_srli_epi16(nib, 4), low4);
+        if (kType == 6) {
+          uint64_t bits;
+          std::memcpy(&bits, b + 16 + 8 * lb, 8);  // bit 8 r + l: row r, weight 8 lb + l
+          u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10)));
+        }
+      }
+      for (int c = 0; c < C; ++c)
+        isum[c] = _mm512_dpbusd_epi32(isum[c], u, _mm512_set1_epi64(load64(a.x(m + c, blk) + 8 * lb)));
+    }
+    const __m256 d8 = fp16x8(b);
+    for (int c = 0; c < C; ++c) {
+      __m256i i8 = pair_sums_512(isum[c]);
+      if (kZero != 0) i8 = _mm256_sub_epi32(i8, _mm256_set1_epi32(kZero * a.sum(m + c, blk)));
+      const float dx = a.scale(m + c, blk);
+      acc[c] = k_scaled(acc[c], i8, d8, dx);
+      if (kType == 3) acc[c] = _mm256_fmadd_ps(fp16x8(b + 16), _mm256_set1_ps(dx * static_cast<float>(a.sum(m + c, blk))), acc[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * ldy, acc[c]);
+}
+#endif
+
+// ------------------------------------------------------------------------------------ the driver
+template <typename Acts>
+using GroupFn = void (*)(const uint8_t*, const Acts&, int64_t, float*, int64_t);
+
+// A type's kernels by activation rows per call: the 256-bit (or portable) ones and the 512-bit ones
+// (null: none in this build).
+template <typename Acts>
+struct GroupKernels {
+  GroupFn<Acts> rows4, rows2, rows1;
+  GroupFn<Acts> wide8, wide4, wide2, wide1;
+};
+
 #if defined(MCSD_HAVE_512)
 #define WIDE(f) f<8>, f<4>, f<2>, f<1>
 #else
 #define WIDE(f) nullptr, nullptr, nullptr, nullptr
 #endif
-constexpr KKernel kKKernels[] = {
-    {12, 32, q4k_group<4>, q4k_group<2>, q4k_group<1>, WIDE(q4k_group_512)},
-    {13, 32, q5k_group<4>, q5k_group<2>, q5k_group<1>, WIDE(q5k_group_512)},
-    {14, 16, q6k_group<4>, q6k_group<2>, q6k_group<1>, WIDE(q6k_group_512)},
-};
-#undef WIDE
+template <int C>
+void q4k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) { k4_group<C, false>(w, a, m, y, ldy); }
+template <int C>
+void q5k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy) { k4_group<C, true>(w, a, m, y, ldy); }
+#define B32(f, id)                                                                                     \
+  template <int C>                                                                                     \
+  void f(const uint8_t* w, const QActs32& a, int64_t m, float* y, int64_t ldy) { b32_group<C, id>(w, a, m, y, ldy); }
+B32(q4_0_group, 2)
+B32(q4_1_group, 3)
+B32(q5_0_group, 6)
+B32(q8_0_group, 8)
+#undef B32
+#if defined(MCSD_HAVE_512)
+#define B32(f, id)                                                                                     \
+  template <int C>                                                                                     \
+  void f(const uint8_t* w, const QActs32& a, int64_t m, float* y, int64_t ldy) { b32_group_512<C, id>(w, a, m, y, ldy); }
+B32(q4_0_group_512, 2)
+B32(q4_1_group_512, 3)
+B32(q5_0_group_512, 6)
+B32(q8_0_group_512, 8)
+#undef B32
+#endif
 
-const KKernel& k_kernel(int64_t id) {
-  for (const auto& k : kKKernels)
-    if (k.id == id) return k;
-  TORCH_CHECK(false, "quant_linear: no packed kernel for GGML type ", id);
+const GroupKernels<QActsK>& k_kernels(int64_t id) {
+  static const GroupKernels<QActsK> q4k{q4k_group<4>, q4k_group<2>, q4k_group<1>, WIDE(q4k_group_512)};
+  static const GroupKernels<QActsK> q5k{q5k_group<4>, q5k_group<2>, q5k_group<1>, WIDE(q5k_group_512)};
+  static const GroupKernels<QActsK> q6k{q6k_group<4>, q6k_group<2>, q6k_group<1>, WIDE(q6k_group_512)};
+  return id == 12 ? q4k : id == 13 ? q5k : q6k;
 }
 
-// Which k-quant kernels run: the 512-bit ones where the CPU has them, unless MCSD_CPU_ISA=avx2 (read
-// once) or quant_isa() says otherwise.  Both give the same bits; this is for timing and tests.
+const GroupKernels<QActs32>& b32_kernels(int64_t id) {
+  static const GroupKernels<QActs32> q4_0{q4_0_group<4>, q4_0_group<2>, q4_0_group<1>, WIDE(q4_0_group_512)};
+  static const GroupKernels<QActs32> q4_1{q4_1_group<4>, q4_1_group<2>, q4_1_group<1>, WIDE(q4_1_group_512)};
+  static const GroupKernels<QActs32> q5_0{q5_0_group<4>, q5_0_group<2>, q5_0_group<1>, WIDE(q5_0_group_512)};
+  static const GroupKernels<QActs32> q8_0{q8_0_group<4>, q8_0_group<2>, q8_0_group<1>, WIDE(q8_0_group_512)};
+  return id == 2 ? q4_0 : id == 3 ? q4_1 : id == 6 ? q5_0 : q8_0;
+}
+#undef WIDE
+
+// Which kernels run: the 512-bit ones where the CPU has them, unless MCSD_CPU_ISA=avx2 (read once) or
+// quant_isa() says otherwise.  Both give the same bits; this is for timing and tests.
 std::atomic<bool> g_wide{[] {
   const char* env = std::getenv("MCSD_CPU_ISA");
   return cpu_has_512() && !(env != nullptr && std::string(env) == "avx2");
 }()};
 
-// y [M, 8 G] for a packed k-quant weight of G groups: threads split the groups; each group meets the
-// activation rows 4 at a time (then 2, 1), so its bytes are read from memory once and from L1 after.
-void k_linear(const KKernel& k, const uint8_t* wp, int64_t G, const float* x, int64_t M, int64_t K, float* yp) {
-  const QActsK a = quantize_acts_k(x, M, K, k.sub);
+// y [M, 8 G] for a packed weight of G groups (group_bytes each): threads split the groups; each group
+// meets the activation rows 8 (512-bit) or 4 at a time, then 2, 1, so its bytes are read from memory
+// once and from L1 after.
+template <typename Acts>
+void packed_linear(const GroupKernels<Acts>& k, const uint8_t* wp, int64_t G, int64_t group_bytes, const Acts& a,
+                   int64_t M, int64_t K, float* yp) {
   const bool wide = g_wide.load(std::memory_order_relaxed);
-  const KGroupFn rows8 = wide ? k.wide8 : nullptr, rows4 = wide ? k.wide4 : k.rows4;
-  const KGroupFn rows2 = wide ? k.wide2 : k.rows2, rows1 = wide ? k.wide1 : k.rows1;
-  const int64_t N = kPackRows * G, group_bytes = a.supers * packed_bytes(k.id);
-  // Groups go in chunks of about kChunkBytes, which stay in the core's L2 while every panel of 4
-  // activation rows (4K bytes, in L1) passes over them: each activation byte is then read from L2 once
-  // per chunk, not once per group.  The chunking only orders the work: every output is computed by the
+  const GroupFn<Acts> rows8 = wide ? k.wide8 : nullptr, rows4 = wide ? k.wide4 : k.rows4;
+  const GroupFn<Acts> rows2 = wide ? k.wide2 : k.rows2, rows1 = wide ? k.wide1 : k.rows1;
+  const int64_t N = kPackRows * G;
+  // Groups go in chunks of about kChunkBytes, which stay in the core's L2 while every panel of
+  // activation rows (in L1) passes over them: each activation byte is then read from L2 once per
+  // chunk, not once per group.  The chunking only orders the work: every output is computed by the
   // same operations.
   constexpr int64_t kChunkBytes = 160 << 10;
   const int64_t threads = at::get_num_threads();
@@ -1216,7 +1196,7 @@ void k_linear(const KKernel& k, const uint8_t* wp, int64_t G, const float* x, in
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t g0 = c * chunk, g1 = std::min(G, g0 + chunk);
       bool first = true;  // the chunk's first pass reads it from memory (prefetching ahead), the others from L2
-      const auto pass = [&](KGroupFn rows, int64_t m) {
+      const auto pass = [&](GroupFn<Acts> rows, int64_t m) {
         for (int64_t g = g0; g < g1; ++g) {
           if (first) prefetch_lines(wp + g * group_bytes + kPrefetchBytes, group_bytes, end);
           rows(wp + g * group_bytes, a, m, yp + m * N + kPackRows * g, N);
@@ -1226,41 +1206,48 @@ void k_linear(const KKernel& k, const uint8_t* wp, int64_t G, const float* x, in
       int64_t m = 0;
       if (rows8 != nullptr)
         for (; m + 8 <= M; m += 8) pass(rows8, m);
-      if (rows4 != nullptr)
-        for (; m + 4 <= M; m += 4) pass(rows4, m);
+      for (; m + 4 <= M; m += 4) pass(rows4, m);
       for (; m + 2 <= M; m += 2) pass(rows2, m);
       if (m < M) pass(rows1, m);
     }
   });
 }
 
-// A packed k-quant weight: uint8 [G, K / 256 * packed bytes].
-void check_packed(const at::Tensor& w, int64_t type, int64_t K) {
-  const BlockType& t = block_type(type);
-  TORCH_CHECK(is_k_quant(type), "quant_linear: only Q4_K, Q5_K and Q6_K weights are packed, not ", t.name);
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
-              "quant_linear: a packed weight must be a contiguous 2-D uint8 CPU tensor (quant_pack's)");
-  TORCH_CHECK(K > 0 && K % kSuper == 0, "quant_linear: K = ", K, " is not a multiple of the ", t.name,
-              " block size ", kSuper);
-  TORCH_CHECK(w.size(1) == K / kSuper * packed_bytes(type), "quant_linear: packed ", t.name, " groups of K = ", K,
-              " take ", K / kSuper * packed_bytes(type), " bytes, the weight has ", w.size(1));
+// Bytes of one packed unit (8 rows' super-block or block), and moving one row's unit in or out.
+int packed_bytes(int64_t id) { return is_k_quant(id) ? k_packed_bytes(id) : b32_bytes(id); }
+
+template <bool kPack>
+void move_unit(int64_t id, uint8_t* g, uint8_t* p, int r) {
+  if (is_k_quant(id))
+    move_super<kPack>(id, g, p, r);
+  else
+    move_b32<kPack>(id, g, p, r);
 }
 
-// A k-quant weight's GGUF rows [N, row_bytes] packed in groups of 8 rows: [ceil(N / 8), K / 256 * packed
-// bytes], the last group padded with zero rows (whose products are 0).
+// A packed weight: uint8 [G, K / B * packed bytes].
+void check_packed(const at::Tensor& w, int64_t type, int64_t K) {
+  const BlockType& t = block_type(type);
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "quant_linear: a packed weight must be a contiguous 2-D uint8 CPU tensor (quant_pack's)");
+  TORCH_CHECK(K > 0 && K % t.block == 0, "quant_linear: K = ", K, " is not a multiple of the ", t.name,
+              " block size ", t.block);
+  TORCH_CHECK(w.size(1) == K / t.block * packed_bytes(type), "quant_linear: packed ", t.name, " groups of K = ", K,
+              " take ", K / t.block * packed_bytes(type), " bytes, the weight has ", w.size(1));
+}
+
+// A weight's GGUF rows [N, row_bytes] packed in groups of 8 rows: [ceil(N / 8), K / B * packed bytes],
+// the last group padded with zero rows (whose products are 0).
 at::Tensor quant_pack(const at::Tensor& w, int64_t type, int64_t K) {
   const BlockType& t = check_weight(w, type, K);
-  TORCH_CHECK(is_k_quant(type), "quant_pack: only Q4_K, Q5_K and Q6_K are packed, not ", t.name);
-  const int64_t N = w.size(0), G = (N + kPackRows - 1) / kPackRows, supers = K / kSuper, pb = packed_bytes(type);
-  at::Tensor out = at::zeros({G, supers * pb}, w.options());
-  const uint8_t* src = w.data_ptr<uint8_t>();
+  const int64_t N = w.size(0), G = (N + kPackRows - 1) / kPackRows, units = K / t.block, pb = packed_bytes(type);
+  at::Tensor out = at::zeros({G, units * pb}, w.options());
+  uint8_t* src = w.data_ptr<uint8_t>();  // only read: move_unit<true> copies from it
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, G, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int r = 0; r < kPackRows && g * kPackRows + r < N; ++r)
-        for (int64_t s = 0; s < supers; ++s)
-          move_super<true>(type, const_cast<uint8_t*>(src) + (g * kPackRows + r) * w.size(1) + s * t.bytes,
-                           dst + (g * supers + s) * pb, r);
+        for (int64_t u = 0; u < units; ++u)
+          move_unit<true>(type, src + (g * kPackRows + r) * w.size(1) + u * t.bytes, dst + (g * units + u) * pb, r);
   });
   return out;
 }
@@ -1271,81 +1258,50 @@ at::Tensor quant_unpack(const at::Tensor& w, int64_t type, int64_t K, const at::
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.device().is_cpu(),
               "quant_unpack: rows must be a 1-D int64 CPU tensor");
   const BlockType& t = block_type(type);
-  const int64_t supers = K / kSuper, pb = packed_bytes(type), N = kPackRows * w.size(0), R = rows.size(0);
+  const int64_t units = K / t.block, pb = packed_bytes(type), N = kPackRows * w.size(0), R = rows.size(0);
   const at::Tensor idx = rows.contiguous();
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t i = 0; i < R; ++i)
     TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "quant_unpack: row ", ip[i], " is outside the weight's ", N, " rows");
-  at::Tensor out = at::empty({R, supers * t.bytes}, w.options());
-  uint8_t* src = w.data_ptr<uint8_t>();
+  at::Tensor out = at::empty({R, units * t.bytes}, w.options());
+  uint8_t* src = w.data_ptr<uint8_t>();  // only read: move_unit<false> copies from it
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, R, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t g = ip[i] / kPackRows;
       const int r = static_cast<int>(ip[i] % kPackRows);
-      for (int64_t s = 0; s < supers; ++s)
-        move_super<false>(type, dst + i * supers * t.bytes + s * t.bytes, src + (g * supers + s) * pb, r);
+      for (int64_t u = 0; u < units; ++u)
+        move_unit<false>(type, dst + (i * units + u) * t.bytes, src + (g * units + u) * pb, r);
     }
   });
   return out;
 }
 
+// y = x @ W^T in fp32 for a packed weight (type | kPackedFlag).
 at::Tensor quant_linear_f32(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K) {
-  const bool packed = (type & kPackedFlag) != 0;
-  if (packed) {
-    type &= ~kPackedFlag;
-    check_packed(w, type, K);
-  } else {
+  if ((type & kPackedFlag) == 0) {
     check_weight(w, type, K);
-    TORCH_CHECK(!is_k_quant(type), "quant_linear: ", block_type(type).name,
-                " weights run packed: quant_pack them and pass type ", type | kPackedFlag);
+    TORCH_CHECK(false, "quant_linear: ", block_type(type).name, " weights run packed: quant_pack them and pass type ",
+                type | kPackedFlag);
   }
-  const BlockType& t = block_type(type);
+  type &= ~kPackedFlag;
+  check_packed(w, type, K);
   TORCH_CHECK(x_in.size(-1) == K, "quant_linear: x has ", x_in.size(-1), " columns, the weight K = ", K);
   const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = x.size(0), N = packed ? kPackRows * w.size(0) : w.size(0), nblocks = K / t.block;
-  const int64_t row_bytes = w.size(1);
+  const int64_t M = x.size(0), G = w.size(0), N = kPackRows * G, group_bytes = w.size(1);
   std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
   out_shape.back() = N;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y.reshape(out_shape);
-  if (packed) {
-    k_linear(k_kernel(type), w.data_ptr<uint8_t>(), w.size(0), x.data_ptr<float>(), M, K, y.data_ptr<float>());
-    return y.reshape(out_shape);
-  }
-  const Unpacker& up = unpacker(type);
-  const QActs a = quantize_acts(x.data_ptr<float>(), M, K);
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
-  const int64_t groups = K / kGroup, halves = pad8(K / 16);
-  // Small calls run inline (a parallel region costs more than they do); results do not depend on it.
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, kTileRows * K * M));
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<uint8_t> u(static_cast<size_t>(kTileRows * K), 0);
-    std::vector<float> dg(static_cast<size_t>(kTileRows * groups), 0.0f), dg4(dg.size(), 0.0f);
-    std::vector<float> mn(static_cast<size_t>(kTileRows * halves), 0.0f);
-    WTile tile{{}, dg4.data()};
-    for (int r = 0; r < kTileRows; ++r)
-      tile.row[r] = {u.data() + r * K, dg.data() + r * groups, mn.data() + r * halves};
-    for (int64_t ti = t0; ti < t1; ++ti) {
-      const int64_t n0 = ti * kTileRows;
-      const int nrows = static_cast<int>(std::min<int64_t>(kTileRows, N - n0));
-      const uint8_t* end = wp + std::min(N, t1 * kTileRows) * row_bytes;  // this thread's last weight row
-      for (int r = 0; r < nrows; ++r) up.row(wp + (n0 + r) * row_bytes, nblocks, end, tile.row[r]);
-      for (int r = nrows; r < kTileRows; ++r) std::fill(tile.row[r].dg, tile.row[r].dg + groups, 0.0f);  // zero rows
-      for (int64_t g = 0; g < groups; ++g)
-        for (int r = 0; r < kTileRows; ++r) dg4[4 * g + r] = tile.row[r].dg[g];
-      for (int64_t m0 = 0; m0 < M; m0 += kPanel) {
-        const int64_t m1 = std::min(M, m0 + kPanel);
-        float* yt = yp + n0;
-        if (up.is_signed)
-          tile_times_panel<true>(tile, nrows, a, m0, m1, yt, N);
-        else
-          tile_times_panel<false>(tile, nrows, a, m0, m1, yt, N);
-      }
-    }
-  });
+  const float* xp = x.data_ptr<float>();
+  if (is_k_quant(type)) {
+    const QActsK a = quantize_acts_k(xp, M, K, type == 14 ? 16 : 32);
+    packed_linear(k_kernels(type), wp, G, group_bytes, a, M, K, y.data_ptr<float>());
+  } else {
+    const QActs32 a = quantize_acts_32(xp, M, K);
+    packed_linear(b32_kernels(type), wp, G, group_bytes, a, M, K, y.data_ptr<float>());
+  }
   return y.reshape(out_shape);
 }
 
