@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.models import cpu_kernels  # noqa: E402
 from engine.models.qweight import BLOCK_TYPES, TYPE_IDS, QuantWeight, kernel_isa  # noqa: E402
 
-K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # the types with 512-bit kernels
 
 SHAPES = {"gate_up": (17920, 1536), "down": (1536, 8960), "qkv": (2048, 1536)}  # (N, K)
 
@@ -63,14 +62,14 @@ def main() -> None:
     ap.add_argument("--shapes", default="gate_up,down")
     ap.add_argument("--pool-mib", type=float, default=256.0)
     ap.add_argument("--min-time", type=float, default=0.3)
-    ap.add_argument("--isas", default="", help="k-quant kernels to time, e.g. 'avx2,avx512' (one row each, the "
+    ap.add_argument("--isas", default="", help="quantized kernels to time, e.g. 'avx2,avx512' (one row each, the "
                     "same weights, interleaved per row count); default: the one the CPU uses")
     ap.add_argument("--out", default="benchmarks/results/quant_kernels.json")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     results = []
     default_isa = kernel_isa()
-    print(f"k-quant kernels in use: {default_isa}")
+    print(f"quantized kernels in use: {default_isa}")
     print(f"{'shape':8s} {'type':11s} {'MiB':>6s} " + " ".join(f"{f'M={m} ms':>9s}" for m in rows)
           + f" {'GB/s@1':>7s} {'8/1':>5s}")
     for shape in args.shapes.split(","):
@@ -90,7 +89,7 @@ def main() -> None:
                 weights = [QuantWeight(w0.rows().clone(), w0.type_id, k) for _ in range(copies)]
                 fn = lambda x, w: w.linear(x)  # noqa: E731
                 dtype = torch.bfloat16
-            isas = args.isas.split(",") if args.isas and name in K_TYPES else [default_isa]
+            isas = args.isas.split(",") if args.isas and name != "bf16" else [default_isa]
             ms = {isa: {} for isa in isas}
             with torch.inference_mode():
                 for m in rows:
