@@ -1,10 +1,10 @@
 """Linear weights kept in GGUF's quantized blocks and multiplied in place (``csrc/quant_gemm.cpp``).
 
-A :class:`QuantWeight` holds a GGUF tensor's own bytes, ``uint8 [N, row_bytes]`` (each row ``K / B``
-blocks of its type), and multiplies activations by it without a dequantized copy: the kernel rounds
-the activations to int8 per 32 and takes integer dot products with the unpacked blocks (as llama.cpp
-does), accumulating in fp32; on CPUs with AVX-512 and VNNI the k-quants run 512-bit kernels that give
-the same bits (:func:`kernel_isa`).  Supported block types: the
+A :class:`QuantWeight` holds a GGUF tensor's blocks, packed for the kernels in groups of 8 rows (a
+permutation of the GGUF bytes; :meth:`QuantWeight.rows` gives them back), and multiplies activations by
+them without a dequantized copy: the kernel rounds the activations to int8 per block and takes integer
+dot products with the blocks (as llama.cpp does), accumulating in fp32; on CPUs with AVX-512 and VNNI
+it runs 512-bit kernels that give the same bits (:func:`kernel_isa`).  Supported block types: the
 ones of the packs the project ships and the other common ones (``BLOCK_TYPES``).  Results are
 batch-invariant (a row's output is bitwise the same whatever the number of rows in the call), see the
 kernel's header.
@@ -151,7 +151,7 @@ def available() -> bool:
 
 
 def kernel_isa(switch: str = "") -> str:
-    """The k-quant kernels in use: ``"avx512"`` (512-bit, with VNNI: chosen where the CPU has them),
+    """The quantized kernels in use: ``"avx512"`` (512-bit, with VNNI: chosen where the CPU has them),
     ``"avx2"`` or ``"portable"``.  ``switch`` (``"avx512"`` / ``"avx2"``) changes them for the process;
     both give bitwise the same results, so this is for timing and tests.  ``MCSD_CPU_ISA=avx2`` starts a
     process on the 256-bit ones."""

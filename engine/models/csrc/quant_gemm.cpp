@@ -1,17 +1,18 @@
 // GGUF block-quantized weights, multiplied in place:  y[M, N] = x[M, K] @ dequant(W)[N, K]^T  (fp32).
 //
 // Built with bf16_gemm.cpp into one library by engine/models/cpu_kernels.py; registers
-// torch.ops.mcsd_cpu.quant_linear (x, weight, type, K, bias?: fp32 math, the result in x's dtype) and
-// torch.ops.mcsd_cpu.quant_dequantize.
+// torch.ops.mcsd_cpu.quant_linear (x, packed weight, type | 256, K, bias?: fp32 math, the result in
+// x's dtype), quant_pack / quant_unpack (GGUF rows to packed groups and back), quant_dequantize and
+// quant_isa.
 //
-// Weights.  W is the GGUF tensor's own bytes, uint8 [N, row_bytes]: each row is K / B blocks of
-// the type's layout (B = 32 for Q4_0, Q4_1, Q5_0, Q8_0; B = 256 for the k-quants Q4_K, Q5_K, Q6_K),
-// exactly as llama.cpp writes them, so a GGUF file is used as it is: no conversion, no copy.
+// Weights.  A GGUF tensor's rows, uint8 [N, row_bytes]: each row is K / B blocks of the type's layout
+// (B = 32 for Q4_0, Q4_1, Q5_0, Q8_0; B = 256 for the k-quants Q4_K, Q5_K, Q6_K), exactly as llama.cpp
+// writes them.  quant_pack permutes them once, at load time, into groups of 8 rows ("the product"
+// below): no conversion of the values, no second copy.
 //
 // How.  Integer dot products on activations quantized to int8 per 32 or, for the k-quants, per 256
-// (see "the product" below); the
-// dequantizers here serve quant_dequantize (embedding rows, tests).  Dequantized values follow the
-// `gguf` package's formulas (fp32 d * scale * q - dmin * m).
+// (see "the product" below); the dequantizers here serve quant_dequantize (embedding rows, tests).
+// Dequantized values follow the `gguf` package's formulas (fp32 d * scale * q - dmin * m).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -788,7 +789,8 @@ void q6k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t l
 #endif
 
 // ------------------------------------------------------------------------------------ k-quants, 512-bit
-// On CPUs with AVX-512 (F, BW, VL) and VNNI the same products run on 512-bit vectors: one register holds
+// On CPUs with AVX-512 (F, BW, VL) and VNNI the same products run on 512-bit vectors (the 32-weight
+// blocks' 512-bit kernels follow theirs below): one register holds
 // all 8 rows, and vpdpwssd adds the scales' products to the int32 sums in one instruction (madd, then
 // add, above).  The integers are the same, and the float work is k_scaled: the results are bitwise the
 // 256-bit kernels' (tested), so which one a CPU runs changes its time only.  Compiled for those
@@ -1331,7 +1333,7 @@ at::Tensor quant_dequantize(const at::Tensor& w, int64_t type, int64_t K) {
   return y;
 }
 
-// "avx512" or "avx2" (or "portable"): the k-quant kernels in use; `set` ("avx512" / "avx2", "" to only
+// "avx512" or "avx2" (or "portable"): the quantized kernels in use; `set` ("avx512" / "avx2", "" to only
 // ask) switches them, and asking for 512-bit kernels the CPU lacks is an error.
 std::string quant_isa(const std::string& set) {
 #if defined(__AVX2__)
