@@ -101,13 +101,13 @@ inline void dot4(const float* q, const float* k, int64_t D, float* out) {
   }
 }
 
-// o = sum_r p[r] v[r] over the n rows of v (stride D), in increasing r: per element the operations of
-// n axpy calls from o = 0, with 64 outputs at a time held in registers instead of reloaded per row.
-inline void weighted_rows(const float* p, const float* v, int64_t n, int64_t D, float* o) {
+// o += p[r] v[r] for the n rows of v (stride D), in increasing r: per element the operations of n axpy
+// calls, with 64 outputs at a time held in registers across the rows instead of reloaded per row.
+inline void add_weighted_rows(const float* p, const float* v, int64_t n, int64_t D, float* o) {
   int64_t d0 = 0;
   for (; d0 + 64 <= D; d0 += 64) {
     __m256 acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_loadu_ps(o + d0 + 8 * i);
     for (int64_t r = 0; r < n; ++r) {
       const __m256 pv = _mm256_set1_ps(p[r]);
       const float* vr = v + r * D + d0;
@@ -115,10 +115,8 @@ inline void weighted_rows(const float* p, const float* v, int64_t n, int64_t D, 
     }
     for (int i = 0; i < 8; ++i) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
   }
-  if (d0 < D) {  // the rest (head dimensions not a multiple of 64) through axpy: the same operations
-    std::fill(o + d0, o + D, 0.0f);
+  if (d0 < D)  // the rest (head dimensions not a multiple of 64) through axpy: the same operations
     for (int64_t r = 0; r < n; ++r) axpy(p[r], v + r * D + d0, o + d0, D - d0);
-  }
 }
 
 inline void exp_shifted(float* s, int64_t n, float m) {  // s = exp(s - m), s <= m (or -inf)
@@ -153,8 +151,7 @@ inline void dot4(const float* q, const float* k, int64_t D, float* out) {
   for (int i = 0; i < 4; ++i) out[i] = dot(q, k + i * D, D);
 }
 
-inline void weighted_rows(const float* p, const float* v, int64_t n, int64_t D, float* o) {
-  std::fill(o, o + D, 0.0f);
+inline void add_weighted_rows(const float* p, const float* v, int64_t n, int64_t D, float* o) {
   for (int64_t r = 0; r < n; ++r) axpy(p[r], v + r * D, o, D);
 }
 
@@ -164,58 +161,60 @@ inline void exp_shifted(float* s, int64_t n, float m) {
 #endif
 
 // One work item: the `group` query heads that share kv head hk, at query t of sequence b.  They share
-// the allowed keys, listed once, and each key / value row is converted to fp32 once for all of them
-// (into kf / vf, n rows each); every query's own arithmetic is the per-query recipe above.
-// `key(j)` / `value(j)` point at key j's rows (a dense [L, D] slice, or a paged pool's row); qf holds
-// the group's queries in fp32.
+// the allowed keys, listed once.  The keys go in blocks of kKeyBlock: a block's key (then value) rows
+// are converted to fp32 once, into kb (in L1), for all the heads; every query's own arithmetic is the
+// per-query recipe above.  `key(j)` / `value(j)` point at key j's rows (a dense [L, D] slice, or a
+// paged pool's row); qf holds the group's queries in fp32.
+constexpr int64_t kKeyBlock = 8;
+
 template <typename T, typename KeyRow, typename ValueRow>
 void attend_one(const float* qf, int64_t group, int64_t D, const int64_t* keys, int64_t n, KeyRow key, ValueRow value,
-                float scale, float* s, int64_t s_stride, float* m, float* l, float* o, float* kf, float* vf,
-                T* const* orows) {
+                float scale, float* s, int64_t s_stride, float* m, float* l, float* o, float* kb, T* const* orows) {
   if (n == 0) {  // nothing to attend to: zeros (SDPA would give NaN)
     for (int64_t g = 0; g < group; ++g)
       for (int64_t d = 0; d < D; ++d) orows[g][d] = static_cast<T>(0.0f);
     return;
   }
-  for (int64_t r = 0; r < n; ++r) to_f32_row(key(keys[r]), kf + r * D, D);
+  for (int64_t r0 = 0; r0 < n; r0 += kKeyBlock) {
+    const int64_t nb = std::min(kKeyBlock, n - r0);
+    for (int64_t i = 0; i < nb; ++i) to_f32_row(key(keys[r0 + i]), kb + i * D, D);
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = s + g * s_stride + r0;
+      int64_t i = 0;
+      for (; i + 4 <= nb; i += 4) dot4(qf + g * D, kb + i * D, D, sg + i);
+      for (; i < nb; ++i) sg[i] = dot(qf + g * D, kb + i * D, D);
+    }
+  }
   for (int64_t g = 0; g < group; ++g) {
     float* sg = s + g * s_stride;
-    int64_t r = 0;
-    for (; r + 4 <= n; r += 4) dot4(qf + g * D, kf + r * D, D, sg + r);
-    for (; r < n; ++r) sg[r] = dot(qf + g * D, kf + r * D, D);
     m[g] = -std::numeric_limits<float>::infinity();
-    for (r = 0; r < n; ++r) {
+    for (int64_t r = 0; r < n; ++r) {
       sg[r] = scale * sg[r];
       m[g] = std::max(m[g], sg[r]);
     }
     exp_shifted(sg, n, m[g]);
-  }
-  for (int64_t r = 0; r < n; ++r) to_f32_row(value(keys[r]), vf + r * D, D);
-  for (int64_t g = 0; g < group; ++g) {
-    const float* p = s + g * s_stride;
     l[g] = 0.0f;
-    for (int64_t r = 0; r < n; ++r) l[g] += p[r];
-    weighted_rows(p, vf, n, D, o + g * D);
+    for (int64_t r = 0; r < n; ++r) l[g] += sg[r];
+  }
+  std::fill(o, o + group * D, 0.0f);
+  for (int64_t r0 = 0; r0 < n; r0 += kKeyBlock) {
+    const int64_t nb = std::min(kKeyBlock, n - r0);
+    for (int64_t i = 0; i < nb; ++i) to_f32_row(value(keys[r0 + i]), kb + i * D, D);
+    for (int64_t g = 0; g < group; ++g) add_weighted_rows(s + g * s_stride + r0, kb, nb, D, o + g * D);
+  }
+  for (int64_t g = 0; g < group; ++g) {
     const float inv = 1.0f / l[g];
     for (int64_t d = 0; d < D; ++d) orows[g][d] = static_cast<T>(o[g * D + d] * inv);
   }
 }
 
-// Scratch of one thread: the group's queries, scores, running max / sum and output, and the allowed
-// keys' rows in fp32.  Kept per thread across calls (the key rows grow with the context).
+// Scratch of one thread: the group's queries, scores, running max / sum and output, and a block of
+// key or value rows, in fp32.
 struct Scratch {
-  std::vector<float> qf, o, s, m, l, kf, vf;
+  std::vector<float> qf, o, s, kb, m, l;
   std::vector<int64_t> keys;
-  void reserve(int64_t group, int64_t L, int64_t D) {
-    for (auto* v : {&qf, &o}) grow(*v, group * D);
-    for (auto* v : {&m, &l}) grow(*v, group);
-    for (auto* v : {&kf, &vf}) grow(*v, L * D);
-    grow(s, group * L);
-    if (static_cast<int64_t>(keys.size()) < L) keys.resize(L);
-  }
-  static void grow(std::vector<float>& v, int64_t n) {
-    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  }
+  Scratch(int64_t group, int64_t L, int64_t D)
+      : qf(group * D), o(group * D), s(group * L), kb(kKeyBlock * D), m(group), l(group), keys(L) {}
 };
 
 template <typename T>
@@ -249,8 +248,7 @@ void attend_all(const at::Tensor& q, int64_t Hkv, int64_t L, float scale, at::Te
   // Small calls (tiny models, short contexts) run inline: a parallel region costs more than they do.
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, group * L * D));
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-    thread_local Scratch w;
-    w.reserve(group, L, D);
+    Scratch w(group, L, D);
     std::vector<T*> orows(group);
     for (int64_t i = i0; i < i1; ++i) {
       int64_t b, hk, t, qb, qt;  // the query (sequence b, its query t) and where it sits in q and out
@@ -264,7 +262,7 @@ void attend_all(const at::Tensor& q, int64_t Hkv, int64_t L, float scale, at::Te
       for (int64_t g = 0; g < group; ++g) orows[g] = op + ((qb * Hq + hk * group + g) * QT + qt) * D;
       attend_one<T>(w.qf.data(), group, D, w.keys.data(), n, [&](int64_t j) { return key_row(b, hk, j); },
                     [&](int64_t j) { return value_row(b, hk, j); }, scale, w.s.data(), L, w.m.data(), w.l.data(),
-                    w.o.data(), w.kf.data(), w.vf.data(), orows.data());
+                    w.o.data(), w.kb.data(), orows.data());
     }
   });
 }
