@@ -76,49 +76,6 @@ inline void axpy(float a, const float* v, float* o, int64_t D) {  // o += a v
   for (; d < D; ++d) o[d] += a * v[d];
 }
 
-// dot() of one query with the 4 rows k, k + D, k + 2 D, k + 3 D at once: each the same operations as
-// dot(), sharing the query's loads.
-inline void dot4(const float* q, const float* k, int64_t D, float* out) {
-  __m256 acc[4], acc2[4];
-  for (int i = 0; i < 4; ++i) acc[i] = acc2[i] = _mm256_setzero_ps();
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16) {
-    const __m256 qa = _mm256_loadu_ps(q + d), qb = _mm256_loadu_ps(q + d + 8);
-    for (int i = 0; i < 4; ++i) {
-      acc[i] = _mm256_fmadd_ps(qa, _mm256_loadu_ps(k + i * D + d), acc[i]);
-      acc2[i] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(k + i * D + d + 8), acc2[i]);
-    }
-  }
-  if (d + 8 <= D) {
-    const __m256 qa = _mm256_loadu_ps(q + d);
-    for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(qa, _mm256_loadu_ps(k + i * D + d), acc[i]);
-    d += 8;
-  }
-  for (int i = 0; i < 4; ++i) {
-    float s = reduce_lanes(_mm256_add_ps(acc[i], acc2[i]));
-    for (int64_t e = d; e < D; ++e) s += q[e] * k[i * D + e];
-    out[i] = s;
-  }
-}
-
-// o += p[r] v[r] for the n rows of v (stride D), in increasing r: per element the operations of n axpy
-// calls, with 64 outputs at a time held in registers across the rows instead of reloaded per row.
-inline void add_weighted_rows(const float* p, const float* v, int64_t n, int64_t D, float* o) {
-  int64_t d0 = 0;
-  for (; d0 + 64 <= D; d0 += 64) {
-    __m256 acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_loadu_ps(o + d0 + 8 * i);
-    for (int64_t r = 0; r < n; ++r) {
-      const __m256 pv = _mm256_set1_ps(p[r]);
-      const float* vr = v + r * D + d0;
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * i), acc[i]);
-    }
-    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
-  }
-  if (d0 < D)  // the rest (head dimensions not a multiple of 64) through axpy: the same operations
-    for (int64_t r = 0; r < n; ++r) axpy(p[r], v + r * D + d0, o + d0, D - d0);
-}
-
 inline void exp_shifted(float* s, int64_t n, float m) {  // s = exp(s - m), s <= m (or -inf)
   const __m256 mv = _mm256_set1_ps(m);
   int64_t j = 0;
@@ -147,60 +104,42 @@ inline void axpy(float a, const float* v, float* o, int64_t D) {
   for (int64_t d = 0; d < D; ++d) o[d] += a * v[d];
 }
 
-inline void dot4(const float* q, const float* k, int64_t D, float* out) {
-  for (int i = 0; i < 4; ++i) out[i] = dot(q, k + i * D, D);
-}
-
-inline void add_weighted_rows(const float* p, const float* v, int64_t n, int64_t D, float* o) {
-  for (int64_t r = 0; r < n; ++r) axpy(p[r], v + r * D, o, D);
-}
-
 inline void exp_shifted(float* s, int64_t n, float m) {
   for (int64_t j = 0; j < n; ++j) s[j] = std::exp(s[j] - m);
 }
 #endif
 
 // One work item: the `group` query heads that share kv head hk, at query t of sequence b.  They share
-// the allowed keys, listed once.  The keys go in blocks of kKeyBlock: a block's key (then value) rows
-// are converted to fp32 once, into kb (in L1), for all the heads; every query's own arithmetic is the
-// per-query recipe above.  `key(j)` / `value(j)` point at key j's rows (a dense [L, D] slice, or a
-// paged pool's row); qf holds the group's queries in fp32.
-constexpr int64_t kKeyBlock = 8;
-
+// the allowed keys, listed once, and each key / value row is converted to fp32 once for all of them;
+// every query's own arithmetic is the per-query recipe above.  `key(j)` / `value(j)` point at key j's
+// rows (a dense [L, D] slice, or a paged pool's row); qf holds the group's queries in fp32.
 template <typename T, typename KeyRow, typename ValueRow>
 void attend_one(const float* qf, int64_t group, int64_t D, const int64_t* keys, int64_t n, KeyRow key, ValueRow value,
-                float scale, float* s, int64_t s_stride, float* m, float* l, float* o, float* kb, T* const* orows) {
+                float scale, float* s, int64_t s_stride, float* m, float* l, float* o, float* row, T* const* orows) {
   if (n == 0) {  // nothing to attend to: zeros (SDPA would give NaN)
     for (int64_t g = 0; g < group; ++g)
       for (int64_t d = 0; d < D; ++d) orows[g][d] = static_cast<T>(0.0f);
     return;
   }
-  for (int64_t r0 = 0; r0 < n; r0 += kKeyBlock) {
-    const int64_t nb = std::min(kKeyBlock, n - r0);
-    for (int64_t i = 0; i < nb; ++i) to_f32_row(key(keys[r0 + i]), kb + i * D, D);
+  std::fill(m, m + group, -std::numeric_limits<float>::infinity());
+  for (int64_t r = 0; r < n; ++r) {
+    to_f32_row(key(keys[r]), row, D);
     for (int64_t g = 0; g < group; ++g) {
-      float* sg = s + g * s_stride + r0;
-      int64_t i = 0;
-      for (; i + 4 <= nb; i += 4) dot4(qf + g * D, kb + i * D, D, sg + i);
-      for (; i < nb; ++i) sg[i] = dot(qf + g * D, kb + i * D, D);
+      const float sc = scale * dot(qf + g * D, row, D);
+      s[g * s_stride + r] = sc;
+      m[g] = std::max(m[g], sc);
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = s + g * s_stride;
-    m[g] = -std::numeric_limits<float>::infinity();
-    for (int64_t r = 0; r < n; ++r) {
-      sg[r] = scale * sg[r];
-      m[g] = std::max(m[g], sg[r]);
-    }
-    exp_shifted(sg, n, m[g]);
-    l[g] = 0.0f;
-    for (int64_t r = 0; r < n; ++r) l[g] += sg[r];
-  }
+  for (int64_t g = 0; g < group; ++g) exp_shifted(s + g * s_stride, n, m[g]);
   std::fill(o, o + group * D, 0.0f);
-  for (int64_t r0 = 0; r0 < n; r0 += kKeyBlock) {
-    const int64_t nb = std::min(kKeyBlock, n - r0);
-    for (int64_t i = 0; i < nb; ++i) to_f32_row(value(keys[r0 + i]), kb + i * D, D);
-    for (int64_t g = 0; g < group; ++g) add_weighted_rows(s + g * s_stride + r0, kb, nb, D, o + g * D);
+  std::fill(l, l + group, 0.0f);
+  for (int64_t r = 0; r < n; ++r) {
+    to_f32_row(value(keys[r]), row, D);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = s[g * s_stride + r];
+      l[g] += p;
+      axpy(p, row, o + g * D, D);
+    }
   }
   for (int64_t g = 0; g < group; ++g) {
     const float inv = 1.0f / l[g];
@@ -208,13 +147,12 @@ void attend_one(const float* qf, int64_t group, int64_t D, const int64_t* keys, 
   }
 }
 
-// Scratch of one thread: the group's queries, scores, running max / sum and output, and a block of
-// key or value rows, in fp32.
+// Scratch of one thread: the group's queries, scores, running max / sum, output and one row in fp32.
 struct Scratch {
-  std::vector<float> qf, o, s, kb, m, l;
+  std::vector<float> qf, o, s, row, m, l;
   std::vector<int64_t> keys;
   Scratch(int64_t group, int64_t L, int64_t D)
-      : qf(group * D), o(group * D), s(group * L), kb(kKeyBlock * D), m(group), l(group), keys(L) {}
+      : qf(group * D), o(group * D), s(group * L), row(D), m(group), l(group), keys(L) {}
 };
 
 template <typename T>
@@ -262,7 +200,7 @@ void attend_all(const at::Tensor& q, int64_t Hkv, int64_t L, float scale, at::Te
       for (int64_t g = 0; g < group; ++g) orows[g] = op + ((qb * Hq + hk * group + g) * QT + qt) * D;
       attend_one<T>(w.qf.data(), group, D, w.keys.data(), n, [&](int64_t j) { return key_row(b, hk, j); },
                     [&](int64_t j) { return value_row(b, hk, j); }, scale, w.s.data(), L, w.m.data(), w.l.data(),
-                    w.o.data(), w.kb.data(), orows.data());
+                    w.o.data(), w.row.data(), orows.data());
     }
   });
 }
