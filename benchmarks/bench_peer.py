@@ -184,11 +184,23 @@ async def one_request(client, model: str, messages: list, max_tokens: int, tempe
     body = dict(extra)
     if temperature == 0:
         body["top_k"] = 1
+    import openai
+
+    def create():
+        return client.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=temperature, seed=seed, stream=True,
+            stream_options={"include_usage": True}, extra_body=body)
+
     t0 = time.perf_counter()
     ttft, chunks, usage = None, 0, None
-    stream = await client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=temperature, seed=seed, stream=True,
-        stream_options={"include_usage": True}, extra_body=body)
+    try:
+        stream = await create()
+    except openai.APIConnectionError:
+        # A pooled keep-alive connection the server closed while idle between phases (llama-server closes
+        # them after a few seconds): the request never reached it.  Once more, on a new connection; any
+        # answer from a server, an error status included, still counts as it is (no retries).
+        t0 = time.perf_counter()
+        stream = await create()
     async for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
