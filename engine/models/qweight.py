@@ -103,15 +103,17 @@ class QuantWeight:
         return self.data.numel()
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``x @ W.T + bias`` in fp32, returned in ``x``'s dtype; ``x`` [..., K].  One operator call
-        (two where a packed weight's last group is padded)."""
+        """``x @ W.T + bias`` in fp32, returned in ``x``'s dtype; ``x`` [..., K].  One operator call (and
+        a copy of the real columns where the last group of a packed weight is padded)."""
         if not self.packed:
             return torch.ops.mcsd_cpu.quant_linear(x, self.data, self.type_id, self.k, bias)
         kernel_type = self.type_id | _PACKED_FLAG
-        if self.n % _PACK_ROWS == 0:
+        pad = -self.n % _PACK_ROWS
+        if pad == 0:
             return torch.ops.mcsd_cpu.quant_linear(x, self.data, kernel_type, self.k, bias)
-        y = torch.ops.mcsd_cpu.quant_linear(x, self.data, kernel_type, self.k, None)[..., :self.n]
-        return y.contiguous() if bias is None else y + bias.to(y.dtype)
+        if bias is not None:  # added in fp32 by the kernel, as for whole groups
+            bias = torch.cat([bias, bias.new_zeros(pad)])
+        return torch.ops.mcsd_cpu.quant_linear(x, self.data, kernel_type, self.k, bias)[..., :self.n].contiguous()
 
     def rows(self, index: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The GGUF bytes of all rows, or of the rows ``index`` (1-D), ``uint8 [len, row_bytes]``."""
