@@ -111,7 +111,7 @@ def main() -> None:
     meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "bf16_kernel": cpu_kernels.should_use(torch.zeros(2, 2, dtype=torch.bfloat16)),
-            "kquant_kernels": default_isa}
+            "quantized_kernels": default_isa}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"wrote {args.out}")

@@ -475,10 +475,11 @@ inline __m256i bits_to_16s(uint32_t bits) {
 
 constexpr int kSuper = 256;
 
-// Bytes of one packed super-block (8 rows), and where Q4_K / Q5_K keep their parts.
-constexpr int k_packed_bytes(int64_t id) { return id == 12 ? 1184 : id == 13 ? 1440 : 1680; }
-constexpr int kK4Mins = 96, kK4Qs = 160, kK5Qh = 1184;  // d at 0, dmin at 16, scales at 32
-constexpr int kK6Scales = 16, kK6Runs = 144;            // d at 0
+// Bytes of one packed super-block (8 rows), and where its parts are.
+constexpr int kK4Bytes = 1184, kK5Bytes = 1440, kK6Bytes = 1680;
+constexpr int k_packed_bytes(int64_t id) { return id == 12 ? kK4Bytes : id == 13 ? kK5Bytes : kK6Bytes; }
+constexpr int kK4Scales = 32, kK4Mins = 96, kK4Qs = 160, kK5Qh = 1184;  // d at 0, dmin at 16
+constexpr int kK6Scales = 16, kK6Runs = 144;                            // d at 0
 
 bool is_k_quant(int64_t id) { return id == 12 || id == 13 || id == 14; }
 
@@ -508,13 +509,13 @@ void move_k4(uint8_t* g, uint8_t* p, int r, bool fifth) {
   uint8_t sc[8], m[8];
   if (kPack) kscale_bytes(g + 4, sc, m);
   for (int j = 0; j < 8; ++j) {
-    uint8_t* ps = p + 32 + 16 * (j / 2) + 2 * r + j % 2;
+    const int at = 16 * (j / 2) + 2 * r + j % 2;  // [pair][row][2]
     if (kPack) {
-      ps[0] = sc[j];
-      ps[kK4Mins - 32] = m[j];
+      p[kK4Scales + at] = sc[j];
+      p[kK4Mins + at] = m[j];
     } else {
-      sc[j] = ps[0];
-      m[j] = ps[kK4Mins - 32];
+      sc[j] = p[kK4Scales + at];
+      m[j] = p[kK4Mins + at];
     }
   }
   if (!kPack) kscale_encode(sc, m, g + 4);
@@ -655,7 +656,7 @@ inline __m256i fifth_256(__m256i h, int bit) {
 // y[c * ldy + r] for the group's 8 rows r.  Rows 0-3 and 4-7 take turns (h): a register holds 4 rows.
 template <int C, bool kFifth>
 void k4_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy, Ahead ahead) {
-  constexpr int kBytes = kFifth ? 1440 : 1184;
+  constexpr int kBytes = kFifth ? kK5Bytes : kK4Bytes;
   __m256 acc[C], accm[C];
   for (int c = 0; c < C; ++c) acc[c] = accm[c] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0f);
@@ -666,7 +667,7 @@ void k4_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ld
     for (int h = 0; h < 2; ++h) {
       for (int c = 0; c < C; ++c) isum[h][c] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
-        const __m256i pair = _mm256_broadcastsi128_si256(load16(b + 32 + 16 * j));
+        const __m256i pair = _mm256_broadcastsi128_si256(load16(b + kK4Scales + 16 * j));
         const __m256i slo = scales_256<false>(pair, 0, h), shi = scales_256<false>(pair, 1, h);
         for (int lb = 0; lb < 4; ++lb) {
           const __m256i v = load32b(b + kK4Qs + 256 * j + 64 * lb + 32 * h);
@@ -702,8 +703,8 @@ void q6k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t l
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0f), x30 = _mm256_set1_epi8(0x30);
   for (int64_t s = 0; s < a.supers; ++s) {
-    const uint8_t* b = w + s * 1680;
-    ahead.unit(s, 1680);
+    const uint8_t* b = w + s * kK6Bytes;
+    ahead.unit(s, kK6Bytes);
     __m256i isum[2][C];
     for (int h = 0; h < 2; ++h) {
       for (int c = 0; c < C; ++c) isum[h][c] = _mm256_setzero_si256();
@@ -741,7 +742,7 @@ inline float k_scaled_lane(float acc, int32_t isum, float d, float dx) {
 
 template <int C, bool kFifth>
 void k4_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy, Ahead ahead) {
-  constexpr int kBytes = kFifth ? 1440 : 1184;
+  constexpr int kBytes = kFifth ? kK5Bytes : kK4Bytes;
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < kPackRows; ++r) {
       float acc = 0.0f, accm = 0.0f;
@@ -760,7 +761,7 @@ void k4_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ld
               if (kFifth) u |= ((b[kK5Qh + 64 * lb + 8 * r + l] >> sub) & 1) << 4;
               dot += u * x[64 * j + 32 * hi + 8 * lb + l];
             }
-          isum += b[32 + 16 * j + 2 * r + hi] * dot;
+          isum += b[kK4Scales + 16 * j + 2 * r + hi] * dot;
           msum += b[kK4Mins + 16 * j + 2 * r + hi] * sums[16 * j + hi];
         }
         const float dx = a.scale(m + c, s);
@@ -777,7 +778,7 @@ void q6k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t l
     for (int r = 0; r < kPackRows; ++r) {
       float acc = 0.0f;
       for (int64_t s = 0; s < a.supers; ++s) {
-        const uint8_t* b = w + s * 1680;
+        const uint8_t* b = w + s * kK6Bytes;
         const int8_t* x = a.x(m + c, s);
         const int16_t* sums = a.pair_sums(m + c, s);
         const int8_t* sc = reinterpret_cast<const int8_t*>(b + kK6Scales);
@@ -844,7 +845,7 @@ MCSD_TARGET_512 inline __m512i fifth_512(__m512i h, int bit) {
 
 template <int C, bool kFifth>
 MCSD_TARGET_512 void k4_group_512(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy, Ahead ahead) {
-  constexpr int kBytes = kFifth ? 1440 : 1184;
+  constexpr int kBytes = kFifth ? kK5Bytes : kK4Bytes;
   __m256 acc[C], accm[C];
   for (int c = 0; c < C; ++c) acc[c] = accm[c] = _mm256_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0f);
@@ -854,7 +855,7 @@ MCSD_TARGET_512 void k4_group_512(const uint8_t* w, const QActsK& a, int64_t m, 
     __m512i isum[C];
     for (int c = 0; c < C; ++c) isum[c] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
-      const __m512i slo = scales_512<false>(b + 32 + 16 * j, 0), shi = scales_512<false>(b + 32 + 16 * j, 1);
+      const __m512i slo = scales_512<false>(b + kK4Scales + 16 * j, 0), shi = scales_512<false>(b + kK4Scales + 16 * j, 1);
       for (int lb = 0; lb < 4; ++lb) {
         const __m512i v = _mm512_loadu_si512(b + kK4Qs + 256 * j + 64 * lb);
         __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
@@ -886,8 +887,8 @@ MCSD_TARGET_512 void q6k_group_512(const uint8_t* w, const QActsK& a, int64_t m,
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0f), x30 = _mm512_set1_epi8(0x30);
   for (int64_t s = 0; s < a.supers; ++s) {
-    const uint8_t* b = w + s * 1680;
-    ahead.unit(s, 1680);
+    const uint8_t* b = w + s * kK6Bytes;
+    ahead.unit(s, kK6Bytes);
     __m512i isum[C];
     for (int c = 0; c < C; ++c) isum[c] = _mm512_setzero_si512();
     for (int hf = 0; hf < 2; ++hf)
