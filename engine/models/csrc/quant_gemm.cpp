@@ -599,15 +599,16 @@ inline int64_t load64(const int8_t* p) {
 // 512-bit register holds rows 0-7 (128-bit lane L: rows 2 L, 2 L + 1); a 256-bit one rows 4 h .. 4 h + 3,
 // the table's bytes 32 h ...
 struct ScaleCtl {
-  int8_t b[2][2][64];  // [signed][t]
+  int8_t b[3][2][64];  // [kind][t]: kind 0 int16 zero-extended, 1 int16 signed, 2 int32 zero-extended
 };
 constexpr ScaleCtl make_scale_ctl() {
   ScaleCtl c{};
-  for (int sg = 0; sg < 2; ++sg)
+  for (int kind = 0; kind < 3; ++kind)
     for (int t = 0; t < 2; ++t)
       for (int k = 0; k < 64; ++k) {
         const int row = 2 * (k / 16) + (k % 16) / 8;
-        c.b[sg][t][k] = (k % 2 == sg) ? static_cast<int8_t>(2 * row + t) : static_cast<int8_t>(-128);
+        const bool take = kind == 2 ? k % 4 == 0 : k % 2 == kind;
+        c.b[kind][t][k] = take ? static_cast<int8_t>(2 * row + t) : static_cast<int8_t>(-128);
       }
   return c;
 }
@@ -669,20 +670,28 @@ void k4_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ld
       for (int j = 0; j < 4; ++j) {
         const __m256i pair = _mm256_broadcastsi128_si256(load16(b + kK4Scales + 16 * j));
         const __m256i slo = scales_256<false>(pair, 0, h), shi = scales_256<false>(pair, 1, h);
+        __m256i lo[4], hi[4];
         for (int lb = 0; lb < 4; ++lb) {
           const __m256i v = load32b(b + kK4Qs + 256 * j + 64 * lb + 32 * h);
-          __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          lo[lb] = _mm256_and_si256(v, low4);
+          hi[lb] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
           if (kFifth) {
             const __m256i qh = load32b(b + kK5Qh + 64 * lb + 32 * h);
-            lo = _mm256_or_si256(lo, fifth_256(qh, 2 * j));
-            hi = _mm256_or_si256(hi, fifth_256(qh, 2 * j + 1));
+            lo[lb] = _mm256_or_si256(lo[lb], fifth_256(qh, 2 * j));
+            hi[lb] = _mm256_or_si256(hi[lb], fifth_256(qh, 2 * j + 1));
           }
-          for (int c = 0; c < C; ++c) {
-            const int8_t* xq = a.x(m + c, s) + 64 * j + 8 * lb;
-            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi64x(load64(xq))), slo);
-            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi64x(load64(xq + 32))), shi);
-            isum[h][c] = _mm256_add_epi32(isum[h][c], _mm256_add_epi32(p0, p1));
+        }
+        // A sub-block's 4 registers of maddubs pairs added as int16 (at most 8 * 31 * 127 = 31496), then
+        // one madd against its scales, where there was one per register.
+        for (int c = 0; c < C; ++c) {
+          const int8_t* xq = a.x(m + c, s) + 64 * j;
+          __m256i tlo = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi64x(load64(xq)));
+          __m256i thi = _mm256_maddubs_epi16(hi[0], _mm256_set1_epi64x(load64(xq + 32)));
+          for (int lb = 1; lb < 4; ++lb) {
+            tlo = _mm256_add_epi16(tlo, _mm256_maddubs_epi16(lo[lb], _mm256_set1_epi64x(load64(xq + 8 * lb))));
+            thi = _mm256_add_epi16(thi, _mm256_maddubs_epi16(hi[lb], _mm256_set1_epi64x(load64(xq + 32 + 8 * lb))));
           }
+          isum[h][c] = _mm256_add_epi32(isum[h][c], _mm256_add_epi32(_mm256_madd_epi16(tlo, slo), _mm256_madd_epi16(thi, shi)));
         }
       }
     }
@@ -709,22 +718,26 @@ void q6k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t l
     for (int h = 0; h < 2; ++h) {
       for (int c = 0; c < C; ++c) isum[h][c] = _mm256_setzero_si256();
       for (int hf = 0; hf < 2; ++hf)
-        for (int lb = 0; lb < 4; ++lb) {
-          const uint8_t* unit = b + kK6Runs + 192 * (4 * hf + lb) + 32 * h;
-          const __m256i qa = load32b(unit), qb = load32b(unit + 64), qh = load32b(unit + 128);
+        for (int t = 0; t < 2; ++t)      // l-blocks 2 t, 2 t + 1: the same scales
           for (int p = 0; p < 4; ++p) {  // run p: one at a time, which keeps the registers in hand
-            const __m256i lo = p < 2 ? (p == 0 ? qa : qb) : _mm256_srli_epi16(p == 2 ? qa : qb, 4);
-            const __m256i hi = p == 0 ? _mm256_slli_epi16(qh, 4) : p == 1 ? _mm256_slli_epi16(qh, 2)
-                                                                   : p == 2 ? qh : _mm256_srli_epi16(qh, 2);
-            const __m256i u = _mm256_or_si256(_mm256_and_si256(lo, low4), _mm256_and_si256(hi, x30));
-            const __m256i sp = scales_256<true>(_mm256_broadcastsi128_si256(load16(b + kK6Scales + 16 * (4 * hf + p))),
-                                                lb / 2, h);
+            __m256i u[2];
+            for (int i = 0; i < 2; ++i) {
+              const uint8_t* unit = b + kK6Runs + 192 * (4 * hf + 2 * t + i) + 32 * h;
+              const __m256i q = load32b(unit + 64 * (p % 2)), qh = load32b(unit + 128);
+              const __m256i lo = p < 2 ? q : _mm256_srli_epi16(q, 4);
+              const __m256i hi = p == 0 ? _mm256_slli_epi16(qh, 4) : p == 1 ? _mm256_slli_epi16(qh, 2)
+                                                                     : p == 2 ? qh : _mm256_srli_epi16(qh, 2);
+              u[i] = _mm256_or_si256(_mm256_and_si256(lo, low4), _mm256_and_si256(hi, x30));
+            }
+            const __m256i sp = scales_256<true>(_mm256_broadcastsi128_si256(load16(b + kK6Scales + 16 * (4 * hf + p))), t, h);
+            // The two l-blocks' maddubs pairs added as int16 (at most 4 * 63 * 127 = 32004), then one madd.
             for (int c = 0; c < C; ++c) {
-              const __m256i prod = _mm256_maddubs_epi16(u, _mm256_set1_epi64x(load64(a.x(m + c, s) + 128 * hf + 32 * p + 8 * lb)));
-              isum[h][c] = _mm256_add_epi32(isum[h][c], _mm256_madd_epi16(prod, sp));
+              const int8_t* xq = a.x(m + c, s) + 128 * hf + 32 * p + 16 * t;
+              const __m256i t16 = _mm256_add_epi16(_mm256_maddubs_epi16(u[0], _mm256_set1_epi64x(load64(xq))),
+                                                   _mm256_maddubs_epi16(u[1], _mm256_set1_epi64x(load64(xq + 8))));
+              isum[h][c] = _mm256_add_epi32(isum[h][c], _mm256_madd_epi16(t16, sp));
             }
           }
-        }
     }
     const __m256 d8 = fp16x8(b);
     for (int c = 0; c < C; ++c) {
@@ -843,6 +856,17 @@ MCSD_TARGET_512 inline __m512i fifth_512(__m512i h, int bit) {
   return _mm512_slli_epi16(b, 4);
 }
 
+// 32-bit lanes' scales (kind 2 of kScaleCtl): a sub-block's scale in the low int16 of both int32 lanes of
+// its row, 0 in the high one, so that vpdpwssd multiplies an int32 lane holding an int16 value by it.
+MCSD_TARGET_512 inline __m512i scales32_512(const uint8_t* pair, int t) {
+  return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(load16(pair)), _mm512_load_si512(kScaleCtl.b[2][t]));
+}
+
+// Q4_K / Q5_K, 512-bit.  A sub-block's products are first summed without its scale, then multiplied by it
+// once: Q4_K by vpdpbusd (4 products per int32 lane, 16 over the sub-block's 4 registers, at most
+// 16 * 15 * 127 = 30480, an int16), Q5_K by maddubs and 16-bit adds (8 per lane, at most 8 * 31 * 127 =
+// 31496).  Either is then one vpdpwssd against the scales, where madd-per-register took one per register:
+// 10 multiplies per sub-block pair and activation row instead of 16.  The integers are the same.
 template <int C, bool kFifth>
 MCSD_TARGET_512 void k4_group_512(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy, Ahead ahead) {
   constexpr int kBytes = kFifth ? kK5Bytes : kK4Bytes;
@@ -855,20 +879,38 @@ MCSD_TARGET_512 void k4_group_512(const uint8_t* w, const QActsK& a, int64_t m, 
     __m512i isum[C];
     for (int c = 0; c < C; ++c) isum[c] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
-      const __m512i slo = scales_512<false>(b + kK4Scales + 16 * j, 0), shi = scales_512<false>(b + kK4Scales + 16 * j, 1);
+      const uint8_t* pair = b + kK4Scales + 16 * j;
+      const __m512i slo = kFifth ? scales_512<false>(pair, 0) : scales32_512(pair, 0);
+      const __m512i shi = kFifth ? scales_512<false>(pair, 1) : scales32_512(pair, 1);
+      __m512i lo[4], hi[4];
       for (int lb = 0; lb < 4; ++lb) {
         const __m512i v = _mm512_loadu_si512(b + kK4Qs + 256 * j + 64 * lb);
-        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        lo[lb] = _mm512_and_si512(v, low4);
+        hi[lb] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         if (kFifth) {
           const __m512i qh = _mm512_loadu_si512(b + kK5Qh + 64 * lb);
-          lo = _mm512_or_si512(lo, fifth_512(qh, 2 * j));
-          hi = _mm512_or_si512(hi, fifth_512(qh, 2 * j + 1));
+          lo[lb] = _mm512_or_si512(lo[lb], fifth_512(qh, 2 * j));
+          hi[lb] = _mm512_or_si512(hi[lb], fifth_512(qh, 2 * j + 1));
         }
-        for (int c = 0; c < C; ++c) {
-          const int8_t* xq = a.x(m + c, s) + 64 * j + 8 * lb;
-          isum[c] = _mm512_dpwssd_epi32(isum[c], _mm512_maddubs_epi16(lo, _mm512_set1_epi64(load64(xq))), slo);
-          isum[c] = _mm512_dpwssd_epi32(isum[c], _mm512_maddubs_epi16(hi, _mm512_set1_epi64(load64(xq + 32))), shi);
+      }
+      for (int c = 0; c < C; ++c) {
+        const int8_t* xq = a.x(m + c, s) + 64 * j;
+        __m512i tlo, thi;
+        if (kFifth) {
+          tlo = _mm512_maddubs_epi16(lo[0], _mm512_set1_epi64(load64(xq)));
+          thi = _mm512_maddubs_epi16(hi[0], _mm512_set1_epi64(load64(xq + 32)));
+          for (int lb = 1; lb < 4; ++lb) {
+            tlo = _mm512_add_epi16(tlo, _mm512_maddubs_epi16(lo[lb], _mm512_set1_epi64(load64(xq + 8 * lb))));
+            thi = _mm512_add_epi16(thi, _mm512_maddubs_epi16(hi[lb], _mm512_set1_epi64(load64(xq + 32 + 8 * lb))));
+          }
+        } else {
+          tlo = thi = _mm512_setzero_si512();
+          for (int lb = 0; lb < 4; ++lb) {
+            tlo = _mm512_dpbusd_epi32(tlo, lo[lb], _mm512_set1_epi64(load64(xq + 8 * lb)));
+            thi = _mm512_dpbusd_epi32(thi, hi[lb], _mm512_set1_epi64(load64(xq + 32 + 8 * lb)));
+          }
         }
+        isum[c] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[c], tlo, slo), thi, shi);
       }
     }
     const __m256 d8 = fp16x8(b), dm8 = fp16x8(b + 16);
@@ -892,23 +934,27 @@ MCSD_TARGET_512 void q6k_group_512(const uint8_t* w, const QActsK& a, int64_t m,
     __m512i isum[C];
     for (int c = 0; c < C; ++c) isum[c] = _mm512_setzero_si512();
     for (int hf = 0; hf < 2; ++hf)
-      for (int t = 0; t < 2; ++t) {
-        __m512i sp[4];
+      for (int t = 0; t < 2; ++t) {  // l-blocks 2 t, 2 t + 1: the same scales
+        __m512i sp[4], u[2][4];
         for (int p = 0; p < 4; ++p) sp[p] = scales_512<true>(b + kK6Scales + 16 * (4 * hf + p), t);
-        for (int lb = 2 * t; lb < 2 * t + 2; ++lb) {
-          const uint8_t* unit = b + kK6Runs + 192 * (4 * hf + lb);
+        for (int i = 0; i < 2; ++i) {
+          const uint8_t* unit = b + kK6Runs + 192 * (4 * hf + 2 * t + i);
           const __m512i qa = _mm512_loadu_si512(unit), qb = _mm512_loadu_si512(unit + 64),
                         qh = _mm512_loadu_si512(unit + 128);
-          const __m512i u[4] = {
-              _mm512_or_si512(_mm512_and_si512(qa, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), x30)),
-              _mm512_or_si512(_mm512_and_si512(qb, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), x30)),
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(qa, 4), low4), _mm512_and_si512(qh, x30)),
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(qb, 4), low4),
-                              _mm512_and_si512(_mm512_srli_epi16(qh, 2), x30))};
-          for (int c = 0; c < C; ++c) {
-            const int8_t* xq = a.x(m + c, s) + 128 * hf + 8 * lb;
-            for (int p = 0; p < 4; ++p)
-              isum[c] = _mm512_dpwssd_epi32(isum[c], _mm512_maddubs_epi16(u[p], _mm512_set1_epi64(load64(xq + 32 * p))), sp[p]);
+          u[i][0] = _mm512_or_si512(_mm512_and_si512(qa, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), x30));
+          u[i][1] = _mm512_or_si512(_mm512_and_si512(qb, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), x30));
+          u[i][2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(qa, 4), low4), _mm512_and_si512(qh, x30));
+          u[i][3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(qb, 4), low4),
+                                    _mm512_and_si512(_mm512_srli_epi16(qh, 2), x30));
+        }
+        // The two l-blocks' maddubs sums share a scale: added as int16 (at most 4 * 63 * 127 = 32004),
+        // then one vpdpwssd, where there were two.
+        for (int c = 0; c < C; ++c) {
+          const int8_t* xq = a.x(m + c, s) + 128 * hf + 16 * t;
+          for (int p = 0; p < 4; ++p) {
+            const __m512i t16 = _mm512_add_epi16(_mm512_maddubs_epi16(u[0][p], _mm512_set1_epi64(load64(xq + 32 * p))),
+                                                 _mm512_maddubs_epi16(u[1][p], _mm512_set1_epi64(load64(xq + 32 * p + 8))));
+            isum[c] = _mm512_dpwssd_epi32(isum[c], t16, sp[p]);
           }
         }
       }
