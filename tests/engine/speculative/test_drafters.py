@@ -429,3 +429,59 @@ def test_maxgram_length_chooser_prices_sequences_without_a_match_as_one_row(mode
         assert others == n - matched  # one root row each, nothing for a share that cannot propose
     base, _ = run_engine(target, None, [repeating] + distinct, tree=(), max_tokens=8, ignore_eos=True)
     assert [o.tokens for o in outs] == [o.tokens for o in base]
+
+
+def test_draft_gate_measures_both_arms_then_runs_the_faster_and_still_tries_the_other():
+    from engine.speculative.planner import DraftGate
+    gate = DraftGate(explore_every=4, warmup=2, decay=1.0)
+    key = DraftGate.key(1, False)
+    first = []
+    for _ in range(4):  # warm-up: the draft model first, then alternately
+        on = gate.choose(key)
+        first.append(on)
+        gate.observe(key, on, tokens=4 if on else 6, seconds=1.0)  # without the draft: 6 tok/s, with: 4
+    assert first == [True, False, True, False]
+    assert gate.rates(key) == (6.0, 4.0)
+    assert gate.explore_period(key) == 16  # 50% apart: four times explore_every
+    picks = []
+    for _ in range(16):
+        on = gate.choose(key)
+        picks.append(on)
+        gate.observe(key, on, tokens=4 if on else 6, seconds=1.0)
+    assert picks.count(True) == 1 and picks[12] is True  # the losing arm at step 16 only
+    other = DraftGate.key(3, True)  # another batch class learns on its own
+    assert other != key and gate.choose(other) is True and gate.rates(other) == (0.0, 0.0)
+    gate.observe(key, True, tokens=400, seconds=1.0)  # the draft model turns out faster: it wins
+    assert gate.rates(key)[1] > gate.rates(key)[0]
+    assert sum(gate.choose(key) for _ in range(8)) == 8  # steps 20-27: no try of the other arm
+    close = DraftGate(explore_every=4, warmup=1, decay=1.0)
+    for on in (True, False):
+        close.observe(key, on, tokens=11 if on else 10, seconds=1.0)
+    assert close.explore_period(key) == 4  # within 25%: every explore_every-th step
+    assert [close.choose(key) for _ in range(8)] == [False, True, True, True, False, True, True, True]
+
+
+@pytest.mark.parametrize("arm", [True, False])
+def test_draft_gate_off_leaves_maxgram_alone_and_the_output_identical(models, monkeypatch, arm):
+    """With the gate closed, a sequence of mcsd+maxgram drafts with Max-Gram only (no draft-model
+    nodes, no draft forwards); either way greedy output equals plain decoding."""
+    from engine.speculative import planner as planner_mod
+    target, _, other_draft = models
+    monkeypatch.setattr(planner_mod.DraftGate, "choose", lambda self, key: arm)
+    prompts = PROMPTS[:2]
+    expected = [o.tokens for o in run_engine(target, None, prompts, tree=(), ignore_eos=True, max_tokens=32)[0]]
+    cfg = dict(maxgram_len=4, maxgram_branches=2, maxgram_tail=2, load_aware=False, adaptive=True)
+    outs, core = run_engine(target, other_draft, prompts, tree=(2, 1), ignore_eos=True, max_tokens=32, config=cfg,
+                            spec=SpecOptions(method=MCSD_MAXGRAM))
+    assert [o.tokens for o in outs] == expected
+    assert core.planner.gate is not None
+    by_method = Counter()
+    for s in core.drain_step_stats():
+        by_method.update(s.drafted_by_method)
+    assert (by_method["draft"] > 0) == arm
+    assert by_method[MAXGRAM] + by_method["bigram"] > 0
+    learned = core.planner.gate._arms
+    assert learned and all(arms[int(arm)].steps > 0 and arms[int(not arm)].steps == 0 for arms in learned.values())
+    _, plain = run_engine(target, other_draft, prompts[:1], tree=(2, 1), max_tokens=4,
+                          config=dict(cfg, draft_gate=False), spec=SpecOptions(method=MCSD_MAXGRAM))
+    assert plain.planner.gate is None
