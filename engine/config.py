@@ -57,9 +57,6 @@ class EngineConfig:
     cost_model_cache: bool = setting(True, "load_aware: reuse the cost curves an earlier start measured on this "
                                      "machine for the same models, kernels and settings ($MCSD_CACHE/cost-model); "
                                      "off: measure at every start (and store the new curves)")
-    draft_gate: bool = setting(True, "adaptive: where the draft model drafts beside Max-Gram, run it only while "
-                               "steps with it emit more tokens per second than steps without it (measured online "
-                               "per batch size and greedy / sampled; the other arm is still tried every 8th step)")
     # speculation methods (engine.speculative.methods); each drafter's own knobs are its settings section
     spec_method: str = setting("mcsd", "drafter for requests that do not say", choices=method_names)
     drafters: Mapping[str, "DrafterSettings"] = field(

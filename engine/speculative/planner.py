@@ -8,9 +8,7 @@ drafter of the request's method may draft this step.  It reads
   budget, and whether a lagging draft cache's catch-up pays), when the engine is adaptive;
 * Max-Gram's suffix match: a match of ``maxgram_trust`` tokens or more makes the step Max-Gram's
   alone (see ``engine.speculative.methods``), and the load-aware length chooser caps Max-Gram's
-  proposals per match class on the measured cost of verification rows;
-* the draft gate (:class:`DraftGate`, ``draft_gate``): where the draft model drafts beside Max-Gram,
-  whether steps with it have been emitting more tokens per second than steps without it.
+  proposals per match class on the measured cost of verification rows.
 
 After the step, :meth:`Planner.observe` hands the outcome to the policy and to the length chooser,
 in one call.  Nothing else in the engine decides how much to draft: the runner drafts and verifies
@@ -19,8 +17,7 @@ what the plans say, and the draft model's proposer asks the policy whether to gr
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Optional
 
 from engine.config import EngineConfig
@@ -40,89 +37,17 @@ if TYPE_CHECKING:
     from engine.speculative.verify import SeqStepResult
 
 
-@dataclass
-class _Arm:
-    """Decayed sums of one arm's steps: tokens emitted and seconds spent (drafting and verifying)."""
-
-    tokens: float = 0.0
-    seconds: float = 0.0
-    steps: int = 0
-
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass
-class DraftGate:
-    """Whether the draft model drafts beside Max-Gram this step: an online comparison of the two arms.
-
-    Max-Gram costs nothing to draft, and where the output copies its context (code, edits, quotes) it
-    proposes most of what is accepted; the draft model then adds few tokens for its forwards, and for
-    the catch-up of every token it skipped while Max-Gram drafted alone.  Measured on the default pair
-    (greedy, code prompts), Max-Gram alone emitted 14% more tokens per second than with the draft
-    model; at T = 0.7 the draft model paid 8%.  Neither a fixed choice nor the draft's own acceptance
-    rate (which counts the tokens Max-Gram proposed too) sees this, so the gate measures it: per batch
-    class (size bucket, any sampled sequence) it keeps decayed sums of emitted tokens and seconds for
-    the steps with the draft model and those without, and runs the arm with the higher rate, the other
-    one every ``explore_period`` steps (and alternately until each has ``warmup`` steps).  The choice
-    reads only past steps, never this step's tokens, so every arm's output law is the target's.
-    """
-
-    explore_every: int = 8
-    warmup: int = 3
-    decay: float = 0.95
-    _arms: dict[tuple, tuple[_Arm, _Arm]] = field(default_factory=dict)  # key -> (without, with)
-    _count: dict[tuple, int] = field(default_factory=dict)
-
-    @staticmethod
-    def key(sizes: int, sampled: bool) -> tuple[int, bool]:
-        """The batch class of a step with ``sizes`` gated sequences."""
-        return (1 if sizes <= 1 else 2 if sizes <= 2 else 4 if sizes <= 4 else 8), sampled
-
-    def choose(self, key: tuple) -> bool:
-        """Whether this step of class ``key`` runs the draft model."""
-        arms = self._arms.setdefault(key, (_Arm(), _Arm()))
-        n = self._count.get(key, 0)
-        self._count[key] = n + 1
-        if min(a.steps for a in arms) < self.warmup:
-            return arms[1].steps <= arms[0].steps  # the draft model first, then alternately
-        best = arms[1].rate() >= arms[0].rate()
-        return (not best) if n % self.explore_period(key) == 0 else best
-
-    def explore_period(self, key: tuple) -> int:
-        """Steps between tries of the losing arm: ``explore_every``, twice that when it is 25% behind, four
-        times when 50% (a try of the draft model after many steps without it pays the whole catch-up)."""
-        low, high = sorted(a.rate() for a in self._arms.get(key, (_Arm(), _Arm())))
-        ratio = high / low if low > 0 else math.inf
-        return self.explore_every * (1 if ratio < 1.25 else 2 if ratio < 1.5 else 4)
-
-    def observe(self, key: tuple, with_draft: bool, tokens: int, seconds: float) -> None:
-        arm = self._arms.setdefault(key, (_Arm(), _Arm()))[int(with_draft)]
-        arm.tokens = arm.tokens * self.decay + tokens
-        arm.seconds = arm.seconds * self.decay + seconds
-        arm.steps += 1
-
-    def rates(self, key: tuple) -> tuple[float, float]:
-        """Tokens per second without and with the draft model (0 before any step)."""
-        arms = self._arms.get(key, (_Arm(), _Arm()))
-        return arms[0].rate(), arms[1].rate()
-
-
 class Planner:
     def __init__(self, config: EngineConfig, topology: TreeTopology, maxgram: MaxGramDrafter,
-                 policy: Optional[SpecPolicy] = None, lengths: Optional[LengthChooser] = None,
-                 gate: Optional[DraftGate] = None) -> None:
+                 policy: Optional[SpecPolicy] = None, lengths: Optional[LengthChooser] = None) -> None:
         """``topology``: the largest tree; ``maxgram``: the Max-Gram drafter whose suffix matches the
         plans read (the drafters share it); ``lengths``: Max-Gram's load-aware length chooser (None:
-        proposals are capped only by the config); ``gate``: the draft gate (None: the draft model
-        drafts beside Max-Gram whenever its budget lets it)."""
+        proposals are capped only by the config)."""
         self.config = config
         self.topology = topology
         self.maxgram = maxgram
         self.policy = policy
         self.lengths = lengths
-        self.gate = gate
-        self._gated: Optional[tuple[tuple, bool]] = None  # the last plan's (gate key, draft model on)
 
     @classmethod
     def build(cls, config: EngineConfig, topology: TreeTopology, policy: Optional[SpecPolicy], tokenizer,
@@ -143,25 +68,18 @@ class Planner:
                 points = [(x, y) for x in sorted({1, max(1, b // 2), b}) for y in sorted({1, 1 + n // 2, 1 + n})]
                 curve = measure_curve(target, cache, points, reps=2)
             lengths = LengthChooser(curve, mg.len)
-        gate = DraftGate() if config.adaptive and config.draft_gate else None
-        return cls(config, topology, maxgram, policy, lengths, gate)
+        return cls(config, topology, maxgram, policy, lengths)
 
     def plan(self, seqs: list[SeqView]) -> list[DraftPlan]:
         """This step's plan of every sequence, in order."""
         step = self.policy.budget(seqs) if self.policy is not None else None
         plans = [self._trust(seq, self._plan(seq, step)) for seq in seqs]
-        plans = self._gate(seqs, plans, step)
         plans = self._cap_maxgram(seqs, plans)
         # the step's budget travels with the plans: the proposer hands it back to the policy per level
         return plans if step is None else [replace(p, step=step) for p in plans]
 
-    def observe(self, results: list["SeqStepResult"], plans: list[DraftPlan], seconds: float = 0.0) -> None:
-        """Learns from the step: ``results`` and the plans they followed, in the same order, and the
-        seconds it took to draft and verify them."""
-        if self._gated is not None and self.gate is not None and seconds > 0:
-            key, on = self._gated
-            self.gate.observe(key, on, sum(len(r.result.tokens) for r in results), seconds)
-        self._gated = None
+    def observe(self, results: list["SeqStepResult"], plans: list[DraftPlan]) -> None:
+        """Learns from the step: ``results`` and the plans they followed, in the same order."""
         self._observe_maxgram(results, plans)
         if self.policy is not None:
             self.policy.observe(results)
@@ -177,27 +95,6 @@ class Planner:
             return plan
         return DraftPlan(plan.method, self.topology.subtree(()),
                          {MAXGRAM_DRAFTER: MaxGramShare(mg.length, max(mg.branches, 1), trusted=True)})
-
-    def _gate(self, seqs: list[SeqView], plans: list[DraftPlan], step: Optional[StepBudget]) -> list[DraftPlan]:
-        """Asks the draft gate whether the sequences whose plan has the draft model drafting beside
-        Max-Gram keep it this step; if not, they are planned as if their budget were plain decoding
-        (Max-Gram alone)."""
-        self._gated = None
-        if self.gate is None:
-            return plans
-        gated = [i for i, (s, p) in enumerate(zip(seqs, plans))
-                 if p.sub.num_nodes and p.share(MAXGRAM_DRAFTER) is not None and s.request.spec.adaptive is not False]
-        if not gated:
-            return plans
-        key = DraftGate.key(len(gated), any(not seqs[i].request.sampling.greedy for i in gated))
-        on = self.gate.choose(key)
-        self._gated = (key, on)
-        if on:
-            return plans
-        plans = list(plans)
-        for i in gated:
-            plans[i] = self._trust(seqs[i], self._plan(seqs[i], step, draft=False))
-        return plans
 
     def _cap_maxgram(self, seqs: list[SeqView], plans: list[DraftPlan]) -> list[DraftPlan]:
         """Caps Max-Gram's root proposals by the load-aware length chooser, per match class.  A trusted
@@ -235,18 +132,15 @@ class Planner:
                 # Max-Gram alone drafted it (also when trusting it replaced the draft model)
                 self.lengths.observe(mg.match_class, max(tree.depths()), len(res.result.accepted), mg.length)
 
-    def _plan(self, seq: SeqView, step: Optional[StepBudget] = None, draft: bool = True) -> DraftPlan:
+    def _plan(self, seq: SeqView, step: Optional[StepBudget] = None) -> DraftPlan:
         """What each drafter of the request's method may draft this step: the method's own plan
         (``engine.speculative.methods``), given the room, the draft model's tree within the budget, and
         whether the budget lets the draft model run (a budget of plain decoding also stops the vertical
-        cascade and MJSD, which run it; Max-Gram has no drafting cost and always proposes).
-        ``draft=False``: the budget is plain decoding (the draft gate's choice)."""
+        cascade and MJSD, which run it; Max-Gram has no drafting cost and always proposes)."""
         budget = step.widths if step is not None else None
         spec, cfg = seq.request.spec, self.config
         empty = self.topology.subtree(())
-        if not draft:
-            budget = ()
-        elif spec.adaptive is False:
+        if spec.adaptive is False:
             budget = None  # this request asked for its whole tree every step
         elif budget != () and seq.draft_slot is not None and self.policy is not None \
                 and not self.policy.catch_up_pays(seq, step):
