@@ -594,31 +594,34 @@ inline int64_t load64(const int8_t* p) {
 }
 
 // pshufb controls that spread one sub-block's scales of 8 rows (byte 2 r + t of a [row][2] pair of
-// scales, the 16 bytes broadcast to every 128-bit lane) over the four int16 lanes of each row's 64-bit
-// lane: zero-extended, or (kSigned) into the high byte, which a shift right by 8 then sign-extends.  A
-// 512-bit register holds rows 0-7 (128-bit lane L: rows 2 L, 2 L + 1); a 256-bit one rows 4 h .. 4 h + 3,
-// the table's bytes 32 h ...
+// scales, the 16 bytes broadcast to every 128-bit lane) over each row's 64-bit lane, in one of three
+// layouts: kU16, the four int16 lanes zero-extended; kS16, the four int16 lanes with the scale in the
+// high byte, which a shift right by 8 then sign-extends; kU32, the low int16 of both int32 lanes
+// (zero-extended, 0 in the high int16), so that vpdpwssd multiplies an int32 lane holding an int16
+// value by it.  A 512-bit register holds rows 0-7 (128-bit lane L: rows 2 L, 2 L + 1); a 256-bit one
+// rows 4 h .. 4 h + 3, the table's bytes 32 h ...
+constexpr int kU16 = 0, kS16 = 1, kU32 = 2;
 struct ScaleCtl {
-  int8_t b[3][2][64];  // [kind][t]: kind 0 int16 zero-extended, 1 int16 signed, 2 int32 zero-extended
+  int8_t b[3][2][64];  // [layout][t]
 };
 constexpr ScaleCtl make_scale_ctl() {
   ScaleCtl c{};
-  for (int kind = 0; kind < 3; ++kind)
+  for (int layout = kU16; layout <= kU32; ++layout)
     for (int t = 0; t < 2; ++t)
       for (int k = 0; k < 64; ++k) {
         const int row = 2 * (k / 16) + (k % 16) / 8;
-        const bool take = kind == 2 ? k % 4 == 0 : k % 2 == kind;
-        c.b[kind][t][k] = take ? static_cast<int8_t>(2 * row + t) : static_cast<int8_t>(-128);
+        const bool take = layout == kU32 ? k % 4 == 0 : k % 2 == layout;
+        c.b[layout][t][k] = take ? static_cast<int8_t>(2 * row + t) : static_cast<int8_t>(-128);
       }
   return c;
 }
 alignas(64) constexpr ScaleCtl kScaleCtl = make_scale_ctl();
 
-// Rows 4 h .. 4 h + 3's scales of sub-block t of `pair`, as the int16 lanes of their 64-bit lanes.
-template <bool kSigned>
+// Rows 4 h .. 4 h + 3's scales of sub-block t of `pair`, in their 64-bit lanes (kU16 or kS16).
+template <int kLayout>
 inline __m256i scales_256(__m256i pair_x2, int t, int h) {
-  const __m256i v = _mm256_shuffle_epi8(pair_x2, load32b(kScaleCtl.b[kSigned][t] + 32 * h));
-  return kSigned ? _mm256_srai_epi16(v, 8) : v;
+  const __m256i v = _mm256_shuffle_epi8(pair_x2, load32b(kScaleCtl.b[kLayout][t] + 32 * h));
+  return kLayout == kS16 ? _mm256_srai_epi16(v, 8) : v;
 }
 
 // The only float arithmetic of the k-quant kernels, per super-block and activation row: 8 weight rows'
@@ -669,7 +672,7 @@ void k4_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ld
       for (int c = 0; c < C; ++c) isum[h][c] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
         const __m256i pair = _mm256_broadcastsi128_si256(load16(b + kK4Scales + 16 * j));
-        const __m256i slo = scales_256<false>(pair, 0, h), shi = scales_256<false>(pair, 1, h);
+        const __m256i slo = scales_256<kU16>(pair, 0, h), shi = scales_256<kU16>(pair, 1, h);
         __m256i lo[4], hi[4];
         for (int lb = 0; lb < 4; ++lb) {
           const __m256i v = load32b(b + kK4Qs + 256 * j + 64 * lb + 32 * h);
@@ -729,7 +732,7 @@ void q6k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t l
                                                                      : p == 2 ? qh : _mm256_srli_epi16(qh, 2);
               u[i] = _mm256_or_si256(_mm256_and_si256(lo, low4), _mm256_and_si256(hi, x30));
             }
-            const __m256i sp = scales_256<true>(_mm256_broadcastsi128_si256(load16(b + kK6Scales + 16 * (4 * hf + p))), t, h);
+            const __m256i sp = scales_256<kS16>(_mm256_broadcastsi128_si256(load16(b + kK6Scales + 16 * (4 * hf + p))), t, h);
             // The two l-blocks' maddubs pairs added as int16 (at most 4 * 63 * 127 = 32004), then one madd.
             for (int c = 0; c < C; ++c) {
               const int8_t* xq = a.x(m + c, s) + 128 * hf + 32 * p + 16 * t;
@@ -828,10 +831,11 @@ void q6k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t l
 #define MCSD_HAVE_512 1
 #define MCSD_TARGET_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
-template <bool kSigned>
+// Rows 0-7's scales of sub-block t of `pair`, in the layout kLayout (kU16, kS16 or kU32).
+template <int kLayout>
 MCSD_TARGET_512 inline __m512i scales_512(const uint8_t* pair, int t) {
-  const __m512i v = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(load16(pair)), _mm512_load_si512(kScaleCtl.b[kSigned][t]));
-  return kSigned ? _mm512_srai_epi16(v, 8) : v;
+  const __m512i v = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(load16(pair)), _mm512_load_si512(kScaleCtl.b[kLayout][t]));
+  return kLayout == kS16 ? _mm512_srai_epi16(v, 8) : v;
 }
 // Lanes 2 r + 2 r + 1 -> lane r (rows 0-7).
 MCSD_TARGET_512 inline __m256i pair_sums_512(__m512i v) {
@@ -856,12 +860,6 @@ MCSD_TARGET_512 inline __m512i fifth_512(__m512i h, int bit) {
   return _mm512_slli_epi16(b, 4);
 }
 
-// 32-bit lanes' scales (kind 2 of kScaleCtl): a sub-block's scale in the low int16 of both int32 lanes of
-// its row, 0 in the high one, so that vpdpwssd multiplies an int32 lane holding an int16 value by it.
-MCSD_TARGET_512 inline __m512i scales32_512(const uint8_t* pair, int t) {
-  return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(load16(pair)), _mm512_load_si512(kScaleCtl.b[2][t]));
-}
-
 // Q4_K / Q5_K, 512-bit.  A sub-block's products are first summed without its scale, then multiplied by it
 // once: Q4_K by vpdpbusd (4 products per int32 lane, 16 over the sub-block's 4 registers, at most
 // 16 * 15 * 127 = 30480, an int16), Q5_K by maddubs and 16-bit adds (8 per lane, at most 8 * 31 * 127 =
@@ -880,8 +878,8 @@ MCSD_TARGET_512 void k4_group_512(const uint8_t* w, const QActsK& a, int64_t m, 
     for (int c = 0; c < C; ++c) isum[c] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
       const uint8_t* pair = b + kK4Scales + 16 * j;
-      const __m512i slo = kFifth ? scales_512<false>(pair, 0) : scales32_512(pair, 0);
-      const __m512i shi = kFifth ? scales_512<false>(pair, 1) : scales32_512(pair, 1);
+      constexpr int kLayout = kFifth ? kU16 : kU32;  // int16 sums (Q5_K) or int32 lanes holding int16 (Q4_K)
+      const __m512i slo = scales_512<kLayout>(pair, 0), shi = scales_512<kLayout>(pair, 1);
       __m512i lo[4], hi[4];
       for (int lb = 0; lb < 4; ++lb) {
         const __m512i v = _mm512_loadu_si512(b + kK4Qs + 256 * j + 64 * lb);
@@ -936,7 +934,7 @@ MCSD_TARGET_512 void q6k_group_512(const uint8_t* w, const QActsK& a, int64_t m,
     for (int hf = 0; hf < 2; ++hf)
       for (int t = 0; t < 2; ++t) {  // l-blocks 2 t, 2 t + 1: the same scales
         __m512i sp[4], u[2][4];
-        for (int p = 0; p < 4; ++p) sp[p] = scales_512<true>(b + kK6Scales + 16 * (4 * hf + p), t);
+        for (int p = 0; p < 4; ++p) sp[p] = scales_512<kS16>(b + kK6Scales + 16 * (4 * hf + p), t);
         for (int i = 0; i < 2; ++i) {
           const uint8_t* unit = b + kK6Runs + 192 * (4 * hf + 2 * t + i);
           const __m512i qa = _mm512_loadu_si512(unit), qb = _mm512_loadu_si512(unit + 64),
