@@ -370,13 +370,20 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # 
 
     ``probs`` needs only be non-negative with a positive row sum (a residual ``(p - q)+`` works
     unnormalised).  With ``right=True`` a zero-weight token is never the first whose cdf exceeds the
-    target.  Float rounding (``u * total`` rounding up to ``total``, or a non-monotone parallel cumsum)
-    is absorbed by mapping the index to the last positive-weight token at or before it, so the result
-    always has positive probability.  Returns ``[rows]`` int64.
+    target, as long as the cdf does not step down and the target stays below the total: the target is
+    held one ulp below the total (``u * total`` can round up to it).  The CPU's cumsum is sequential
+    (a double accumulator, rounded to float per entry), so its cdf never steps down.  A device's
+    parallel scan can, by an ulp; there the index is mapped to the last positive-weight token at or
+    before it, so the result always has positive probability.  (That mapping is a scan over the whole
+    vocabulary: on the CPU it cost 1.5 ms a row, more than the rest of sampling.)  Returns ``[rows]``
+    int64.
     """
     cdf = probs.cumsum(dim=-1)  # [rows, vocab]
-    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]  # [rows, 1]
+    total = cdf[:, -1:]  # [rows, 1]
+    target = torch.minimum(u.to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     idx = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+    if probs.device.type == "cpu":
+        return idx.squeeze(1)
     positions = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
     last_positive = torch.where(probs > 0, positions, -1).cummax(dim=-1).values  # [rows, vocab]
     return last_positive.gather(1, idx).clamp_(min=0).squeeze(1)

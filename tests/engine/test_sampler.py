@@ -262,6 +262,27 @@ def test_inverse_cdf_edges():
     assert sample_from_probs(unnormalised, torch.tensor([0.26])).item() == 3
 
 
+def test_inverse_cdf_without_the_vocabulary_scan_is_the_reference_and_never_draws_zero_weight():
+    """On the CPU the index is not mapped through a scan for the last positive token (the cdf never
+    steps down there); on rows with long zero runs, tiny weights and uniforms up to the largest float
+    below 1 it draws exactly what the scanned mapping draws, never a zero-weight token."""
+    g = torch.Generator().manual_seed(11)
+    rows, vocab = 512, 300
+    probs = torch.rand(rows, vocab, generator=g) ** 8  # many tiny weights
+    probs[torch.rand(rows, vocab, generator=g) < 0.7] = 0.0  # and long runs of zeros
+    probs[:, -5:] = 0.0  # a zero tail
+    probs[:, 0] += 1e-30
+    u = torch.rand(rows, generator=g)
+    u[::4] = 1.0 - 2.0 ** -24
+    got = sample_from_probs(probs, u)
+    cdf = probs.cumsum(dim=-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
+    last_positive = torch.where(probs > 0, torch.arange(vocab).expand_as(probs), -1).cummax(dim=-1).values
+    want = last_positive.gather(1, idx).squeeze(1)
+    assert bool((probs.gather(1, got[:, None]) > 0).all())
+    assert torch.equal(got, want)
+
+
 def test_k_distinct_exact_and_exhausted():
     probs = torch.tensor([[0.5, 0.0, 0.25, 0.25]])
     # draw 1: u=.6 -> cdf [.5,.5,.75,1] -> token 2; draw 2 on [.5,0,0,.25]: u=.7 -> .525 -> token 3
