@@ -220,7 +220,7 @@ class EngineCore:
             if failed:
                 kept = {id(r.seq) for r in results}
                 plans = [p for s, p in zip(plan.decode, plans) if id(s) in kept]
-            self.planner.observe(results, plans)
+            self.planner.observe(results, plans, None if failed else stats.verify_seconds)
             self.runner.observe(results, plans)
             for res in results:
                 record_step(stats, res)

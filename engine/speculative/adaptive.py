@@ -51,7 +51,7 @@ import torch
 from engine.speculative.acceptance_head import AcceptanceHead
 from engine.speculative.cost_model import BudgetChooser, CostModel, cost_key
 from engine.speculative.features import NodeFeatures
-from engine.speculative.tree import TreeTopology
+from engine.speculative.tree import SubTree, TreeTopology
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -92,6 +92,10 @@ class SpecPolicy:
     def catch_up_pays(self, seq: SeqView, step: Optional[StepBudget] = None) -> bool:
         """Whether the sequence may run its missing tokens through the draft this step (after ``budget``)."""
         return True
+
+    def expected_accepted(self, seq: SeqView, sub: "SubTree", step: Optional[StepBudget] = None) -> float:
+        """Tokens the sequence's draft tree ``sub`` is expected to get accepted this step (0: no estimate)."""
+        return 0.0
 
 
 class OnlineCalibrator:
@@ -306,6 +310,16 @@ class AdaptiveSpeculation(SpecPolicy):
         if float(self.calibrators[seq.request.sampling.greedy].seen[0, 0]) < self.EXPLORE_NODES:
             return True  # the pair's acceptance is still the prior: measure it before judging the saving
         return self.chooser.cost.catch_up_pays(lag, min(seq.remaining, self.HORIZON), self.chooser.saving)
+
+    def expected_accepted(self, seq: SeqView, sub: "SubTree", step: Optional[StepBudget] = None) -> float:
+        """The marginal acceptance rates read at planning, summed over the reach of ``sub``'s nodes."""
+        if self.chooser is None or not sub.num_nodes:
+            return 0.0
+        g = seq.request.sampling.greedy
+        rates = step.rates.get(g) if step is not None else None
+        if rates is None:
+            rates = self.calibrators[g].rates()
+        return float(self.chooser.reach(rates)[sub.nodes].sum())
 
     def keep_drafting(self, seqs: list[SeqView], trees: list["DraftTree"], depth: int,
                       step: Optional[StepBudget] = None) -> list[bool]:

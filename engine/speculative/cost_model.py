@@ -23,6 +23,7 @@ otherwise it decodes without the draft model this step (and is asked again next 
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import itertools
 import json
@@ -94,6 +95,87 @@ class CostCurve:
         i = min(max(j for j in range(len(xs) - 1) if xs[j] <= n), len(xs) - 2)
         slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
         return ys[i] + slope * (n - xs[i])  # beyond the last point: the last segment's slope
+
+
+class LiveCurve:
+    """What a verification step of ``n`` rows costs as the engine's own steps measure it: the start-up
+    curve (``prior``), scaled per block size by the ratio of measured to priced seconds.
+
+    The start-up curve times bare forwards over an empty cache.  A real step also attends over its
+    sequences' contexts, applies the verification rule to every row (a softmax over the vocabulary when
+    sampling) and updates the caches, and it runs on a machine that is busy for longer.  Measured at
+    batch 4 and T=0.7 (docs/benchmarks.md): 4 rows took 73 ms against the curve's 62, 8 rows 99 against
+    81, so an added row cost 6.5 ms where the curve said 4.8, and the choosers bought rows that did not
+    pay for themselves.
+
+    Each step's ``(rows, seconds)`` is one observation.  Per block size ``n`` the ratio
+    ``measured / prior(n)`` is a decayed mean, shrunk by ``weight`` pseudo-observations to the ratio over
+    all sizes (itself shrunk to 1); between and beyond the sizes seen, the ratio is interpolated and held
+    at the ends.  The curve read is ``prior * ratio``, made non-decreasing.  An observation more than
+    ``CLIP`` times its price is clipped (a stall of the machine, not the step's cost)."""
+
+    CLIP = 3.0
+
+    def __init__(self, prior: CostCurve, decay: float = 0.98, weight: float = 3.0) -> None:
+        self.prior = prior
+        self.decay = decay
+        self.weight = weight
+        self._ratio_sum: dict[int, float] = {}  # decayed sums of measured / prior, by rows
+        self._count: dict[int, float] = {}
+        self._curve: Optional[CostCurve] = prior
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """One verification step: its block's rows (every sequence's together) and its seconds."""
+        if rows <= 0 or not seconds > 0:
+            return
+        price = self.prior(rows)
+        if price <= 0:
+            return
+        for n in list(self._count):
+            self._count[n] *= self.decay
+            self._ratio_sum[n] *= self.decay
+            if self._count[n] < 1e-3:
+                del self._count[n], self._ratio_sum[n]
+        ratio = min(seconds / price, self.CLIP * max(self.overall(), 1.0))
+        self._count[rows] = self._count.get(rows, 0.0) + 1.0
+        self._ratio_sum[rows] = self._ratio_sum.get(rows, 0.0) + ratio
+        self._curve = None
+
+    def overall(self) -> float:
+        """Measured over priced seconds, all block sizes together (1 before any step)."""
+        return (sum(self._ratio_sum.values()) + self.weight) / (sum(self._count.values()) + self.weight)
+
+    def ratios(self) -> dict[int, float]:
+        """Measured over priced seconds per block size seen, shrunk to :meth:`overall`."""
+        g, w = self.overall(), self.weight
+        return {n: (self._ratio_sum[n] + w * g) / (self._count[n] + w) for n in sorted(self._count)}
+
+    def curve(self) -> CostCurve:
+        """The prior scaled by the measured ratios, as one non-decreasing curve."""
+        if self._curve is None:
+            ratios = self.ratios()
+            seen = list(ratios)
+            xs = sorted(set(self.prior.tokens) | {float(n) for n in seen})
+            ys, best = [], 0.0
+            for x in xs:
+                best = max(best, self.prior(x) * _interpolate(seen, [ratios[n] for n in seen], x))
+                ys.append(best)
+            self._curve = CostCurve(tuple(xs), tuple(ys))
+        return self._curve
+
+    def __call__(self, n: float) -> float:
+        return self.curve()(n)
+
+
+def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear through ``(xs, ys)`` (xs ascending, non-empty), held constant beyond the ends."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_right(xs, x) - 1
+    t = (x - xs[i]) / (xs[i + 1] - xs[i])
+    return ys[i] + t * (ys[i + 1] - ys[i])
 
 
 def _cross(o: tuple[float, float], a: tuple[float, float], b: tuple[float, float]) -> float:
@@ -271,6 +353,7 @@ class BudgetChooser:
     def __init__(self, topology: TreeTopology, cost: CostModel, min_depth: int, max_depth: int) -> None:
         self.topology = topology
         self.cost = cost
+        self.verify = LiveCurve(cost.target)  # verification priced as the engine's steps measure it
         self.candidates: list[tuple[int, ...]] = [()]
         for depth in range(min_depth, max_depth + 1):
             self.candidates += list(itertools.product(*(range(1, k + 1) for k in topology.widths[:depth])))
@@ -285,6 +368,10 @@ class BudgetChooser:
 
     def expected_accepted(self, rates: torch.Tensor) -> torch.Tensor:
         """rates: [depths, ranks] P(accepted | parent reached) -> [candidates] expected accepted tokens."""
+        return self.member @ self.reach(rates)
+
+    def reach(self, rates: torch.Tensor) -> torch.Tensor:
+        """rates: [depths, ranks] -> [nodes] the probability that each node of the topology is accepted."""
         topo = self.topology
         d = (topo.depth - 1).clamp(max=rates.shape[0] - 1)
         r = topo.rank.clamp(max=rates.shape[1] - 1)
@@ -296,7 +383,7 @@ class BudgetChooser:
             par = topo.parent[sl]
             parent_reach = torch.where(par >= 0, reach[par.clamp(min=0)], 1.0)
             reach[sl] = parent_reach * node_rate[sl]
-        return self.member @ reach
+        return reach
 
     def choose(self, spec_counts: list[tuple[int, torch.Tensor]], plain: int) -> tuple[int, ...]:
         """spec_counts: ``(sequences, rates)`` per group of speculating sequences sharing a rates
@@ -310,7 +397,7 @@ class BudgetChooser:
         tokens = float(plain)
         for n, rates in spec_counts:
             tokens = tokens + n * (1.0 + self.expected_accepted(rates))  # [candidates]
-        verify = [self.cost.target(spec * (1 + s) + plain) for s in self.sizes.tolist()]
+        verify = [self.verify(spec * (1 + s) + plain) for s in self.sizes.tolist()]
         seconds = torch.tensor(verify) + torch.tensor(self._draft_costs(spec))
         per_token = seconds.clamp_min(1e-9) / tokens  # [candidates]; candidate 0 is plain decoding
         best = int(per_token.argmin())
@@ -329,7 +416,7 @@ class BudgetChooser:
         after a choice of plain decoding."""
         if math.isinf(self._per_token):
             return math.inf
-        verify = self.cost.target(block + rows) - self.cost.target(block)
+        verify = self.verify(block + rows) - self.verify(block)
         return (self.cost.draft(draft_tokens) + verify) / self._per_token
 
     def _draft_costs(self, batch: int) -> list[float]:

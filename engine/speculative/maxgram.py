@@ -279,16 +279,18 @@ class LengthChooser:
         tokens = torch.cat([zero, (exists * accept.cumprod(1)).cumsum(1)], 1)
         return rows.tolist(), tokens.tolist()
 
-    def choose(self, counts: Seq[int], other_rows: int) -> list[int]:
+    def choose(self, counts: Seq[int], other_rows: int, other_tokens: Optional[float] = None) -> list[int]:
         """The cap of each match class for this step; ``counts[c]``: this step's Max-Gram sequences
-        of class ``c``; ``other_rows``: verification rows of the rest of the batch."""
+        of class ``c``; ``other_rows``: verification rows of the rest of the batch, expected to emit
+        ``other_tokens`` tokens (default: one per row, as plainly decoding sequences do)."""
         caps = [self.max_len] * MATCH_CLASSES
         if not any(counts):
             return caps
         rows, acc = self.expected()
+        other_tokens = float(other_rows) if other_tokens is None else other_tokens
 
         def rate(caps: list[int]) -> float:
-            tokens = other_rows + sum(n * (1 + acc[c][caps[c]]) for c, n in enumerate(counts))
+            tokens = other_tokens + sum(n * (1 + acc[c][caps[c]]) for c, n in enumerate(counts))
             secs = self.curve(other_rows + sum(n * (1 + rows[c][caps[c]]) for c, n in enumerate(counts)))
             return tokens / max(secs, 1e-9)
 

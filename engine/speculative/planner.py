@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Optional
 
 from engine.config import EngineConfig
 from engine.speculative.adaptive import SpecPolicy, StepBudget
-from engine.speculative.cost_model import measure_curve
+from engine.speculative.cost_model import LiveCurve, measure_curve
 from engine.speculative.maxgram import (
     MATCH_CLASSES, MAXGRAM_DRAFTER, BigramTable, LengthChooser, MaxGramDrafter, MaxGramSettings, MaxGramShare,
     match_class,
@@ -62,27 +62,37 @@ class Planner:
         if config.load_aware:
             budget = getattr(policy, "chooser", None)
             if budget is not None:
-                curve = budget.cost.target
+                verify = budget.verify  # one price of verification rows for the draft tree and Max-Gram
             else:
                 b, n = config.max_batch, mg.len
                 points = [(x, y) for x in sorted({1, max(1, b // 2), b}) for y in sorted({1, 1 + n // 2, 1 + n})]
-                curve = measure_curve(target, cache, points, reps=2)
-            lengths = LengthChooser(curve, mg.len)
+                verify = LiveCurve(measure_curve(target, cache, points, reps=2))
+            lengths = LengthChooser(verify, mg.len)
         return cls(config, topology, maxgram, policy, lengths)
 
     def plan(self, seqs: list[SeqView]) -> list[DraftPlan]:
         """This step's plan of every sequence, in order."""
         step = self.policy.budget(seqs) if self.policy is not None else None
         plans = [self._trust(seq, self._plan(seq, step)) for seq in seqs]
-        plans = self._cap_maxgram(seqs, plans)
+        plans = self._cap_maxgram(seqs, plans, step)
         # the step's budget travels with the plans: the proposer hands it back to the policy per level
         return plans if step is None else [replace(p, step=step) for p in plans]
 
-    def observe(self, results: list["SeqStepResult"], plans: list[DraftPlan]) -> None:
-        """Learns from the step: ``results`` and the plans they followed, in the same order."""
+    def observe(self, results: list["SeqStepResult"], plans: list[DraftPlan],
+                verify_seconds: Optional[float] = None) -> None:
+        """Learns from the step: ``results`` and the plans they followed, in the same order, and what
+        verifying them took (None: not measured, e.g. a step where some sequence failed)."""
+        verify = self.verify
+        if verify is not None and verify_seconds is not None and results:
+            verify.observe(sum(1 + len(r.tree.tokens) for r in results), verify_seconds)
         self._observe_maxgram(results, plans)
         if self.policy is not None:
             self.policy.observe(results)
+
+    @property
+    def verify(self) -> Optional[LiveCurve]:
+        """The measured price of verification rows both choosers read (None when not load-aware)."""
+        return None if self.lengths is None else self.lengths.curve
 
     def _trust(self, seq: SeqView, plan: DraftPlan) -> DraftPlan:
         """Max-Gram alone for this step when the context ends in a long suffix match; the choice reads
@@ -96,10 +106,12 @@ class Planner:
         return DraftPlan(plan.method, self.topology.subtree(()),
                          {MAXGRAM_DRAFTER: MaxGramShare(mg.length, max(mg.branches, 1), trusted=True)})
 
-    def _cap_maxgram(self, seqs: list[SeqView], plans: list[DraftPlan]) -> list[DraftPlan]:
-        """Caps Max-Gram's root proposals by the load-aware length chooser, per match class.  A trusted
-        sequence drafts nothing else (:meth:`_trust`), so it adds no draft-tree rows; a cap of 0 makes
-        it decode plainly this step, as priced."""
+    def _cap_maxgram(self, seqs: list[SeqView], plans: list[DraftPlan],
+                     step: Optional[StepBudget] = None) -> list[DraftPlan]:
+        """Caps Max-Gram's root proposals by the load-aware length chooser, per match class, priced
+        together with the rest of the step: the rows of every other share and the tokens the policy
+        expects them to emit.  A trusted sequence drafts nothing else (:meth:`_trust`), so it adds no
+        draft-tree rows; a cap of 0 makes it decode plainly this step, as priced."""
         if self.lengths is None:
             return plans
         shares: list[Optional[MaxGramShare]] = [p.share(MAXGRAM_DRAFTER) for p in plans]
@@ -110,14 +122,18 @@ class Planner:
             return plans
         counts = [0] * MATCH_CLASSES
         others = 0  # verification rows the caps do not change
-        for m, root, p, mg in zip(match, roots, plans, shares):
+        tokens = 0.0  # and the tokens those rows are expected to emit
+        for seq, m, root, p, mg in zip(seqs, match, roots, plans, shares):
             rows = p.sub.num_nodes + sum(share_rows(v) for k, v in p.shares.items() if k != MAXGRAM_DRAFTER)
+            if self.policy is not None and p.sub.num_nodes:
+                tokens += self.policy.expected_accepted(seq, p.sub, step)
             if m is None:  # uncapped: its whole share, but nothing from the root without a match there
                 others += 1 + rows + (0 if mg is None else mg.tail if root is None else mg.rows)
+                tokens += 1.0  # its root's token (the capped ones' is in the length chooser's count)
             else:
                 counts[match_class(m)] += 1
                 others += rows + mg.tail  # zero for a trusted plan
-        caps = self.lengths.choose(counts, others)
+        caps = self.lengths.choose(counts, others, tokens)
         return [p if m is None else p.with_share(MAXGRAM_DRAFTER, replace(
                     mg, length=min(mg.length, caps[match_class(m)]), match_class=match_class(m)))
                 for m, p, mg in zip(match, plans, shares)]

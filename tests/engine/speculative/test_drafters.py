@@ -403,12 +403,12 @@ def test_maxgram_length_chooser_prices_sequences_without_a_match_as_one_row(mode
     the matched ones were given long proposals as if free."""
     from engine.speculative import maxgram
     target, _, _ = models
-    seen: list[tuple[int, int, int]] = []  # (sequences, sequences with a match, rows priced for the rest)
+    seen: list[tuple[int, int, int, float]] = []  # (sequences, with a match, rows and tokens priced for the rest)
     real = maxgram.LengthChooser.choose
 
-    def choose(self, counts, other_rows):
-        seen.append((n_seqs[0], sum(counts), other_rows))
-        return real(self, counts, other_rows)
+    def choose(self, counts, other_rows, other_tokens=None):
+        seen.append((n_seqs[0], sum(counts), other_rows, other_tokens))
+        return real(self, counts, other_rows, other_tokens)
 
     monkeypatch.setattr(maxgram.LengthChooser, "choose", choose)
     from engine.speculative import planner as planner_mod
@@ -424,8 +424,9 @@ def test_maxgram_length_chooser_prices_sequences_without_a_match_as_one_row(mode
     distinct = [list(range(10 + 20 * i, 30 + 20 * i)) for i in range(3)]  # no match at first
     outs, _ = run_engine(target, None, [repeating] + distinct, tree=(), max_tokens=8, ignore_eos=True,
                          spec=SpecOptions(method="maxgram"), config=dict(load_aware=True, maxgram_len=8))
-    assert seen and any(n > matched for n, matched, _ in seen)  # some steps had unmatched sequences
-    for n, matched, others in seen:
+    assert seen and any(n > matched for n, matched, _, _ in seen)  # some steps had unmatched sequences
+    for n, matched, others, tokens in seen:
         assert others == n - matched  # one root row each, nothing for a share that cannot propose
+        assert tokens == n - matched  # and the root's token: no draft tree, so nothing more
     base, _ = run_engine(target, None, [repeating] + distinct, tree=(), max_tokens=8, ignore_eos=True)
     assert [o.tokens for o in outs] == [o.tokens for o in base]
