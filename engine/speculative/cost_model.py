@@ -12,6 +12,11 @@ speculating sequence and costs ``draft(k') + verify(total block tokens)``; the c
 candidate maximising ``sum(1 + E) / seconds`` over the batch.  When one more verified token costs
 nearly as much as a token of plain decoding (large batches), that is the empty tree.
 
+**Measured prices.**  The start-up curves time bare forwards; a real step also attends over long
+contexts, applies the verification rule to every row and updates the caches.  :class:`LiveCurve`
+scales the target's curve by what the engine's steps really take (per block size, decayed), and it is
+the one price of verification rows that both the tree budget and Max-Gram's length chooser read.
+
 **Catching up.**  The draft model's cache is filled lazily (``ModelRunner.prefill``): a sequence
 drafting for the first time, or after many steps without the draft, first runs its missing tokens
 through the draft, which costs about ``draft(lag)`` seconds and stalls the whole batch.  The chooser

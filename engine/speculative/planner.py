@@ -10,8 +10,10 @@ drafter of the request's method may draft this step.  It reads
   alone (see ``engine.speculative.methods``), and the load-aware length chooser caps Max-Gram's
   proposals per match class on the measured cost of verification rows.
 
-After the step, :meth:`Planner.observe` hands the outcome to the policy and to the length chooser,
-in one call.  Nothing else in the engine decides how much to draft: the runner drafts and verifies
+Verification rows have one price: the policy's measured cost curve
+(:class:`~engine.speculative.cost_model.LiveCurve`), which the length chooser reads too and which
+learns from every step's verification time.  After the step, :meth:`Planner.observe` hands the
+outcome to the policy, the length chooser and that curve, in one call.  Nothing else in the engine decides how much to draft: the runner drafts and verifies
 what the plans say, and the draft model's proposer asks the policy whether to grow a level.
 """
 

@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.request import SpecOptions
 from engine.speculative.acceptance_head import AcceptanceHead, HeadMeta
 from engine.speculative.adaptive import AdaptiveSpeculation, OnlineCalibrator, StepBudget, keep_extending
-from engine.speculative.cost_model import BudgetChooser, CostCurve, CostModel, measure_curve
+from engine.speculative.cost_model import BudgetChooser, CostCurve, CostModel, LiveCurve, measure_curve
 from engine.speculative.features import CHEAP_FEATURES, NodeFeatures
 from engine.speculative.draft_tree import DraftTree
 from engine.speculative.tree import TreeTopology
@@ -541,6 +541,69 @@ def test_load_aware_engine_measures_at_start_and_stays_exact(models):
     assert core.policy.chooser is not None and core.policy.chooser.cost.target(8) > 0
     assert [o.tokens for o in outs] == plain(target, PROMPTS)
     assert core.cache.free_slots == core.cache.num_slots
+    # every decoding step's verification time reached the one price both choosers read
+    live = core.planner.verify
+    assert live is core.policy.chooser.verify is core.planner.lengths.curve
+    decoding = [s for s in core.drain_step_stats() if s.num_seqs]
+    assert decoding and sum(live._count.values()) > 0.5 * len(decoding) * live.decay ** len(decoding)
+    assert live.overall() != 1.0
+
+
+# ---------------------------------------------------------------------------- the measured price of rows
+LINEAR = CostCurve((1.0, 64.0), (1.0, 1.0 + 63 * 0.1))  # 1 s a step, 0.1 s an added row
+
+
+def test_live_curve_is_the_prior_until_steps_are_measured():
+    live = LiveCurve(LINEAR)
+    assert live.overall() == 1.0 and all(live(n) == LINEAR(n) for n in (0.5, 1, 3.5, 8, 100))
+
+
+def test_live_curve_learns_what_rows_really_cost():
+    """Steps measured 1.2x the prior at 4 rows and 1.5x at 8 (each added row costs more than it was
+    priced): the curve follows, interpolates the ratio between, holds it beyond, and stays monotone."""
+    live = LiveCurve(LINEAR)
+    for _ in range(200):
+        live.observe(4, 1.2 * LINEAR(4))
+        live.observe(8, 1.5 * LINEAR(8))
+    # (a size's ratio is shrunk a little towards the ratio over all sizes: 3 pseudo-steps against ~50)
+    assert live(4) == pytest.approx(1.2 * LINEAR(4), rel=0.02)
+    assert live(8) == pytest.approx(1.5 * LINEAR(8), rel=0.02)
+    assert live(6) == pytest.approx(1.35 * LINEAR(6), rel=0.02)
+    assert live(20) == pytest.approx(1.5 * LINEAR(20), rel=0.02) and live(1) == pytest.approx(1.2, rel=0.02)
+    slope = (live(8) - live(4)) / 4
+    assert slope > 1.5 * 0.1  # the marginal row is dearer than the prior's 0.1 s
+    xs = [0.5 * i for i in range(1, 100)]
+    assert all(live(a) <= live(b) for a, b in zip(xs, xs[1:]))
+
+
+def test_live_curve_forgets_and_clips_stalls():
+    live = LiveCurve(LINEAR)
+    for _ in range(100):
+        live.observe(4, 2.0 * LINEAR(4))
+    for _ in range(300):  # the machine got faster again (decay ~ 50 steps)
+        live.observe(4, LINEAR(4))
+    assert live(4) == pytest.approx(LINEAR(4), rel=0.02)
+    live.observe(4, 1000 * LINEAR(4))  # one stall moves the price by at most CLIP / (steps remembered)
+    assert live(4) < 1.1 * LINEAR(4)
+    live.observe(0, 1.0)
+    live.observe(4, 0.0)  # nothing to learn from
+    assert live(4) < 1.1 * LINEAR(4)
+
+
+def test_maxgram_caps_shrink_when_measured_rows_cost_more_than_priced():
+    from engine.speculative.maxgram import LengthChooser
+    prior = CostCurve((1.0, 16.0, 100.0), (1.0, 1.2, 20.0))  # rows nearly free up to 16
+    live = LiveCurve(prior)
+    chooser = LengthChooser(live, 8)
+    for _ in range(200):
+        chooser.observe(3, 8, 4)  # half of the time half a long match's proposal is accepted,
+        chooser.observe(3, 8, 0)  # else none of it
+    counts = [0, 0, 0, 8]
+    assert chooser.choose(counts, 0)[3] == 1  # priced by the prior: 8 x 2 rows fit the cheap part
+    for _ in range(200):  # measured: every row costs what a whole plain step does
+        for n in (8, 16, 24):
+            live.observe(n, n * 1.0)
+    assert chooser.choose(counts, 0)[3] == 0
 
 
 def head_file(tmp_path, temperature=0.0, hidden_size=64):
