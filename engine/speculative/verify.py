@@ -67,6 +67,7 @@ class TreeBatch:
     ev_token: torch.Tensor  # [K, E] long: the events' tokens (0 padding)
     ev_sampled: torch.Tensor  # [K, E] bool: SAMPLED (else ONEHOT)
     active: list[int]  # active[j]: rows with more than j events (a prefix of the K rows)
+    kinds: list[tuple[bool, bool]]  # per event round j (host): any SAMPLED, any ONEHOT event among its rows
     q: torch.Tensor  # [K, V] float32: each row's draft law (zeros where it has no sampled event)
     shapes: list[tuple[int, int]]  # per sequence: its own rows and most events of a row (host)
 
@@ -111,9 +112,10 @@ class TreeBatch:
         if q_parts:
             q[device_tensor(q_at, device)] = torch.stack([part[:vocab_size] for part in q_parts]).to(device)
         active = [sum(1 for x in rows if len(x[2]) > j) for j in range(e)]
+        kinds = [(bool(ev_sampled[:k_j, j].any()), not bool(ev_sampled[:k_j, j].all())) for j, k_j in enumerate(active)]
         move = lambda t: to_device(t, device)  # noqa: E731
         return cls(b, r, depth, move(tokens), move(num_events), move(event_node), move(ev_rows), move(ev_token),
-                   move(ev_sampled), active, q, shapes)
+                   move(ev_sampled), active, kinds, q, shapes)
 
 
 @dataclass
@@ -250,9 +252,14 @@ def _try_events(probs: torch.Tensor, trees: TreeBatch, uniforms: Uniforms, greed
         ok = torch.where(greedy[:k], tok == best[:k], u[:k, j].double() * q_x < p_x)  # exact in float64
         taken[:k] = torch.where(ok & (taken[:k] < 0), j, taken[:k])
         # the law of the next event and of a final draw: a rejected row's residual (rows that accepted
-        # are never the walk's last row, so updating them too changes nothing)
-        p[:k] = torch.where(sampled[:, None], residual_rows(pj, qj), without_rows(pj, tok))
-        if without_replacement:
+        # are never the walk's last row, so updating them too changes nothing).  Each law is a few
+        # passes over the vocabulary, so a round computes only the kinds its rows have (host-known).
+        any_sampled, any_onehot = trees.kinds[j]
+        if any_sampled and any_onehot:
+            p[:k] = torch.where(sampled[:, None], residual_rows(pj, qj), without_rows(pj, tok))
+        else:
+            p[:k] = residual_rows(pj, qj) if any_sampled else without_rows(pj, tok)
+        if without_replacement and any_sampled:  # a one-hot event leaves q as it is
             q[:k] = torch.where(sampled[:, None], without_rows(qj, tok), qj)
     return taken, p
 
