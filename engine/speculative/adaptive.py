@@ -70,6 +70,7 @@ class StepBudget:
     block: float = 0.0  # verification rows of the step so far (the roots, then each level kept)
     decided: dict[int, tuple[SeqView, bool]] = field(default_factory=dict)  # catch-up decisions, by id(seq)
     rates: dict[bool, torch.Tensor] = field(default_factory=dict)  # calibrator rates read at planning, by greedy
+    reach: dict[bool, torch.Tensor] = field(default_factory=dict)  # each topology node's P(accepted), by greedy
     probe: bool = False  # the smallest tree granted although it did not pay (the calibrator keeps learning)
 
 
@@ -93,7 +94,7 @@ class SpecPolicy:
         """Whether the sequence may run its missing tokens through the draft this step (after ``budget``)."""
         return True
 
-    def expected_accepted(self, seq: SeqView, sub: "SubTree", step: Optional[StepBudget] = None) -> float:
+    def expected_accepted(self, seq: SeqView, sub: SubTree, step: Optional[StepBudget] = None) -> float:
         """Tokens the sequence's draft tree ``sub`` is expected to get accepted this step (0: no estimate)."""
         return 0.0
 
@@ -311,15 +312,18 @@ class AdaptiveSpeculation(SpecPolicy):
             return True  # the pair's acceptance is still the prior: measure it before judging the saving
         return self.chooser.cost.catch_up_pays(lag, min(seq.remaining, self.HORIZON), self.chooser.saving)
 
-    def expected_accepted(self, seq: SeqView, sub: "SubTree", step: Optional[StepBudget] = None) -> float:
+    def expected_accepted(self, seq: SeqView, sub: SubTree, step: Optional[StepBudget] = None) -> float:
         """The marginal acceptance rates read at planning, summed over the reach of ``sub``'s nodes."""
         if self.chooser is None or not sub.num_nodes:
             return 0.0
         g = seq.request.sampling.greedy
-        rates = step.rates.get(g) if step is not None else None
-        if rates is None:
-            rates = self.calibrators[g].rates()
-        return float(self.chooser.reach(rates)[sub.nodes].sum())
+        reach = step.reach.get(g) if step is not None else None
+        if reach is None:  # once per step and mode, not per sequence
+            rates = step.rates.get(g) if step is not None else None
+            reach = self.chooser.reach(rates if rates is not None else self.calibrators[g].rates())
+            if step is not None:
+                step.reach[g] = reach
+        return float(reach[sub.nodes].sum())
 
     def keep_drafting(self, seqs: list[SeqView], trees: list["DraftTree"], depth: int,
                       step: Optional[StepBudget] = None) -> list[bool]:

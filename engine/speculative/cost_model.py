@@ -28,7 +28,6 @@ otherwise it decodes without the draft model this step (and is asked again next 
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import itertools
 import json
@@ -41,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from engine.device import synchronize
@@ -161,26 +161,16 @@ class LiveCurve:
             ratios = self.ratios()
             seen = list(ratios)
             xs = sorted(set(self.prior.tokens) | {float(n) for n in seen})
+            ratio = np.interp(xs, seen, [ratios[n] for n in seen])  # linear between, held beyond the ends
             ys, best = [], 0.0
-            for x in xs:
-                best = max(best, self.prior(x) * _interpolate(seen, [ratios[n] for n in seen], x))
+            for x, r in zip(xs, ratio.tolist()):
+                best = max(best, self.prior(x) * r)
                 ys.append(best)
             self._curve = CostCurve(tuple(xs), tuple(ys))
         return self._curve
 
     def __call__(self, n: float) -> float:
         return self.curve()(n)
-
-
-def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
-    """Piecewise-linear through ``(xs, ys)`` (xs ascending, non-empty), held constant beyond the ends."""
-    if x <= xs[0]:
-        return ys[0]
-    if x >= xs[-1]:
-        return ys[-1]
-    i = bisect.bisect_right(xs, x) - 1
-    t = (x - xs[i]) / (xs[i + 1] - xs[i])
-    return ys[i] + t * (ys[i + 1] - ys[i])
 
 
 def _cross(o: tuple[float, float], a: tuple[float, float], b: tuple[float, float]) -> float:
