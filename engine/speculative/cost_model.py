@@ -110,8 +110,8 @@ class LiveCurve:
     sequences' contexts, applies the verification rule to every row (a softmax over the vocabulary when
     sampling) and updates the caches, and it runs on a machine that is busy for longer.  Measured at
     batch 4 and T=0.7 (docs/benchmarks.md): 4 rows took 73 ms against the curve's 62, 8 rows 99 against
-    81, so an added row cost 6.5 ms where the curve said 4.8, and the choosers bought rows that did not
-    pay for themselves.
+    81: an added row cost 6.5 ms where the curve said 4.8.  (The ratio, 1.11-1.22, was nearly flat over
+    block sizes there, so pricing by it hardly changed the choices; it grows with the contexts.)
 
     Each step's ``(rows, seconds)`` is one observation.  Per block size ``n`` the ratio
     ``measured / prior(n)`` is a decayed mean, shrunk by ``weight`` pseudo-observations to the ratio over
