@@ -16,7 +16,8 @@ that ``budget`` returns; the policy keeps no per-step state of its own:
   stays that of plain decoding), then only when the expected saving over its remaining tokens exceeds
   the catch-up's measured cost (``engine.speculative.cost_model``); otherwise it decodes without the draft
   model this step.  Until a few dozen first-level nodes have been verified, the acceptance estimates
-  are still the prior, so catch-ups are allowed (a pessimistic prior would otherwise never be tested).
+  are still the prior, so one sequence at a time may catch up to measure them (a pessimistic prior
+  would otherwise never be tested): one already drafting, else the one with the shortest lag.
 
 **Stopping rule (SpecDec++, for trees).**  Every drafted node gets ``y_hat = P(accepted | parent
 reached)`` from the acceptance head (when one is loaded for the request's temperature) or from the
@@ -72,6 +73,7 @@ class StepBudget:
     rates: dict[bool, torch.Tensor] = field(default_factory=dict)  # calibrator rates read at planning, by greedy
     reach: dict[bool, torch.Tensor] = field(default_factory=dict)  # each topology node's P(accepted), by greedy
     probe: bool = False  # the smallest tree granted although it did not pay (the calibrator keeps learning)
+    exploring: dict[bool, bool] = field(default_factory=dict)  # by greedy: a sequence already measures the prior
 
 
 class SpecPolicy:
@@ -269,7 +271,14 @@ class AdaptiveSpeculation(SpecPolicy):
             # Sequences whose catch-up does not pay decode plainly this step.  Plan the step without them:
             # a budget priced for every draft slot would make the few that draft pay alone for levels
             # priced as shared.  Their decision is the one taken at the first plan's saving.
-            step.decided = {id(s): (s, self.catch_up_pays(s)) for s in spec}
+            # While a mode's acceptance is still the prior, one sequence measures it: one already
+            # drafting (its draft cache is warm), else the one with the shortest catch-up.
+            for s in spec:
+                if self._lag(s) <= self.SMALL_LAG:
+                    step.exploring[s.request.sampling.greedy] = True
+            step.decided = {}
+            for s in sorted(spec, key=self._lag):
+                step.decided[id(s)] = (s, self.catch_up_pays(s, step))
             drafting = [s for s in spec if step.decided[id(s)][1]]
             if len(drafting) < len(spec):
                 choice = self._choose(drafting, len(seqs) - len(drafting), step)
@@ -294,11 +303,15 @@ class AdaptiveSpeculation(SpecPolicy):
             groups[s.request.sampling.greedy] = groups.get(s.request.sampling.greedy, 0) + 1
         return self.chooser.choose([(n, step.rates[g]) for g, n in groups.items()], plain)
 
+    @staticmethod
+    def _lag(seq: SeqView) -> int:
+        return len(seq.tokens) - seq.draft_cached
+
     def catch_up_pays(self, seq: SeqView, step: Optional[StepBudget] = None) -> bool:
         decided = step.decided.get(id(seq)) if step is not None else None
         if decided is not None and decided[0] is seq:
             return decided[1]  # taken by this step's budget
-        lag = len(seq.tokens) - seq.draft_cached
+        lag = self._lag(seq)
         if lag <= self.SMALL_LAG:
             return True
         if seq.num_output == 0:
@@ -308,8 +321,17 @@ class AdaptiveSpeculation(SpecPolicy):
             # catch-up (measured at four streams: two probes caught four prompts up, 2.3 s each)
         if self.chooser is None:
             return True
-        if float(self.calibrators[seq.request.sampling.greedy].seen[0, 0]) < self.EXPLORE_NODES:
-            return True  # the pair's acceptance is still the prior: measure it before judging the saving
+        greedy = seq.request.sampling.greedy
+        if float(self.calibrators[greedy].seen[0, 0]) < self.EXPLORE_NODES:
+            # The pair's acceptance is still the prior: measure it before judging the saving, with one
+            # sequence at a time (at four streams, all four catching their prompts up to explore cost
+            # more than the drafts won back).
+            if step is None:
+                return True
+            if step.exploring.get(greedy):
+                return False
+            step.exploring[greedy] = True
+            return True
         return self.chooser.cost.catch_up_pays(lag, min(seq.remaining, self.HORIZON), self.chooser.saving)
 
     def expected_accepted(self, seq: SeqView, sub: SubTree, step: Optional[StepBudget] = None) -> float:

@@ -491,6 +491,28 @@ def test_a_lagging_draft_catches_up_only_when_the_remaining_tokens_pay_for_it():
     assert not busy.catch_up_pays(LaggingSeq(lag, 10**6))  # plain decoding pays best: nothing worth catching up for
 
 
+def test_while_the_prior_is_unmeasured_one_sequence_at_a_time_catches_up_to_measure_it():
+    """Nothing measured yet: a step lets one sequence per sampling mode catch up to learn the pair's
+    acceptance (the shortest lag), or none when one already drafts with a warm cache; the others wait
+    for the measurement instead of all paying their prompts' catch-ups (at four streams that cost more
+    than the drafts won back).  Outside a planned step the prior is still measured."""
+    topo = TreeTopology((2, 1, 1))
+    cost = CostModel(CostCurve((1.0, 1000.0), (0.1, 0.2)), CostCurve((1.0, 1000.0), (0.01, 10.0)))
+    policy = AdaptiveSpeculation(topo, cost=cost)
+
+    class SampledLag(LaggingSeq):
+        request = type("R", (), {"spec": type("S", (), {"enabled": True}), "sampling": type("P", (), {"greedy": False})})
+
+    far, farther, sampled = LaggingSeq(300, 100), LaggingSeq(200, 100), SampledLag(400, 100)
+    step = policy.budget([far, farther, sampled])
+    assert step.widths != ()
+    assert [policy.catch_up_pays(s, step) for s in (far, farther, sampled)] == [False, True, True]
+    warm = LaggingSeq(2, 100)
+    step = policy.budget([far, warm, farther])
+    assert [policy.catch_up_pays(s, step) for s in (far, warm, farther)] == [False, True, False]
+    assert policy.catch_up_pays(far)  # outside a planned step
+
+
 def test_the_budget_is_planned_for_the_sequences_that_draft():
     """A sequence whose catch-up does not pay decodes plainly, so the step's budget is the one for the
     others plus one plain row (a draft level no longer looks shared by it), and its decision holds for
