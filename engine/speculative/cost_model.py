@@ -19,7 +19,9 @@ the one price of verification rows that both the tree budget and Max-Gram's leng
 
 **Catching up.**  The draft model's cache is filled lazily (``ModelRunner.prefill``): a sequence
 drafting for the first time, or after many steps without the draft, first runs its missing tokens
-through the draft, which costs about ``draft(lag)`` seconds and stalls the whole batch.  The chooser
+through the draft, which costs ``catch_up(lag)`` seconds (a curve of its own: such a forward needs the
+logits of its last row only, where a tree level's needs every row's; measured at 227 tokens, the level
+curve priced a catch-up 2.5x too high) and stalls the whole batch.  The chooser
 also reports ``saving``: seconds per emitted token the chosen budget saves over plain decoding for
 this batch.  A sequence that still has ``m`` tokens to write saves about ``m * saving`` seconds by
 speculating, so it catches up only when that exceeds the catch-up's cost (``CostModel.catch_up_pays``);
@@ -181,7 +183,8 @@ def _cross(o: tuple[float, float], a: tuple[float, float], b: tuple[float, float
 @dataclass(frozen=True)
 class CostModel:
     target: CostCurve  # one verification forward
-    draft: CostCurve  # one draft forward (catch-up or one tree level)
+    draft: CostCurve  # one draft forward of a tree level (logits at every row)
+    catch_up: Optional[CostCurve] = None  # one draft forward with the last row's logits (None: ``draft``)
 
     @classmethod
     def measure(cls, target: LlamaModel, target_cache: KVCache, draft: LlamaModel, draft_cache: KVCache,
@@ -195,10 +198,11 @@ class CostModel:
         longest = [(1, max_block)] if max_block > 1 + topology.num_nodes else []
         widest = max(topology.level_offsets[d + 1] - topology.level_offsets[d] for d in range(len(topology.widths)))
         levels = sorted({1, max(1, widest // 2), widest})
-        catch_up = [(1, 64)]  # a prompt's catch-up (the curve extrapolates linearly beyond it)
         return cls(measure_curve(target, target_cache, list(itertools.product(batches, blocks)) + longest, reps),
-                   measure_curve(draft, draft_cache, list(itertools.product(batches, levels)) + catch_up, reps,
-                                 draft_vocab))
+                   measure_curve(draft, draft_cache, list(itertools.product(batches, levels)), reps, draft_vocab),
+                   # a prompt's catch-up (the curve extrapolates linearly beyond its longest point)
+                   measure_curve(draft, draft_cache, sorted({(1, min(t, draft_cache.max_len)) for t in (1, 64, 256)}),
+                                 reps, draft_vocab, last_row=True))
 
     @classmethod
     def stored(cls, key: dict, measure: Callable[[], "CostModel"], reuse: bool = True,
@@ -214,7 +218,8 @@ class CostModel:
         if reuse and path.is_file():
             try:
                 data = json.loads(path.read_text())
-                model = cls(CostCurve(**_floats(data["target"])), CostCurve(**_floats(data["draft"])))
+                model = cls(CostCurve(**_floats(data["target"])), CostCurve(**_floats(data["draft"])),
+                            CostCurve(**_floats(data["catch_up"])))
                 log.info("cost model: the curves measured at %s (%s)", data.get("measured", "?"), path)
                 return model
             except (OSError, ValueError, KeyError, TypeError) as e:
@@ -224,7 +229,8 @@ class CostModel:
             directory.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps({"key": key, "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                       "target": _curve_json(model.target), "draft": _curve_json(model.draft)}))
+                                       "target": _curve_json(model.target), "draft": _curve_json(model.draft),
+                                       "catch_up": _curve_json(model.catch_up_curve)}))
             tmp.replace(path)
         except OSError as e:
             log.warning("cost model: could not store the curves in %s (%s)", directory, e)
@@ -233,7 +239,11 @@ class CostModel:
     def catch_up_pays(self, lag: int, remaining: int, saving: float) -> bool:
         """Whether running ``lag`` missing tokens through the draft pays back over ``remaining``
         tokens at ``saving`` seconds per token (see the module docstring)."""
-        return remaining * saving > self.draft(lag)
+        return remaining * saving > self.catch_up_curve(lag)
+
+    @property
+    def catch_up_curve(self) -> CostCurve:
+        return self.catch_up if self.catch_up is not None else self.draft
 
     def draft_seconds(self, batch: int, widths: tuple[int, ...]) -> float:
         """Catch-up forward plus one forward per non-final tree level (the deepest level never runs)."""
@@ -306,9 +316,9 @@ def cost_key(target, draft, **settings) -> Optional[dict]:
 
 
 def measure_curve(model: LlamaModel, cache: KVCache, points: list[tuple[int, int]], reps: int,
-                  vocab: Optional[OutputVocab] = None) -> CostCurve:
+                  vocab: Optional[OutputVocab] = None, last_row: bool = False) -> CostCurve:
     """Times ``reps`` forwards of ``B`` slots x ``T`` tokens for each ``(B, T)``, on temporarily allocated
-    cache slots that are freed afterwards.  One untimed forward first warms the model up (first touch of
+    cache slots that are freed afterwards, with logits at every row (``last_row``: at each slot's last).  One untimed forward first warms the model up (first touch of
     the weights, thread pools, lazy initialisation); later shapes need no warm-up of their own.  The
     points are timed round-robin, ``reps`` rounds, so that a stall of the machine (another tenant, a
     page-cache flush) lands on one sample of several points rather than on every sample of one."""
@@ -321,7 +331,7 @@ def measure_curve(model: LlamaModel, cache: KVCache, points: list[tuple[int, int
     def forward(b: int, t: int) -> float:
         ids = torch.zeros(b, t, dtype=torch.long, device=model.device)
         pos = torch.arange(t)[None].expand(b, t)
-        rows = torch.arange(t)[None].expand(b, t)
+        rows = torch.full((b, 1), t - 1) if last_row else torch.arange(t)[None].expand(b, t)
         synchronize(model.device)
         t0 = time.perf_counter()
         model(ids, pos, cache, slots[:b], logits_rows=rows, vocab=vocab)

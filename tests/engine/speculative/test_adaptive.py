@@ -301,6 +301,21 @@ def test_measured_cost_curve_is_monotone_and_frees_its_slots():
     assert cache.free_slots == 4 and int(cache.pending.sum()) == 0
 
 
+def test_a_catch_up_is_priced_by_its_own_curve():
+    """A catch-up needs the logits of its last row only, so it has a curve of its own (measured with
+    the last row's logits, at lengths the draft cache holds); the level curve, logits at every row,
+    priced it 2.5x too high.  Without one (curves built by hand), the level curve prices it."""
+    levels = CostCurve((1.0, 1000.0), (0.01, 10.0))
+    assert not CostModel(levels, levels).catch_up_pays(500, 100, 0.01)  # 5 s against 1 s saved
+    cheap = CostModel(levels, levels, CostCurve((1.0, 1000.0), (0.001, 1.0)))
+    assert cheap.catch_up_pays(500, 100, 0.01) and not cheap.catch_up_pays(500, 40, 0.01)
+    target = tiny_loaded("llama", seed=0).model
+    draft = tiny_loaded("llama", seed=1, layers=1).model
+    measured = CostModel.measure(target, target.new_cache(2, 64), draft, draft.new_cache(2, 48), 2, TreeTopology((2, 1)))
+    assert measured.catch_up is not None and measured.catch_up.tokens[-1] == 48.0  # capped at the cache's length
+    assert measured.catch_up_curve is measured.catch_up
+
+
 def test_cost_curves_are_stored_and_reused_only_for_the_same_models_and_settings(tmp_path, monkeypatch):
     """A second start with the same model files and settings reads the curves the first one measured;
     other settings, changed files, ``cost_model_cache = false`` or a damaged file measure again;
