@@ -89,6 +89,10 @@ class Planner:
             verify.observe(sum(1 + len(r.tree.tokens) for r in results), verify_seconds)
         self._observe_maxgram(results, plans)
         if self.policy is not None:
+            for res, plan in zip(results, plans):
+                mg = plan.share(MAXGRAM_DRAFTER)
+                if mg is not None and mg.length and (mg.trust or mg.trusted):
+                    self.policy.observe_trust(res.seq.request.sampling.greedy, len(res.result.accepted) + 1, mg.trusted)
             self.policy.observe(results)
 
     @property

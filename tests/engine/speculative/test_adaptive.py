@@ -92,10 +92,15 @@ class GreedySeq:
 
 
 class LaggingSeq(GreedySeq):
-    """A greedy sequence whose draft cache lags ``lag`` tokens, with ``remaining`` tokens to write."""
+    """A greedy sequence whose draft cache lags ``lag`` tokens, with ``remaining`` tokens to write (a
+    request of its own)."""
+
+    made = 0
 
     def __init__(self, lag, remaining):
         self.tokens, self.draft_cached, self.remaining = [0] * (lag + 10), 10, remaining
+        LaggingSeq.made += 1
+        self.request = type("R", (type(self).request,), {"request_id": f"lagging-{LaggingSeq.made}"})
 
 
 def test_a_confident_path_drafts_deeper_than_the_budget_when_a_level_pays():
@@ -528,6 +533,47 @@ def test_while_the_prior_is_unmeasured_one_sequence_at_a_time_catches_up_to_meas
     assert policy.catch_up_pays(far)  # outside a planned step
 
 
+def test_exploring_catch_ups_stop_after_a_few_requests():
+    """Where the draft model runs too rarely for its acceptance to be measured soon (Max-Gram drafts most
+    steps), exploring catch-ups stop after ``EXPLORE_REQUESTS`` requests of a mode; a request that
+    explored keeps exploring, and then the (still prior) estimates judge."""
+    topo = TreeTopology((2, 1, 1))
+    prohibitive = CostModel(CostCurve((1.0, 1000.0), (0.1, 0.2)), CostCurve((1.0, 1000.0), (0.01, 10.0)),
+                            CostCurve((1.0, 1000.0), (1.0, 1000.0)))  # catch-ups never pay by the estimates
+    policy = AdaptiveSpeculation(topo, cost=prohibitive)
+
+    first = [LaggingSeq(300, 100) for _ in range(policy.EXPLORE_REQUESTS)]
+    assert all(policy.catch_up_pays(s, policy.budget([s])) for s in first)
+    late = LaggingSeq(300, 100)
+    step = policy.budget([late])
+    assert not policy.catch_up_pays(late, step) and step.widths == ()  # it decodes plainly
+    assert policy.catch_up_pays(first[0], policy.budget([first[0]]))
+
+
+def test_catch_ups_pay_back_only_over_the_tokens_the_draft_model_can_draft():
+    """Tokens of steps where a long Max-Gram match drafts alone cannot repay a catch-up: the remaining
+    tokens count at the measured share of tokens from the other steps (1 until measured)."""
+    topo = TreeTopology((2, 1, 1))
+    cost = CostModel(CostCurve((1.0, 1000.0), (0.1, 0.2)), CostCurve((1.0, 1000.0), (0.01, 10.0)))
+    policy = AdaptiveSpeculation(topo, cost=cost)
+    n = 2 * policy.EXPLORE_NODES  # measured at the prior's rate: no longer exploring
+    policy.calibrators[True].update(torch.ones(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
+                                    torch.full((n,), 0.5), (torch.arange(n) % 5 < 3).float())
+    assert policy.draft_share(True) == 1.0
+    policy.budget([LaggingSeq(0, 100)])
+    lag = 50
+    needed = cost.catch_up_curve(lag) / policy.chooser.saving  # tokens left for which catching up breaks even
+    assert 15 * needed < policy.HORIZON
+    assert policy.catch_up_pays(LaggingSeq(lag, int(needed * 1.5)))
+    for _ in range(200):  # Max-Gram drafted 9 tokens of 10 alone
+        policy.observe_trust(True, 9, trusted=True)
+        policy.observe_trust(True, 1, trusted=False)
+    assert policy.draft_share(True) == pytest.approx(0.1, abs=0.02) and policy.draft_share(False) == 1.0
+    assert not policy.catch_up_pays(LaggingSeq(lag, int(needed * 1.5)))
+    assert policy.catch_up_pays(LaggingSeq(lag, int(needed * 15)))
+    assert policy.catch_up_pays(LaggingSeq(3, 1))  # a short lag still always catches up
+
+
 def test_the_budget_is_planned_for_the_sequences_that_draft():
     """A sequence whose catch-up does not pay decodes plainly, so the step's budget is the one for the
     others plus one plain row (a draft level no longer looks shared by it), and its decision holds for
@@ -570,6 +616,21 @@ def test_engine_skips_the_draft_for_requests_whose_catch_up_does_not_pay(models)
                             policy=AdaptiveSpeculation(topo, cost=cheap, probe_every=1000))
     assert [o.tokens for o in outs] == plain(target, prompts, max_tokens=6)
     assert sum(s.drafted_tokens for s in core.drain_step_stats()) > 0
+
+
+def test_the_engine_measures_how_much_max_gram_drafts_alone(models):
+    """With ``mcsd+maxgram``, every verified step tells the policy how many tokens it emitted and
+    whether a long Max-Gram match drafted it alone: on prompts that repeat themselves the share of
+    tokens the draft model could draft falls below 1 (nothing for greedy-only runs in the other mode),
+    and the output stays exact."""
+    target, self_draft, _ = models
+    prompts = [list(range(3, 15)) * 4, [7, 8, 9, 10] * 8]
+    outs, core = run_engine(target, self_draft, prompts, tree=(2, 1), ignore_eos=True, max_tokens=16,
+                            spec=SpecOptions(method="mcsd+maxgram"), config=dict(adaptive=True))
+    assert [o.tokens for o in outs] == plain(target, prompts, max_tokens=16)
+    used, total = core.policy._trust_tokens[True]
+    assert total > 0 and used < total and core.policy.draft_share(True) < 1.0
+    assert core.policy.draft_share(False) == 1.0
 
 
 def test_load_aware_engine_measures_at_start_and_stays_exact(models):
