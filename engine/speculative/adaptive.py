@@ -439,4 +439,3 @@ class AdaptiveSpeculation(SpecPolicy):
             feats, reached, accepted = verified_labels(res)
             cal = self.calibrators[res.seq.request.sampling.greedy]
             cal.update(feats.depth[reached], feats.rank[reached], feats.q_token[reached], accepted[reached])
-

@@ -318,8 +318,9 @@ def cost_key(target, draft, **settings) -> Optional[dict]:
 def measure_curve(model: LlamaModel, cache: KVCache, points: list[tuple[int, int]], reps: int,
                   vocab: Optional[OutputVocab] = None, last_row: bool = False) -> CostCurve:
     """Times ``reps`` forwards of ``B`` slots x ``T`` tokens for each ``(B, T)``, on temporarily allocated
-    cache slots that are freed afterwards, with logits at every row (``last_row``: at each slot's last).  One untimed forward first warms the model up (first touch of
-    the weights, thread pools, lazy initialisation); later shapes need no warm-up of their own.  The
+    cache slots that are freed afterwards, with logits at every row (``last_row``: at each slot's last
+    row only).  One untimed forward first warms the model up (first touch of the weights, thread pools,
+    lazy initialisation); later shapes need no warm-up of their own.  The
     points are timed round-robin, ``reps`` rounds, so that a stall of the machine (another tenant, a
     page-cache flush) lands on one sample of several points rather than on every sample of one."""
     need = max(b for b, _ in points)

@@ -316,7 +316,8 @@ def test_a_catch_up_is_priced_by_its_own_curve():
     assert cheap.catch_up_pays(500, 100, 0.01) and not cheap.catch_up_pays(500, 40, 0.01)
     target = tiny_loaded("llama", seed=0).model
     draft = tiny_loaded("llama", seed=1, layers=1).model
-    measured = CostModel.measure(target, target.new_cache(2, 64), draft, draft.new_cache(2, 48), 2, TreeTopology((2, 1)))
+    measured = CostModel.measure(target, target.new_cache(2, 64), draft, draft.new_cache(2, 48), 2,
+                                 TreeTopology((2, 1)))
     assert measured.catch_up is not None and measured.catch_up.tokens[-1] == 48.0  # capped at the cache's length
     assert measured.catch_up_curve is measured.catch_up
 
@@ -521,7 +522,7 @@ def test_while_the_prior_is_unmeasured_one_sequence_at_a_time_catches_up_to_meas
     policy = AdaptiveSpeculation(topo, cost=cost)
 
     class SampledLag(LaggingSeq):
-        request = type("R", (), {"spec": type("S", (), {"enabled": True}), "sampling": type("P", (), {"greedy": False})})
+        request = type("R", (), {"spec": GreedySeq.request.spec, "sampling": type("P", (), {"greedy": False})})
 
     far, farther, sampled = LaggingSeq(300, 100), LaggingSeq(200, 100), SampledLag(400, 100)
     step = policy.budget([far, farther, sampled])
