@@ -91,8 +91,9 @@ class Planner:
         if self.policy is not None:
             for res, plan in zip(results, plans):
                 mg = plan.share(MAXGRAM_DRAFTER)
-                if mg is not None and mg.length and (mg.trust or mg.trusted):
-                    self.policy.observe_trust(res.seq.request.sampling.greedy, len(res.result.accepted) + 1, mg.trusted)
+                if mg is not None and mg.length and mg.trust:  # a method that lets long matches draft alone
+                    self.policy.observe_trust(res.seq.request.sampling.greedy, len(res.result.accepted) + 1,
+                                              mg.trusted)
             self.policy.observe(results)
 
     @property
@@ -110,7 +111,7 @@ class Planner:
         if match is None or match < mg.trust:
             return plan
         return DraftPlan(plan.method, self.topology.subtree(()),
-                         {MAXGRAM_DRAFTER: MaxGramShare(mg.length, max(mg.branches, 1), trusted=True)})
+                         {MAXGRAM_DRAFTER: MaxGramShare(mg.length, max(mg.branches, 1), trust=mg.trust, trusted=True)})
 
     def _cap_maxgram(self, seqs: list[SeqView], plans: list[DraftPlan],
                      step: Optional[StepBudget] = None) -> list[DraftPlan]:
