@@ -35,10 +35,12 @@
 #include "lanes.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -109,36 +111,207 @@ inline void exp_shifted(float* s, int64_t n, float m) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The tiled path (D a multiple of 16): four keys' scores at a time, and a tile of value rows added
+// into outputs held in registers.  Each score gets exactly dot()'s operations (its even and odd
+// 8-chunks' chains, their sum, then reduce_lanes' tree, here for four registers at once), and each
+// output lane axpy()'s (p_r v_r added in r order), so the tiled path gives the bits of the one-key-
+// at-a-time one.  A 512-bit register holds a key's two chains side by side, so the 512-bit variants
+// (CPUs with AVX-512F) compute the same numbers as the 256-bit ones, with half the instructions.
+
+// reduce_lanes of four registers: w = lo + hi (4 lanes), x = (w0 + w2, w1 + w3), then x0 + x1.
+inline void reduce4(const __m256* a, float* out) {
+  const __m256 w01 = _mm256_add_ps(_mm256_permute2f128_ps(a[0], a[1], 0x20), _mm256_permute2f128_ps(a[0], a[1], 0x31));
+  const __m256 w23 = _mm256_add_ps(_mm256_permute2f128_ps(a[2], a[3], 0x20), _mm256_permute2f128_ps(a[2], a[3], 0x31));
+  const __m256 x = _mm256_add_ps(_mm256_shuffle_ps(w01, w23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(w01, w23, _MM_SHUFFLE(3, 2, 3, 2)));
+  alignas(32) float r[8];
+  _mm256_store_ps(r, _mm256_hadd_ps(x, x));  // [key 0, key 2, ., . | key 1, key 3, ., .]
+  out[0] = r[0], out[1] = r[4], out[2] = r[1], out[3] = r[5];
+}
+
+// Scores (before the scale) of query q against keys k[0 .. n) (rows D apart, n a multiple of 4).
+void dots_256(const float* q, const float* k, int64_t n, int64_t D, float* out) {
+  for (int64_t i0 = 0; i0 < n; i0 += 4) {
+    __m256 a[4], b[4];
+    for (int i = 0; i < 4; ++i) a[i] = b[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256 qa = _mm256_loadu_ps(q + d), qb = _mm256_loadu_ps(q + d + 8);
+      for (int i = 0; i < 4; ++i) {
+        a[i] = _mm256_fmadd_ps(qa, _mm256_loadu_ps(k + (i0 + i) * D + d), a[i]);
+        b[i] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(k + (i0 + i) * D + d + 8), b[i]);
+      }
+    }
+    for (int i = 0; i < 4; ++i) a[i] = _mm256_add_ps(a[i], b[i]);
+    reduce4(a, out + i0);
+  }
+}
+
+// o[0 .. D) += p_r v_r for the rows r < n of v (D apart), in r order.
+template <int V>  // registers of 8 lanes at a time
+inline void axpy_rows_256(const float* p, const float* v, int64_t n, int64_t D, float* o) {
+  __m256 acc[V];
+  for (int i = 0; i < V; ++i) acc[i] = _mm256_loadu_ps(o + 8 * i);
+  for (int64_t r = 0; r < n; ++r) {
+    const __m256 pr = _mm256_set1_ps(p[r]);
+    for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(pr, _mm256_loadu_ps(v + r * D + 8 * i), acc[i]);
+  }
+  for (int i = 0; i < V; ++i) _mm256_storeu_ps(o + 8 * i, acc[i]);
+}
+void values_256(const float* p, const float* v, int64_t n, int64_t D, float* o) {
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) axpy_rows_256<8>(p, v + d, n, D, o + d);
+  for (; d < D; d += 16) axpy_rows_256<2>(p, v + d, n, D, o + d);
+}
+
+#if defined(__GNUC__)
+#define MCSD_ATTENTION_512 1
+#define MCSD_TARGET_512F __attribute__((target("avx512f")))
+MCSD_TARGET_512F void dots_512(const float* q, const float* k, int64_t n, int64_t D, float* out) {
+  for (int64_t i0 = 0; i0 < n; i0 += 4) {
+    __m512 a[4];
+    for (int i = 0; i < 4; ++i) a[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 qv = _mm512_loadu_ps(q + d);
+      for (int i = 0; i < 4; ++i) a[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + (i0 + i) * D + d), a[i]);
+    }
+    __m256 h[4];  // lanes 0-7: the even chunks' chain, 8-15: the odd chunks'
+    for (int i = 0; i < 4; ++i)
+      h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
+    reduce4(h, out + i0);
+  }
+}
+template <int V>  // registers of 16 lanes at a time
+MCSD_TARGET_512F inline void axpy_rows_512(const float* p, const float* v, int64_t n, int64_t D, float* o) {
+  __m512 acc[V];
+  for (int i = 0; i < V; ++i) acc[i] = _mm512_loadu_ps(o + 16 * i);
+  for (int64_t r = 0; r < n; ++r) {
+    const __m512 pr = _mm512_set1_ps(p[r]);
+    for (int i = 0; i < V; ++i) acc[i] = _mm512_fmadd_ps(pr, _mm512_loadu_ps(v + r * D + 16 * i), acc[i]);
+  }
+  for (int i = 0; i < V; ++i) _mm512_storeu_ps(o + 16 * i, acc[i]);
+}
+MCSD_TARGET_512F void values_512(const float* p, const float* v, int64_t n, int64_t D, float* o) {
+  int64_t d = 0;
+  for (; d + 128 <= D; d += 128) axpy_rows_512<8>(p, v + d, n, D, o + d);
+  for (; d < D; d += 16) axpy_rows_512<1>(p, v + d, n, D, o + d);
+}
+bool cpu_has_512f() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+}
+#else
+bool cpu_has_512f() { return false; }
+#endif
+constexpr bool kTiled = true;
+#else
+constexpr bool kTiled = false;
+bool cpu_has_512f() { return false; }
+void dots_256(const float*, const float*, int64_t, int64_t, float*) {}
+void values_256(const float*, const float*, int64_t, int64_t, float*) {}
+#endif
+
+// Whether the tiled path runs its 512-bit variants: where the CPU has them, unless MCSD_CPU_ISA=avx2
+// (read once) or attention_isa() says otherwise.  Both give the same bits; this is for timing and tests.
+std::atomic<bool> g_wide{[] {
+  const char* env = std::getenv("MCSD_CPU_ISA");
+  return cpu_has_512f() && !(env != nullptr && std::string(env) == "avx2");
+}()};
+
+inline void dots(const float* q, const float* k, int64_t n, int64_t D, float* out) {
+#if defined(MCSD_ATTENTION_512)
+  if (g_wide.load(std::memory_order_relaxed)) return dots_512(q, k, n, D, out);
+#endif
+  dots_256(q, k, n, D, out);
+}
+inline void values(const float* p, const float* v, int64_t n, int64_t D, float* o) {
+#if defined(MCSD_ATTENTION_512)
+  if (g_wide.load(std::memory_order_relaxed)) return values_512(p, v, n, D, o);
+#endif
+  values_256(p, v, n, D, o);
+}
+
+constexpr int64_t kTile = 16;  // key / value rows converted to fp32 at a time (tiled path)
+
+// s[0 .. n) *= scale, returning the largest (a NaN passed over, as std::max(m, s) does).
+inline float scale_max(float* s, int64_t n, float scale) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+#if defined(__AVX2__)
+  const __m256 sv = _mm256_set1_ps(scale);
+  __m256 mv = _mm256_set1_ps(m);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + j), sv);
+    _mm256_storeu_ps(s + j, v);
+    mv = _mm256_max_ps(v, mv);  // a NaN in v gives mv (the second operand)
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mv);
+  for (float x : lanes) m = std::max(m, x);
+#endif
+  for (; j < n; ++j) {
+    s[j] *= scale;
+    m = std::max(m, s[j]);
+  }
+  return m;
+}
+
 // One work item: the `group` query heads that share kv head hk, at query t of sequence b.  They share
 // the allowed keys, listed once, and each key / value row is converted to fp32 once for all of them;
 // every query's own arithmetic is the per-query recipe above.  `key(j)` / `value(j)` point at key j's
-// rows (a dense [L, D] slice, or a paged pool's row); qf holds the group's queries in fp32.
+// rows (a dense [L, D] slice, or a paged pool's row); qf holds the group's queries in fp32, `rows`
+// room for kTile rows.  With D a multiple of 16 (and AVX2) the keys and values go a tile at a time,
+// four keys at a time and the outputs in registers: the same operations per query as one key at a time.
 template <typename T, typename KeyRow, typename ValueRow>
 void attend_one(const float* qf, int64_t group, int64_t D, const int64_t* keys, int64_t n, KeyRow key, ValueRow value,
-                float scale, float* s, int64_t s_stride, float* m, float* l, float* o, float* row, T* const* orows) {
+                float scale, float* s, int64_t s_stride, float* m, float* l, float* o, float* rows, T* const* orows) {
   if (n == 0) {  // nothing to attend to: zeros (SDPA would give NaN)
     for (int64_t g = 0; g < group; ++g)
       for (int64_t d = 0; d < D; ++d) orows[g][d] = static_cast<T>(0.0f);
     return;
   }
+  const bool tiled = kTiled && D % 16 == 0;
   std::fill(m, m + group, -std::numeric_limits<float>::infinity());
-  for (int64_t r = 0; r < n; ++r) {
-    to_f32_row(key(keys[r]), row, D);
-    for (int64_t g = 0; g < group; ++g) {
-      const float sc = scale * dot(qf + g * D, row, D);
-      s[g * s_stride + r] = sc;
-      m[g] = std::max(m[g], sc);
+  if (tiled) {  // raw dot products into s (the last partial four's extra scores land in s's padding)
+    for (int64_t r0 = 0; r0 < n; r0 += kTile) {
+      const int64_t nt = std::min(kTile, n - r0), padded = (nt + 3) / 4 * 4;
+      for (int64_t i = 0; i < nt; ++i) to_f32_row(key(keys[r0 + i]), rows + i * D, D);
+      std::fill(rows + nt * D, rows + padded * D, 0.0f);
+      for (int64_t g = 0; g < group; ++g) dots(qf + g * D, rows, padded, D, s + g * s_stride + r0);
+    }
+    for (int64_t g = 0; g < group; ++g) m[g] = scale_max(s + g * s_stride, n, scale);
+  } else {
+    for (int64_t r = 0; r < n; ++r) {
+      to_f32_row(key(keys[r]), rows, D);
+      for (int64_t g = 0; g < group; ++g) {
+        const float sc = scale * dot(qf + g * D, rows, D);
+        s[g * s_stride + r] = sc;
+        m[g] = std::max(m[g], sc);
+      }
     }
   }
   for (int64_t g = 0; g < group; ++g) exp_shifted(s + g * s_stride, n, m[g]);
   std::fill(o, o + group * D, 0.0f);
   std::fill(l, l + group, 0.0f);
-  for (int64_t r = 0; r < n; ++r) {
-    to_f32_row(value(keys[r]), row, D);
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = s[g * s_stride + r];
-      l[g] += p;
-      axpy(p, row, o + g * D, D);
+  if (tiled) {
+    for (int64_t r0 = 0; r0 < n; r0 += kTile) {
+      const int64_t nt = std::min(kTile, n - r0);
+      for (int64_t i = 0; i < nt; ++i) to_f32_row(value(keys[r0 + i]), rows + i * D, D);
+      for (int64_t g = 0; g < group; ++g) values(s + g * s_stride + r0, rows, nt, D, o + g * D);
+    }
+    // l_g = sum_r p_r in r order, the heads' chains side by side (one after another, each add would
+    // wait for the previous one).
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t g = 0; g < group; ++g) l[g] += s[g * s_stride + r];
+  } else {
+    for (int64_t r = 0; r < n; ++r) {
+      to_f32_row(value(keys[r]), rows, D);
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = s[g * s_stride + r];
+        l[g] += p;
+        axpy(p, rows, o + g * D, D);
+      }
     }
   }
   for (int64_t g = 0; g < group; ++g) {
@@ -147,12 +320,13 @@ void attend_one(const float* qf, int64_t group, int64_t D, const int64_t* keys, 
   }
 }
 
-// Scratch of one thread: the group's queries, scores, running max / sum, output and one row in fp32.
+// Scratch of one thread: the group's queries, scores (L + kTile apart: room for a tile's padding),
+// running max / sum, output and kTile rows in fp32.
 struct Scratch {
   std::vector<float> qf, o, s, row, m, l;
   std::vector<int64_t> keys;
   Scratch(int64_t group, int64_t L, int64_t D)
-      : qf(group * D), o(group * D), s(group * L), row(D), m(group), l(group), keys(L) {}
+      : qf(group * D), o(group * D), s(group * (L + kTile)), row(kTile * D), m(group), l(group), keys(L) {}
 };
 
 template <typename T>
@@ -199,7 +373,7 @@ void attend_all(const at::Tensor& q, int64_t Hkv, int64_t L, float scale, at::Te
       const int64_t n = keys_of(b, t, w.keys.data());
       for (int64_t g = 0; g < group; ++g) orows[g] = op + ((qb * Hq + hk * group + g) * QT + qt) * D;
       attend_one<T>(w.qf.data(), group, D, w.keys.data(), n, [&](int64_t j) { return key_row(b, hk, j); },
-                    [&](int64_t j) { return value_row(b, hk, j); }, scale, w.s.data(), L, w.m.data(), w.l.data(),
+                    [&](int64_t j) { return value_row(b, hk, j); }, scale, w.s.data(), L + kTile, w.m.data(), w.l.data(),
                     w.o.data(), w.row.data(), orows.data());
     }
   });
@@ -357,9 +531,25 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   return out;
 }
 
+// "avx512" or "avx2" (or "portable"): the tiled attention's variant in use; `set` ("avx512" / "avx2", ""
+// to only ask) switches it, and asking for 512-bit code the CPU lacks is an error.
+std::string attention_isa(const std::string& set) {
+  const std::string narrow = kTiled ? "avx2" : "portable";
+  if (set == "avx512") {
+    TORCH_CHECK(cpu_has_512f(), "attention_isa: this CPU (or build) has no AVX-512F");
+    g_wide = true;
+  } else if (set == "avx2" || set == "portable") {
+    g_wide = false;
+  } else {
+    TORCH_CHECK(set.empty(), "attention_isa: expected 'avx512', 'avx2' or '', got '", set, "'");
+  }
+  return g_wide ? "avx512" : narrow;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mcsd_cpu, m) {
+  m.def("attention_isa(str set='') -> str", &attention_isa);  // no tensors: a catch-all kernel
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor rows, Tensor lens, Tensor start, "
         "Tensor? block_mask, float scale, Tensor? counts=None) -> Tensor");

@@ -22,6 +22,11 @@ def inputs(b=2, hq=6, hkv=2, t=5, length=37, d=64, dtype=torch.float32, seed=0):
     return q, k, v, mask
 
 
+def cpu_has_avx512f() -> bool:
+    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+        return any(line.startswith("flags") and "avx512f" in line.split() for line in f)
+
+
 def run(q, k, v, mask):
     return ATTN(q, k, v, mask, q.shape[-1] ** -0.5)
 
@@ -179,3 +184,30 @@ def test_packed_paged_attention_equals_the_padded_call(dtype, tree):
     assert got.shape == (1, hq, 9, d) and torch.equal(got, want)
     with pytest.raises(RuntimeError, match="packed q"):
         cpu_kernels.paged_attention(packed_q[:, :, :8], k_pool, v_pool, rows, lens, start, block_mask, counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [16, 64, 80, 128])
+def test_the_tiled_path_gives_the_one_key_at_a_time_bits(dtype, d):
+    """Head dimensions that are multiples of 16 take the tiled path (four keys per dot, a tile of
+    values into outputs held in registers).  Padded with 4 zero dimensions, the same heads take the
+    one-key-at-a-time path, whose extra terms are exact zeros: the outputs must be the same bits.  And
+    where the CPU has AVX-512, its variant of the tiled path must give them too."""
+    q, k, v, mask = inputs(t=7, length=45, d=d, dtype=dtype, seed=3)
+    pad = lambda x: F.pad(x, (0, 4))  # noqa: E731
+    scale = d ** -0.5
+    one_at_a_time = ATTN(pad(q), pad(k), pad(v), mask, scale)[..., :d]
+    before = torch.ops.mcsd_cpu.attention_isa()
+    try:
+        assert torch.ops.mcsd_cpu.attention_isa("avx2") == "avx2"
+        assert torch.equal(ATTN(q, k, v, mask, scale), one_at_a_time)
+        if cpu_has_avx512f():
+            assert torch.ops.mcsd_cpu.attention_isa("avx512") == "avx512"
+            assert torch.equal(ATTN(q, k, v, mask, scale), one_at_a_time)
+        else:
+            with pytest.raises(RuntimeError, match="no AVX-512F"):
+                torch.ops.mcsd_cpu.attention_isa("avx512")
+    finally:
+        torch.ops.mcsd_cpu.attention_isa(before)
+    with pytest.raises(RuntimeError, match="expected 'avx512'"):
+        torch.ops.mcsd_cpu.attention_isa("sse")
