@@ -1,6 +1,6 @@
 // What the CPU kernels share: the one fixed reduction of 8 fp32 lanes (every kernel reduces its
 // accumulators with it, so a result never depends on which kernel variant produced the lanes), 8
-// lanes loaded from fp32 or bf16, and one vector exp.
+// lanes loaded from fp32 or bf16 and rounded to bf16, and one vector exp.
 #pragma once
 
 #if defined(__AVX2__)
@@ -13,6 +13,23 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// fp32 -> the nearest bf16 (ties to even, as c10::BFloat16 rounds), kept in fp32: the bits below the
+// top 16 rounded away.  NaN stays NaN (the quiet NaN c10 gives).
+inline __m256 round_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))),
+                                     _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan);
+}
+// 8 values already rounded by round_bf16 stored as bf16 (their top halves).
+inline void store_bf16(c10::BFloat16* p, __m256 v) {
+  const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
 // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))

@@ -52,26 +52,13 @@ constexpr int64_t kLanes = 8;
 
 using mcsd::load8;
 
-// fp32 -> the nearest bf16 (ties to even), kept in fp32: the bits below the top 16 rounded away.
-// NaN stays NaN (the quiet NaN c10 gives).
 inline __m256 round8(__m256 v, float*) { return v; }
-inline __m256 round8(__m256 v, bf16*) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))),
-                                     _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
-  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan);
-}
+inline __m256 round8(__m256 v, bf16*) { return mcsd::round_bf16(v); }
 template <typename T>
 inline __m256 rnd8(__m256 v) { return round8(v, static_cast<T*>(nullptr)); }
 
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(bf16* p, __m256 v) {  // v already rounded: its top halves
-  const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-}
+inline void store8(bf16* p, __m256 v) { mcsd::store_bf16(p, v); }  // v already rounded
 
 #else
 constexpr int64_t kLanes = 0;  // portable build: every element through the scalar tails

@@ -18,6 +18,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -381,13 +382,14 @@ constexpr int64_t kPackedFlag = 256;  // quant_linear's type for a packed weight
 
 // Rounds one group of n activations (n a multiple of 16) to int8: q = round(x / dx), nearest, ties to
 // even, with dx = max|x| / 127.  Writes q and the exact integer sum of each 16; returns dx.
-inline float round_group(const float* x, int n, int8_t* q, int* sums16) {
+template <typename T>  // float or bf16 (read exactly as fp32)
+inline float round_group(const T* x, int n, int8_t* q, int* sums16) {
 #if defined(__AVX2__)
   // The same operations 8 lanes at a time (max is exact in any order; a NaN is passed over as
   // std::max does; _mm256_round_ps to nearest is nearbyint in the default rounding mode).
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 m8 = _mm256_setzero_ps();
-  for (int i = 0; i < n; i += 8) m8 = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask), m8);
+  for (int i = 0; i < n; i += 8) m8 = _mm256_max_ps(_mm256_and_ps(mcsd::load8(x + i), abs_mask), m8);
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   const float amax = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_shuffle_ps(m4, m4, 1)));
@@ -395,9 +397,9 @@ inline float round_group(const float* x, int n, int8_t* q, int* sums16) {
   const float id = d > 0.0f ? 1.0f / d : 0.0f;
   const __m256 id8 = _mm256_set1_ps(id);
   for (int h = 0; h < n / 16; ++h) {
-    const __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 16 * h), id8),
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(mcsd::load8(x + 16 * h), id8),
                                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    const __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 16 * h + 8), id8),
+    const __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(mcsd::load8(x + 16 * h + 8), id8),
                                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), _MM_SHUFFLE(3, 1, 2, 0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h),
@@ -410,13 +412,13 @@ inline float round_group(const float* x, int n, int8_t* q, int* sums16) {
   return d;
 #else
   float amax = 0.0f;
-  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
   const float d = amax / 127.0f;
   const float id = d > 0.0f ? 1.0f / d : 0.0f;
   for (int h = 0; h < n / 16; ++h) {
     int sum = 0;
     for (int i = 16 * h; i < 16 * h + 16; ++i) {
-      const int v = static_cast<int>(std::nearbyint(x[i] * id));
+      const int v = static_cast<int>(std::nearbyint(static_cast<float>(x[i]) * id));
       q[i] = static_cast<int8_t>(v);
       sum += v;
     }
@@ -589,7 +591,8 @@ struct QActsK {
   float scale(int64_t m, int64_t s) const { return dx[m * supers + s]; }
 };
 
-QActsK quantize_acts_k(const float* x, int64_t M, int64_t K, int sub) {
+template <typename T>
+QActsK quantize_acts_k(const T* x, int64_t M, int64_t K, int sub) {
   QActsK a;
   a.K = K;
   a.supers = K / kSuper;
@@ -1058,7 +1061,8 @@ struct QActs32 {
   int32_t sum(int64_t m, int64_t blk) const { return sums[m * blocks + blk]; }
 };
 
-QActs32 quantize_acts_32(const float* x, int64_t M, int64_t K) {
+template <typename T>
+QActs32 quantize_acts_32(const T* x, int64_t M, int64_t K) {
   QActs32 a;
   a.K = K;
   a.blocks = K / 32;
@@ -1269,12 +1273,49 @@ std::atomic<bool> g_wide{[] {
   return cpu_has_512() && !(env != nullptr && std::string(env) == "avx2");
 }()};
 
+// Where packed_linear's outputs go: y [M, N] in fp32 or bf16, plus an optional fp32 bias of N.
+struct Out {
+  float* f32 = nullptr;          // one of these two
+  c10::BFloat16* bf16 = nullptr;
+  const float* bias = nullptr;
+  bool direct() const { return bf16 == nullptr && bias == nullptr; }  // the kernels write y themselves
+};
+
+// Outputs [rows, cols] of a chunk, in fp32 (ld apart), finished into `out` at column n0: + bias in fp32,
+// then rounded to bf16 (ties to even, as c10 rounds) where y is bf16.  The same operations as adding
+// the bias and converting the fp32 result afterwards, done while the chunk is in cache.
+void finish(const float* buf, int64_t ld, int64_t rows, int64_t cols, const Out& out, int64_t N, int64_t n0) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = buf + r * ld;
+    const float* bias = out.bias != nullptr ? out.bias + n0 : nullptr;
+    int64_t j = 0;
+#if defined(__AVX2__)
+    for (; j + 8 <= cols; j += 8) {
+      __m256 v = _mm256_loadu_ps(src + j);
+      if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + j));
+      if (out.bf16 != nullptr)
+        mcsd::store_bf16(out.bf16 + r * N + n0 + j, mcsd::round_bf16(v));
+      else
+        _mm256_storeu_ps(out.f32 + r * N + n0 + j, v);
+    }
+#endif
+    for (; j < cols; ++j) {
+      const float v = bias != nullptr ? src[j] + bias[j] : src[j];
+      if (out.bf16 != nullptr)
+        out.bf16[r * N + n0 + j] = static_cast<c10::BFloat16>(v);
+      else
+        out.f32[r * N + n0 + j] = v;
+    }
+  }
+}
+
 // y [M, 8 G] for a packed weight of G groups (group_bytes each): threads split the groups; each group
 // meets the activation rows 8 (512-bit) or 4 at a time, then 2, 1, so its bytes are read from memory
-// once and from L1 after.
+// once and from L1 after.  Unless y is fp32 without a bias (the kernels then write it), a chunk's
+// outputs go to a per-thread fp32 buffer and are finished into y chunk by chunk.
 template <typename Acts>
 void packed_linear(const GroupKernels<Acts>& k, const uint8_t* wp, int64_t G, int64_t group_bytes, const Acts& a,
-                   int64_t M, int64_t K, float* yp) {
+                   int64_t M, int64_t K, const Out& out) {
   const bool wide = g_wide.load(std::memory_order_relaxed) && k.wide[8] != nullptr;
   const GroupFn<Acts>* rows = wide ? k.wide : k.rows;
   const int64_t most = wide ? 8 : 4;  // activation rows per pass
@@ -1291,13 +1332,16 @@ void packed_linear(const GroupKernels<Acts>& k, const uint8_t* wp, int64_t G, in
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, kPackRows * chunk * K * M));
   at::parallel_for(0, chunks, grain, [&](int64_t c0, int64_t c1) {
     const uint8_t* end = wp + std::min(G, c1 * chunk) * group_bytes;  // this thread's last group
+    std::vector<float> buf(out.direct() ? 0 : M * kPackRows * chunk);
+    const int64_t ldy = out.direct() ? N : kPackRows * chunk;
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t g0 = c * chunk, g1 = std::min(G, g0 + chunk);
+      float* yp = out.direct() ? out.f32 + kPackRows * g0 : buf.data();  // where group g0's outputs go
       bool first = true;  // the chunk's first pass reads it from memory (prefetching ahead), the others from L2
       const auto pass = [&](GroupFn<Acts> rows, int64_t m) {
         for (int64_t g = g0; g < g1; ++g) {
           const Ahead ahead{first ? wp + g * group_bytes + kPrefetchBytes : nullptr, end};
-          rows(wp + g * group_bytes, a, m, yp + m * N + kPackRows * g, N, ahead);
+          rows(wp + g * group_bytes, a, m, yp + m * ldy + kPackRows * (g - g0), ldy, ahead);
         }
         first = false;
       };
@@ -1307,6 +1351,7 @@ void packed_linear(const GroupKernels<Acts>& k, const uint8_t* wp, int64_t G, in
       int64_t m = 0;
       for (; m + most <= M; m += most) pass(rows[most], m);
       if (m < M) pass(rows[M - m], m);
+      if (!out.direct()) finish(buf.data(), ldy, M, kPackRows * (g1 - g0), out, N, kPackRows * g0);
     }
   });
 }
@@ -1376,7 +1421,12 @@ at::Tensor quant_unpack(const at::Tensor& w, int64_t type, int64_t K, const at::
 }
 
 // y = x @ W^T in fp32 for a packed weight (type | kPackedFlag).
-at::Tensor quant_linear_f32(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K) {
+// x @ W^T (+ bias) in fp32, returned in x's dtype, in one operator call per linear: fp32 or bf16
+// activations are read as they are, and the bias and the rounding to bf16 are done chunk by chunk while
+// the outputs are in cache (the same fp32 operations and rounding as doing them apart).  Other dtypes
+// go through fp32.
+at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K,
+                        const std::optional<at::Tensor>& bias) {
   if ((type & kPackedFlag) == 0) {
     check_weight(w, type, K);
     TORCH_CHECK(false, "quant_linear: ", block_type(type).name, " weights run packed: quant_pack them and pass type ",
@@ -1385,35 +1435,39 @@ at::Tensor quant_linear_f32(const at::Tensor& x_in, const at::Tensor& w, int64_t
   type &= ~kPackedFlag;
   check_packed(w, type, K);
   TORCH_CHECK(x_in.size(-1) == K, "quant_linear: x has ", x_in.size(-1), " columns, the weight K = ", K);
-  const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+  const at::ScalarType dtype = x_in.scalar_type();
+  const bool native = dtype == at::kFloat || dtype == at::kBFloat16;
+  const at::Tensor x = native ? x_in.reshape({-1, K}).contiguous() : x_in.reshape({-1, K}).to(at::kFloat).contiguous();
   const int64_t M = x.size(0), G = w.size(0), N = kPackRows * G, group_bytes = w.size(1);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "quant_linear: the bias needs one value per output (", N,
+                "), got shape ", bias->sizes());
+    b = bias->to(at::kFloat).contiguous();
+  }
   std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
   out_shape.back() = N;
   at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y.reshape(out_shape);
+  if (M == 0 || N == 0) return y.reshape(out_shape).to(dtype);
+  Out out;
+  if (x.scalar_type() == at::kBFloat16)
+    out.bf16 = y.data_ptr<c10::BFloat16>();
+  else
+    out.f32 = y.data_ptr<float>();
+  out.bias = b.defined() ? b.data_ptr<float>() : nullptr;
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* xp = x.data_ptr<float>();
-  if (is_k_quant(type)) {
-    const QActsK a = quantize_acts_k(xp, M, K, type == 14 ? 16 : 32);
-    packed_linear(k_kernels(type), wp, G, group_bytes, a, M, K, y.data_ptr<float>());
-  } else {
-    const QActs32 a = quantize_acts_32(xp, M, K);
-    packed_linear(b32_kernels(type), wp, G, group_bytes, a, M, K, y.data_ptr<float>());
-  }
-  return y.reshape(out_shape);
-}
-
-// x @ W^T (+ bias) in fp32, returned in x's dtype: one operator call per linear, so a forward does not
-// pay for separate conversions and a bias add (the same fp32 operations as doing them apart).
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t K,
-                       const std::optional<at::Tensor>& bias) {
-  at::Tensor y = quant_linear_f32(x, w, type, K);
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == y.size(-1), "quant_linear: the bias needs one value per output (",
-                y.size(-1), "), got shape ", bias->sizes());
-    y.add_(bias->to(at::kFloat));
-  }
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  const auto run = [&](const auto* xp) {
+    if (is_k_quant(type))
+      packed_linear(k_kernels(type), wp, G, group_bytes, quantize_acts_k(xp, M, K, type == 14 ? 16 : 32), M, K, out);
+    else
+      packed_linear(b32_kernels(type), wp, G, group_bytes, quantize_acts_32(xp, M, K), M, K, out);
+  };
+  if (x.scalar_type() == at::kBFloat16)
+    run(x.data_ptr<c10::BFloat16>());
+  else
+    run(x.data_ptr<float>());
+  y = y.reshape(out_shape);
+  return native ? y : y.to(dtype);
 }
 
 at::Tensor quant_dequantize(const at::Tensor& w, int64_t type, int64_t K) {

@@ -90,7 +90,12 @@ def test_linear_is_the_exact_product_of_the_rounded_activations(type_id):
     assert ((got.double() - want).abs() / scale).max() < 1e-6
     bias = torch.randn(37)
     assert torch.equal(w.linear(x, bias), (w.linear(x) + bias))
-    assert w.linear(x.bfloat16()).dtype == torch.bfloat16
+    # bf16 activations are read as they are and the outputs rounded in the kernel: the bits of going
+    # through fp32 and converting afterwards, bias included (added in fp32, then rounded once)
+    xb, bb = x.bfloat16(), bias.bfloat16()
+    assert w.linear(xb).dtype == torch.bfloat16
+    assert torch.equal(w.linear(xb), w.linear(xb.float()).bfloat16())
+    assert torch.equal(w.linear(xb, bb), (w.linear(xb.float()) + bb.float()).bfloat16())
 
 
 @pytest.mark.parametrize("type_id", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
