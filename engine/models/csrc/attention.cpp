@@ -257,61 +257,35 @@ inline float scale_max(float* s, int64_t n, float scale) {
   return m;
 }
 
-// One work item: the `group` query heads that share kv head hk, at query t of sequence b.  They share
-// the allowed keys, listed once, and each key / value row is converted to fp32 once for all of them;
-// every query's own arithmetic is the per-query recipe above.  `key(j)` / `value(j)` point at key j's
-// rows (a dense [L, D] slice, or a paged pool's row); qf holds the group's queries in fp32, `rows`
-// room for kTile rows.  With D a multiple of 16 (and AVX2) the keys and values go a tile at a time,
-// four keys at a time and the outputs in registers: the same operations per query as one key at a time.
+// One query's `group` heads, one key at a time (the recipe above as it reads): the path for head
+// dimensions that are not a multiple of 16, or builds without AVX2.  `key(j)` / `value(j)` point at key
+// j's rows; qf holds the group's queries in fp32, `row` room for one row.
 template <typename T, typename KeyRow, typename ValueRow>
 void attend_one(const float* qf, int64_t group, int64_t D, const int64_t* keys, int64_t n, KeyRow key, ValueRow value,
-                float scale, float* s, int64_t s_stride, float* m, float* l, float* o, float* rows, T* const* orows) {
+                float scale, float* s, int64_t s_stride, float* m, float* l, float* o, float* row, T* const* orows) {
   if (n == 0) {  // nothing to attend to: zeros (SDPA would give NaN)
     for (int64_t g = 0; g < group; ++g)
       for (int64_t d = 0; d < D; ++d) orows[g][d] = static_cast<T>(0.0f);
     return;
   }
-  const bool tiled = kTiled && D % 16 == 0;
   std::fill(m, m + group, -std::numeric_limits<float>::infinity());
-  if (tiled) {  // raw dot products into s (the last partial four's extra scores land in s's padding)
-    for (int64_t r0 = 0; r0 < n; r0 += kTile) {
-      const int64_t nt = std::min(kTile, n - r0), padded = (nt + 3) / 4 * 4;
-      for (int64_t i = 0; i < nt; ++i) to_f32_row(key(keys[r0 + i]), rows + i * D, D);
-      std::fill(rows + nt * D, rows + padded * D, 0.0f);
-      for (int64_t g = 0; g < group; ++g) dots(qf + g * D, rows, padded, D, s + g * s_stride + r0);
-    }
-    for (int64_t g = 0; g < group; ++g) m[g] = scale_max(s + g * s_stride, n, scale);
-  } else {
-    for (int64_t r = 0; r < n; ++r) {
-      to_f32_row(key(keys[r]), rows, D);
-      for (int64_t g = 0; g < group; ++g) {
-        const float sc = scale * dot(qf + g * D, rows, D);
-        s[g * s_stride + r] = sc;
-        m[g] = std::max(m[g], sc);
-      }
+  for (int64_t r = 0; r < n; ++r) {
+    to_f32_row(key(keys[r]), row, D);
+    for (int64_t g = 0; g < group; ++g) {
+      const float sc = scale * dot(qf + g * D, row, D);
+      s[g * s_stride + r] = sc;
+      m[g] = std::max(m[g], sc);
     }
   }
   for (int64_t g = 0; g < group; ++g) exp_shifted(s + g * s_stride, n, m[g]);
   std::fill(o, o + group * D, 0.0f);
   std::fill(l, l + group, 0.0f);
-  if (tiled) {
-    for (int64_t r0 = 0; r0 < n; r0 += kTile) {
-      const int64_t nt = std::min(kTile, n - r0);
-      for (int64_t i = 0; i < nt; ++i) to_f32_row(value(keys[r0 + i]), rows + i * D, D);
-      for (int64_t g = 0; g < group; ++g) values(s + g * s_stride + r0, rows, nt, D, o + g * D);
-    }
-    // l_g = sum_r p_r in r order, the heads' chains side by side (one after another, each add would
-    // wait for the previous one).
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t g = 0; g < group; ++g) l[g] += s[g * s_stride + r];
-  } else {
-    for (int64_t r = 0; r < n; ++r) {
-      to_f32_row(value(keys[r]), rows, D);
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = s[g * s_stride + r];
-        l[g] += p;
-        axpy(p, rows, o + g * D, D);
-      }
+  for (int64_t r = 0; r < n; ++r) {
+    to_f32_row(value(keys[r]), row, D);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = s[g * s_stride + r];
+      l[g] += p;
+      axpy(p, row, o + g * D, D);
     }
   }
   for (int64_t g = 0; g < group; ++g) {
@@ -320,13 +294,69 @@ void attend_one(const float* qf, int64_t group, int64_t D, const int64_t* keys, 
   }
 }
 
-// Scratch of one thread: the group's queries, scores (L + kTile apart: room for a tile's padding),
-// running max / sum, output and kTile rows in fp32.
+// A block of nq queries of one sequence that share kv head hk, all their heads (H = nq * group query
+// vectors, vector h = query h / group, head h % group), tiled (D a multiple of 16, AVX2).  Query q's
+// allowed keys are keys[q * L ..][0 .. n[q]), and the first `shared` of them are the same for every
+// query (a sequence's committed cache entries): those keys and values are converted to fp32 a tile at
+// a time once for the whole block, the rest per query.  Per query vector the operations are
+// attend_one's, in its order: scores key by key (dots), max, exp, then p_r v_r added in r order into
+// outputs (values) and the sum of p in r order (the vectors' chains side by side), so the outputs
+// are the bits attend_one gives, whatever the block.  s holds H score rows L + kTile apart (room for
+// a last tile's padding), rows kTile rows of D.
+template <typename T, typename KeyRow, typename ValueRow>
+void attend_block(int64_t nq, int64_t group, int64_t D, const int64_t* keys, const int64_t* n, int64_t L, int64_t shared,
+                  KeyRow key, ValueRow value, float scale, const float* qf, float* s, float* m, float* l, float* o,
+                  float* rows, T* const* orows) {
+  const int64_t H = nq * group, ss = L + kTile;
+  // Rows [r0, r1) of key list `list` converted a tile at a time; f(r0, nt, padded) then reads `rows`,
+  // zero beyond nt up to the next multiple of 4 (extra scores land in s's padding and are overwritten
+  // or never read).
+  const auto tiles = [&](auto row_of, const int64_t* list, int64_t r0, int64_t r1, auto f) {
+    for (; r0 < r1; r0 += kTile) {
+      const int64_t nt = std::min(kTile, r1 - r0), padded = (nt + 3) / 4 * 4;
+      for (int64_t i = 0; i < nt; ++i) to_f32_row(row_of(list[r0 + i]), rows + i * D, D);
+      std::fill(rows + nt * D, rows + padded * D, 0.0f);
+      f(r0, nt, padded);
+    }
+  };
+  tiles(key, keys, 0, shared, [&](int64_t r0, int64_t, int64_t padded) {
+    for (int64_t h = 0; h < H; ++h) dots(qf + h * D, rows, padded, D, s + h * ss + r0);
+  });
+  for (int64_t q = 0; q < nq; ++q)
+    tiles(key, keys + q * L, shared, n[q], [&](int64_t r0, int64_t, int64_t padded) {
+      for (int64_t h = q * group; h < (q + 1) * group; ++h) dots(qf + h * D, rows, padded, D, s + h * ss + r0);
+    });
+  for (int64_t h = 0; h < H; ++h) {
+    const int64_t nh = n[h / group];
+    m[h] = scale_max(s + h * ss, nh, scale);
+    if (nh > 0) exp_shifted(s + h * ss, nh, m[h]);
+  }
+  std::fill(o, o + H * D, 0.0f);
+  std::fill(l, l + H, 0.0f);
+  tiles(value, keys, 0, shared, [&](int64_t r0, int64_t nt, int64_t) {
+    for (int64_t h = 0; h < H; ++h) values(s + h * ss + r0, rows, nt, D, o + h * D);
+  });
+  for (int64_t q = 0; q < nq; ++q) {
+    tiles(value, keys + q * L, shared, n[q], [&](int64_t r0, int64_t nt, int64_t) {
+      for (int64_t h = q * group; h < (q + 1) * group; ++h) values(s + h * ss + r0, rows, nt, D, o + h * D);
+    });
+    for (int64_t r = 0; r < n[q]; ++r)
+      for (int64_t h = q * group; h < (q + 1) * group; ++h) l[h] += s[h * ss + r];
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    const float inv = n[h / group] > 0 ? 1.0f / l[h] : 0.0f;  // nothing to attend to: zeros (SDPA: NaN)
+    for (int64_t d = 0; d < D; ++d) orows[h][d] = static_cast<T>(n[h / group] > 0 ? o[h * D + d] * inv : 0.0f);
+  }
+}
+
+// Scratch of one thread for blocks of up to nq queries: their heads' queries, scores (L + kTile apart),
+// max / sum, outputs and key lists, and kTile rows in fp32.
 struct Scratch {
   std::vector<float> qf, o, s, row, m, l;
-  std::vector<int64_t> keys;
-  Scratch(int64_t group, int64_t L, int64_t D)
-      : qf(group * D), o(group * D), s(group * (L + kTile)), row(kTile * D), m(group), l(group), keys(L) {}
+  std::vector<int64_t> keys, n;
+  Scratch(int64_t nq, int64_t group, int64_t L, int64_t D)
+      : qf(nq * group * D), o(nq * group * D), s(nq * group * (L + kTile)), row(kTile * D), m(nq * group),
+        l(nq * group), keys(nq * L), n(nq) {}
 };
 
 template <typename T>
@@ -338,43 +368,64 @@ void load_queries(const at::Tensor& q, int64_t b, int64_t hk, int64_t t, int64_t
     to_f32_row(qp + b * qs[0] + (hk * group + g) * qs[1] + t * qs[2], qf + g * D, D);
 }
 
-// Every work item (b, hk, t) of a call: `keys_of(b, t, keys)` lists the allowed keys in increasing
-// order and returns how many; `key_row(b, hk, j)` / `value_row(b, hk, j)` point at key j's rows.
-// q and out are [B, Hq, T, D], or with `counts` (real queries per sequence, B of them) packed: [1, Hq,
-// N, D] with N = sum(counts), sequence b's query t at row counts[0] + ... + counts[b - 1] + t.  Packed,
-// a batch of blocks of different lengths costs only its real queries, each split evenly over threads.
-template <typename T, typename KeysOf, typename KeyRow, typename ValueRow>
+// Every query of a call, in work items of one sequence b, one kv head hk and a block of its queries:
+// `keys_of(b, t, keys)` lists query t's allowed keys in increasing order and returns how many, of which
+// the first `shared(b)` are the same for every query of sequence b; `key_row(b, hk, j)` /
+// `value_row(b, hk, j)` point at key j's rows.  q and out are [B, Hq, T, D], or with `counts` (real
+// queries per sequence, B of them) packed: [1, Hq, N, D] with N = sum(counts), sequence b's query t at
+// row counts[0] + ... + counts[b - 1] + t.  Packed, a batch of blocks of different lengths costs only
+// its real queries.  Blocks are sized so that every thread gets a couple of items; a query's result
+// never depends on its block.
+template <typename T, typename KeysOf, typename Shared, typename KeyRow, typename ValueRow>
 void attend_all(const at::Tensor& q, int64_t Hkv, int64_t L, float scale, at::Tensor& out, const int64_t* counts,
-                int64_t B, KeysOf keys_of, KeyRow key_row, ValueRow value_row) {
+                int64_t B, KeysOf keys_of, Shared shared, KeyRow key_row, ValueRow value_row) {
   const int64_t Hq = q.size(1), QT = q.size(2), D = q.size(3), group = Hq / Hkv;
-  std::vector<int64_t> seq_of, t_of;  // packed row -> (sequence, query within its block)
-  if (counts != nullptr) {
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < counts[b]; ++t) {
-        seq_of.push_back(b);
-        t_of.push_back(t);
-      }
+  const bool tiled = kTiled && D % 16 == 0;
+  int64_t queries = 0;  // real ones
+  for (int64_t b = 0; b < B; ++b) queries += counts != nullptr ? counts[b] : QT;
+  const int64_t threads = at::get_num_threads();
+  const int64_t nq = !tiled ? 1
+                            : std::max<int64_t>(1, std::min({int64_t{8}, (queries * Hkv) / (2 * threads),
+                                                             (int64_t{1} << 16) / (group * (L + kTile))}));
+  struct Block {
+    int64_t b, t0, count, qb, qt0;  // sequence b's queries t0 .. t0 + count - 1, at q[qb, :, qt0 ..]
+  };
+  std::vector<Block> blocks;
+  for (int64_t b = 0, row = 0; b < B; ++b) {
+    const int64_t nb = counts != nullptr ? counts[b] : QT;
+    for (int64_t t0 = 0; t0 < nb; t0 += nq)
+      blocks.push_back(counts != nullptr ? Block{b, t0, std::min(nq, nb - t0), 0, row + t0}
+                                         : Block{b, t0, std::min(nq, nb - t0), b, t0});
+    row += nb;
   }
-  const int64_t items = counts != nullptr ? QT * Hkv : q.size(0) * Hkv * QT;
+  const int64_t items = static_cast<int64_t>(blocks.size()) * Hkv;
   T* op = out.data_ptr<T>();
   // Small calls (tiny models, short contexts) run inline: a parallel region costs more than they do.
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, group * L * D));
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, nq * group * L * D));
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-    Scratch w(group, L, D);
-    std::vector<T*> orows(group);
+    Scratch w(nq, group, L, D);
+    std::vector<T*> orows(nq * group);
     for (int64_t i = i0; i < i1; ++i) {
-      int64_t b, hk, t, qb, qt;  // the query (sequence b, its query t) and where it sits in q and out
-      if (counts != nullptr) {
-        hk = i / QT, qt = i % QT, qb = 0, b = seq_of[qt], t = t_of[qt];
-      } else {
-        b = i / (Hkv * QT), hk = (i / QT) % Hkv, t = i % QT, qb = b, qt = t;
+      const Block& blk = blocks[i / Hkv];
+      const int64_t hk = i % Hkv, b = blk.b;
+      for (int64_t k = 0; k < blk.count; ++k) {
+        load_queries<T>(q, blk.qb, hk, blk.qt0 + k, group, w.qf.data() + k * group * D);
+        w.n[k] = keys_of(b, blk.t0 + k, w.keys.data() + k * L);
+        for (int64_t g = 0; g < group; ++g)
+          orows[k * group + g] = op + ((blk.qb * Hq + hk * group + g) * QT + blk.qt0 + k) * D;
       }
-      load_queries<T>(q, qb, hk, qt, group, w.qf.data());
-      const int64_t n = keys_of(b, t, w.keys.data());
-      for (int64_t g = 0; g < group; ++g) orows[g] = op + ((qb * Hq + hk * group + g) * QT + qt) * D;
-      attend_one<T>(w.qf.data(), group, D, w.keys.data(), n, [&](int64_t j) { return key_row(b, hk, j); },
-                    [&](int64_t j) { return value_row(b, hk, j); }, scale, w.s.data(), L + kTile, w.m.data(), w.l.data(),
-                    w.o.data(), w.row.data(), orows.data());
+      const auto key = [&](int64_t j) { return key_row(b, hk, j); };
+      const auto value = [&](int64_t j) { return value_row(b, hk, j); };
+      if (tiled) {
+        const int64_t common = std::min(shared(b), *std::min_element(w.n.begin(), w.n.begin() + blk.count));
+        attend_block<T>(blk.count, group, D, w.keys.data(), w.n.data(), L, common, key, value, scale, w.qf.data(),
+                        w.s.data(), w.m.data(), w.l.data(), w.o.data(), w.row.data(), orows.data());
+      } else {
+        for (int64_t k = 0; k < blk.count; ++k)
+          attend_one<T>(w.qf.data() + k * group * D, group, D, w.keys.data() + k * L, w.n[k], key, value, scale,
+                        w.s.data(), L + kTile, w.m.data(), w.l.data(), w.o.data(), w.row.data(),
+                        orows.data() + k * group);
+      }
     }
   });
 }
@@ -395,6 +446,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
           if (allowed == nullptr || allowed[j]) keys[n++] = j;
         return n;
       },
+      [&](int64_t) { return int64_t{0}; },  // any mask: no keys known to be shared
       [&](int64_t b, int64_t hk, int64_t j) { return kp + b * ks[0] + hk * ks[1] + j * ks[2]; },
       [&](int64_t b, int64_t hk, int64_t j) { return vp + b * vs[0] + hk * vs[1] + j * vs[2]; });
 }
@@ -429,6 +481,7 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp_, const at::Tensor& 
         }
         return n;
       },
+      [&](int64_t b) { return std::min(lens[b], L); },  // every query sees the committed entries first
       [&](int64_t b, int64_t hk, int64_t j) { return kp + rows[b * L + j] * ks[0] + hk * ks[1]; },
       [&](int64_t b, int64_t hk, int64_t j) { return vp + rows[b * L + j] * vs[0] + hk * vs[1]; });
 }
