@@ -130,8 +130,11 @@ inline void reduce4(const __m256* a, float* out) {
   out[0] = r[0], out[1] = r[4], out[2] = r[1], out[3] = r[5];
 }
 
-// Scores (before the scale) of query q against keys k[0 .. n) (rows D apart, n a multiple of 4).
-void dots_256(const float* q, const float* k, int64_t n, int64_t D, float* out) {
+// Scores (before the scale) of query q against keys k[0 .. n) (rows D apart, n a multiple of 4); kD
+// as for dots_512_k.
+template <int kD>
+void dots_256_d(const float* q, const float* k, int64_t n, int64_t D, float* out) {
+  if (kD != 0) D = kD;
   for (int64_t i0 = 0; i0 < n; i0 += 4) {
     __m256 a[4], b[4];
     for (int i = 0; i < 4; ++i) a[i] = b[i] = _mm256_setzero_ps();
@@ -145,6 +148,11 @@ void dots_256(const float* q, const float* k, int64_t n, int64_t D, float* out) 
     for (int i = 0; i < 4; ++i) a[i] = _mm256_add_ps(a[i], b[i]);
     reduce4(a, out + i0);
   }
+}
+void dots_256(const float* q, const float* k, int64_t n, int64_t D, float* out) {
+  if (D == 128) return dots_256_d<128>(q, k, n, D, out);
+  if (D == 64) return dots_256_d<64>(q, k, n, D, out);
+  dots_256_d<0>(q, k, n, D, out);
 }
 
 // o[0 .. D) += p_r v_r for the rows r < n of v (D apart), in r order.
@@ -167,20 +175,32 @@ void values_256(const float* p, const float* v, int64_t n, int64_t D, float* o) 
 #if defined(__GNUC__)
 #define MCSD_ATTENTION_512 1
 #define MCSD_TARGET_512F __attribute__((target("avx512f")))
-MCSD_TARGET_512F void dots_512(const float* q, const float* k, int64_t n, int64_t D, float* out) {
-  for (int64_t i0 = 0; i0 < n; i0 += 4) {
-    __m512 a[4];
-    for (int i = 0; i < 4; ++i) a[i] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 qv = _mm512_loadu_ps(q + d);
-      for (int i = 0; i < 4; ++i) a[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + (i0 + i) * D + d), a[i]);
-    }
-    __m256 h[4];  // lanes 0-7: the even chunks' chain, 8-15: the odd chunks'
-    for (int i = 0; i < 4; ++i)
-      h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]),
-                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
-    reduce4(h, out + i0);
+// K keys from k: one 16-lane chain per key, kD the head dimension when known at compile time (the
+// chains then stay in registers), else 0 (D at run time).
+template <int K, int kD>
+MCSD_TARGET_512F inline void dots_512_k(const float* q, const float* k, int64_t D, float* out) {
+  if (kD != 0) D = kD;
+  __m512 a[K];
+  for (int i = 0; i < K; ++i) a[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    for (int i = 0; i < K; ++i) a[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + i * D + d), a[i]);
   }
+  __m256 h[K];  // lanes 0-7: the even chunks' chain, 8-15: the odd chunks'
+  for (int i = 0; i < K; ++i)
+    h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
+  for (int i = 0; i < K; i += 4) reduce4(h + i, out + i);
+}
+template <int kD>
+MCSD_TARGET_512F void dots_512_d(const float* q, const float* k, int64_t n, int64_t D, float* out) {
+  int64_t i0 = 0;
+  for (; i0 + 8 <= n; i0 += 8) dots_512_k<8, kD>(q, k + i0 * D, D, out + i0);
+  if (i0 < n) dots_512_k<4, kD>(q, k + i0 * D, D, out + i0);
+}
+MCSD_TARGET_512F void dots_512(const float* q, const float* k, int64_t n, int64_t D, float* out) {
+  if (D == 128) return dots_512_d<128>(q, k, n, D, out);
+  if (D == 64) return dots_512_d<64>(q, k, n, D, out);
+  dots_512_d<0>(q, k, n, D, out);
 }
 template <int V>  // registers of 16 lanes at a time
 MCSD_TARGET_512F inline void axpy_rows_512(const float* p, const float* v, int64_t n, int64_t D, float* o) {
