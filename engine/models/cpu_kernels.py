@@ -76,17 +76,27 @@ def _cache_root() -> Path:
     return Path(os.environ.get("MCSD_CACHE", Path.home() / ".cache" / "mcsd"))
 
 
-def _cpu_has_avx2_fma() -> bool:
+def cpu_flags() -> Optional[set]:
+    """The x86-64 CPU's feature flags from ``/proc/cpuinfo`` (``"avx2"``, ``"avx512f"``, ...); None
+    elsewhere or where that file cannot be read."""
     if platform.machine().lower() not in ("x86_64", "amd64", "x64"):
-        return False
+        return None
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return {"avx2", "fma", "f16c"} <= flags
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return None
+
+
+def _cpu_has_avx2_fma() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64", "x64"):
+        return False
+    flags = cpu_flags()
+    if flags is not None:
+        return {"avx2", "fma", "f16c"} <= flags
     # No /proc/cpuinfo: torch's own dispatch level (AVX2 implies FMA for torch's build as well).
     try:
         return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")

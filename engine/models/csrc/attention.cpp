@@ -35,12 +35,10 @@
 #include "lanes.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <string>
 #include <vector>
 
 namespace {
@@ -217,37 +215,23 @@ MCSD_TARGET_512F void values_512(const float* p, const float* v, int64_t n, int6
   for (; d + 128 <= D; d += 128) axpy_rows_512<8>(p, v + d, n, D, o + d);
   for (; d < D; d += 16) axpy_rows_512<1>(p, v + d, n, D, o + d);
 }
-bool cpu_has_512f() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f");
-}
-#else
-bool cpu_has_512f() { return false; }
 #endif
 constexpr bool kTiled = true;
 #else
 constexpr bool kTiled = false;
-bool cpu_has_512f() { return false; }
 void dots_256(const float*, const float*, int64_t, int64_t, float*) {}
 void values_256(const float*, const float*, int64_t, int64_t, float*) {}
 #endif
 
-// Whether the tiled path runs its 512-bit variants: where the CPU has them, unless MCSD_CPU_ISA=avx2
-// (read once) or attention_isa() says otherwise.  Both give the same bits; this is for timing and tests.
-std::atomic<bool> g_wide{[] {
-  const char* env = std::getenv("MCSD_CPU_ISA");
-  return cpu_has_512f() && !(env != nullptr && std::string(env) == "avx2");
-}()};
-
 inline void dots(const float* q, const float* k, int64_t n, int64_t D, float* out) {
 #if defined(MCSD_ATTENTION_512)
-  if (g_wide.load(std::memory_order_relaxed)) return dots_512(q, k, n, D, out);
+  if (mcsd::wide_vectors().load(std::memory_order_relaxed)) return dots_512(q, k, n, D, out);
 #endif
   dots_256(q, k, n, D, out);
 }
 inline void values(const float* p, const float* v, int64_t n, int64_t D, float* o) {
 #if defined(MCSD_ATTENTION_512)
-  if (g_wide.load(std::memory_order_relaxed)) return values_512(p, v, n, D, o);
+  if (mcsd::wide_vectors().load(std::memory_order_relaxed)) return values_512(p, v, n, D, o);
 #endif
   values_256(p, v, n, D, o);
 }
@@ -604,25 +588,26 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   return out;
 }
 
-// "avx512" or "avx2" (or "portable"): the tiled attention's variant in use; `set` ("avx512" / "avx2", ""
-// to only ask) switches it, and asking for 512-bit code the CPU lacks is an error.
-std::string attention_isa(const std::string& set) {
+// "avx512" or "avx2" (or "portable"): the width the fp32 kernels (attention, layer operations) run at;
+// `set` ("avx512" / "avx2", "" to only ask) switches it, and asking for 512-bit code the CPU lacks is an
+// error.
+std::string vector_isa(const std::string& set) {
   const std::string narrow = kTiled ? "avx2" : "portable";
   if (set == "avx512") {
-    TORCH_CHECK(cpu_has_512f(), "attention_isa: this CPU (or build) has no AVX-512F");
-    g_wide = true;
+    TORCH_CHECK(mcsd::cpu_has_avx512f(), "vector_isa: this CPU (or build) has no AVX-512F");
+    mcsd::wide_vectors() = true;
   } else if (set == "avx2" || set == "portable") {
-    g_wide = false;
+    mcsd::wide_vectors() = false;
   } else {
-    TORCH_CHECK(set.empty(), "attention_isa: expected 'avx512', 'avx2' or '', got '", set, "'");
+    TORCH_CHECK(set.empty(), "vector_isa: expected 'avx512', 'avx2' or '', got '", set, "'");
   }
-  return g_wide ? "avx512" : narrow;
+  return mcsd::wide_vectors() ? "avx512" : narrow;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mcsd_cpu, m) {
-  m.def("attention_isa(str set='') -> str", &attention_isa);  // no tensors: a catch-all kernel
+  m.def("vector_isa(str set='') -> str", &vector_isa);  // no tensors: a catch-all kernel
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor rows, Tensor lens, Tensor start, "
         "Tensor? block_mask, float scale, Tensor? counts=None) -> Tensor");

@@ -3,6 +3,36 @@
 // lanes loaded from fp32 or bf16 and rounded to bf16, and one vector exp.
 #pragma once
 
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
+namespace mcsd {
+
+// Whether this build and CPU can run the fp32 kernels' 512-bit variants (AVX-512F).
+inline bool cpu_has_avx512f() {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
+// Whether the fp32 kernels (attention, layer operations) run 16 lanes at a time: where the CPU has
+// AVX-512F, unless MCSD_CPU_ISA=avx2 (read once) or torch.ops.mcsd_cpu.vector_isa switches them.  Every
+// such variant computes each lane by the 8-lane code's operations, so both widths give the same bits;
+// the switch is for timing and tests.  One flag for the whole library (an inline function's static).
+inline std::atomic<bool>& wide_vectors() {
+  static std::atomic<bool> wide{[] {
+    const char* env = std::getenv("MCSD_CPU_ISA");
+    return cpu_has_avx512f() && !(env != nullptr && std::string(env) == "avx2");
+  }()};
+  return wide;
+}
+
+}  // namespace mcsd
+
 #if defined(__AVX2__)
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>

@@ -22,11 +22,6 @@ def inputs(b=2, hq=6, hkv=2, t=5, length=37, d=64, dtype=torch.float32, seed=0):
     return q, k, v, mask
 
 
-def cpu_has_avx512f() -> bool:
-    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-        return any(line.startswith("flags") and "avx512f" in line.split() for line in f)
-
-
 def run(q, k, v, mask):
     return ATTN(q, k, v, mask, q.shape[-1] ** -0.5)
 
@@ -197,17 +192,17 @@ def test_the_tiled_path_gives_the_one_key_at_a_time_bits(dtype, d):
     pad = lambda x: F.pad(x, (0, 4))  # noqa: E731
     scale = d ** -0.5
     one_at_a_time = ATTN(pad(q), pad(k), pad(v), mask, scale)[..., :d]
-    before = torch.ops.mcsd_cpu.attention_isa()
+    before = torch.ops.mcsd_cpu.vector_isa()
     try:
-        assert torch.ops.mcsd_cpu.attention_isa("avx2") == "avx2"
+        assert torch.ops.mcsd_cpu.vector_isa("avx2") == "avx2"
         assert torch.equal(ATTN(q, k, v, mask, scale), one_at_a_time)
-        if cpu_has_avx512f():
-            assert torch.ops.mcsd_cpu.attention_isa("avx512") == "avx512"
+        if "avx512f" in (cpu_kernels.cpu_flags() or ()):
+            assert torch.ops.mcsd_cpu.vector_isa("avx512") == "avx512"
             assert torch.equal(ATTN(q, k, v, mask, scale), one_at_a_time)
         else:
             with pytest.raises(RuntimeError, match="no AVX-512F"):
-                torch.ops.mcsd_cpu.attention_isa("avx512")
+                torch.ops.mcsd_cpu.vector_isa("avx512")
     finally:
-        torch.ops.mcsd_cpu.attention_isa(before)
+        torch.ops.mcsd_cpu.vector_isa(before)
     with pytest.raises(RuntimeError, match="expected 'avx512'"):
-        torch.ops.mcsd_cpu.attention_isa("sse")
+        torch.ops.mcsd_cpu.vector_isa("sse")

@@ -137,3 +137,24 @@ def test_the_wrappers_fall_back_to_torch_where_the_kernels_do_not_apply(monkeypa
     monkeypatch.setattr(torch.ops.mcsd_cpu, "silu_mul", lambda *a: called.append(a))
     cpu_kernels.silu_mul(x.float())
     assert called, "a float32 CPU tensor takes the kernel"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_the_same_bits_at_either_width(dtype):
+    """Where the CPU has AVX-512F, silu_mul runs 16 lanes at a time with the 8-lane loop's operations
+    (elementwise): the same bits, clamps and tails included."""
+    gu = randn(5, 2 * 8960 + 2 * 13, dtype=dtype, scale=30.0)
+    gu[0, :8] = torch.tensor([-100.0, -87.5, 0.0, 30.0, 88.5, 200.0, float("inf"), float("nan")], dtype=dtype)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32  # NaN compared as bits
+    before = torch.ops.mcsd_cpu.vector_isa()
+    try:
+        assert torch.ops.mcsd_cpu.vector_isa("avx2") == "avx2"
+        narrow = torch.ops.mcsd_cpu.silu_mul(gu)
+        if "avx512f" in (cpu_kernels.cpu_flags() or ()):
+            assert torch.ops.mcsd_cpu.vector_isa("avx512") == "avx512"
+            assert torch.equal(torch.ops.mcsd_cpu.silu_mul(gu).view(bits), narrow.view(bits))
+        else:  # a CPU without AVX-512F: asking for it is a clear error
+            with pytest.raises(RuntimeError, match="no AVX-512F"):
+                torch.ops.mcsd_cpu.vector_isa("avx512")
+    finally:
+        torch.ops.mcsd_cpu.vector_isa(before)
