@@ -1,7 +1,7 @@
 // Batch-invariant attention for CPUs:  out[b, h, t] = softmax(scale * q[b, h, t] . K[b, h / g]^T | mask) V
 //
 // Built with the GEMM kernels into one library by engine/models/cpu_kernels.py; registers
-// torch.ops.mcsd_cpu.attention.
+// torch.ops.mcsd_cpu.attention, paged_attention and vector_isa.
 //
 // Why.  torch's CPU scaled_dot_product_attention splits queries and keys into blocks whose sizes depend
 // on the number of queries, so the same query gets last-bit different outputs in a decoding step (one
@@ -17,6 +17,12 @@
 //
 // Masked-out keys are skipped, never added as zeros, so padding (a longer kv_len for a batch) and the
 // places a tree puts its tokens in the cache do not matter: only the allowed keys, in their order.
+//
+// Speed.  A work item is a block of one sequence's queries that share a kv head: the keys and values
+// they all see are converted to fp32 once for the block, four or eight keys go through one pass, and
+// the outputs stay in registers while a tile of values is added; with AVX-512F the same operations
+// run 16 lanes at a time (torch.ops.mcsd_cpu.vector_isa switches).  Queries share converted rows,
+// never arithmetic, so none of this changes a query's operations (attend_block).
 //
 // Layouts.  q [B, Hq, T, D], k and v [B, Hkv, L, D] (Hq a multiple of Hkv: grouped-query attention),
 // any strides with the head dimension contiguous; mask bool [B, 1, T, L] or absent (attend to all);
