@@ -123,16 +123,25 @@ inline void exp_shifted(float* s, int64_t n, float m) {
 // at-a-time one.  A 512-bit register holds a key's two chains side by side, so the 512-bit variants
 // (CPUs with AVX-512F) compute the same numbers as the 256-bit ones, with half the instructions.
 
-// reduce_lanes of four registers: w = lo + hi (4 lanes), x = (w0 + w2, w1 + w3), then x0 + x1.
-inline void reduce4(const __m256* a, float* out) {
+// reduce_lanes of four registers: w = lo + hi (4 lanes), x = (w0 + w2, w1 + w3), then x0 + x1.  The
+// first two steps: the low half's lanes 0-1 hold x of key 0, lanes 2-3 of key 2; the high half's keys
+// 1 and 3.
+inline __m256 reduce4_x(const __m256* a) {
   const __m256 w01 = _mm256_add_ps(_mm256_permute2f128_ps(a[0], a[1], 0x20), _mm256_permute2f128_ps(a[0], a[1], 0x31));
   const __m256 w23 = _mm256_add_ps(_mm256_permute2f128_ps(a[2], a[3], 0x20), _mm256_permute2f128_ps(a[2], a[3], 0x31));
-  const __m256 x = _mm256_add_ps(_mm256_shuffle_ps(w01, w23, _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm256_shuffle_ps(w01, w23, _MM_SHUFFLE(3, 2, 3, 2)));
-  alignas(32) float r[8];
-  _mm256_store_ps(r, _mm256_hadd_ps(x, x));  // [key 0, key 2, ., . | key 1, key 3, ., .]
-  out[0] = r[0], out[1] = r[4], out[2] = r[1], out[3] = r[5];
+  return _mm256_add_ps(_mm256_shuffle_ps(w01, w23, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm256_shuffle_ps(w01, w23, _MM_SHUFFLE(3, 2, 3, 2)));
 }
+// The last step, x0 + x1, for two such registers at once (hadd: [a0, a2, b0, b2 | a1, a3, b1, b3]),
+// put in key order.
+inline __m256 reduce_last(__m256 xa, __m256 xb) {
+  return _mm256_permutevar8x32_ps(_mm256_hadd_ps(xa, xb), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+inline void reduce4(const __m256* a, float* out) {
+  const __m256 x = reduce4_x(a);
+  _mm_storeu_ps(out, _mm256_castps256_ps128(reduce_last(x, x)));
+}
+inline void reduce8(const __m256* a, float* out) { _mm256_storeu_ps(out, reduce_last(reduce4_x(a), reduce4_x(a + 4))); }
 
 // Scores (before the scale) of query q against keys k[0 .. n) (rows D apart, n a multiple of 4); kD
 // as for dots_512_k.
@@ -193,7 +202,10 @@ MCSD_TARGET_512F inline void dots_512_k(const float* q, const float* k, int64_t 
   __m256 h[K];  // lanes 0-7: the even chunks' chain, 8-15: the odd chunks'
   for (int i = 0; i < K; ++i)
     h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
-  for (int i = 0; i < K; i += 4) reduce4(h + i, out + i);
+  if (K == 8)
+    reduce8(h, out);
+  else
+    reduce4(h, out);
 }
 template <int kD>
 MCSD_TARGET_512F void dots_512_d(const float* q, const float* k, int64_t n, int64_t D, float* out) {
