@@ -333,9 +333,15 @@ void attend_block(int64_t nq, int64_t group, int64_t D, const int64_t* keys, con
   // Rows [r0, r1) of key list `list` converted a tile at a time; f(r0, nt, padded) then reads `rows`,
   // zero beyond nt up to the next multiple of 4 (extra scores land in s's padding and are overwritten
   // or never read).
+  // The next tile's rows are asked for while this one is computed: a forward's keys and values come
+  // from memory (a layer's do not stay in cache between steps), one scattered row at a time.
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   const auto tiles = [&](auto row_of, const int64_t* list, int64_t r0, int64_t r1, auto f) {
     for (; r0 < r1; r0 += kTile) {
       const int64_t nt = std::min(kTile, r1 - r0), padded = (nt + 3) / 4 * 4;
+      for (int64_t i = r0 + kTile; i < std::min(r1, r0 + 2 * kTile); ++i)
+        for (int64_t b = 0; b < row_bytes; b += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(row_of(list[i])) + b, 0, 3);
       for (int64_t i = 0; i < nt; ++i) to_f32_row(row_of(list[r0 + i]), rows + i * D, D);
       std::fill(rows + nt * D, rows + padded * D, 0.0f);
       f(r0, nt, padded);
