@@ -91,10 +91,12 @@ void norm_row(const T* x, const W* w, T* y, int64_t n, float eps) {
   for (; i < n; ++i) y[i] = static_cast<T>(static_cast<float>(w[i]) * rnd<T>(static_cast<float>(x[i]) * inv));
 }
 
-// Rows of `rows` items, each `cost` elements, split over threads; small calls run inline.
+// Rows of `rows` items, each `cost` elements, split over threads; calls under 8K elements run inline
+// (a parallel region costs a few microseconds: add_rms_norm over 8 rows of 1536 took 10.8 us inline,
+// 7.9 on two threads).
 template <typename F>
 void for_rows(int64_t rows, int64_t cost, F f) {
-  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, cost));
+  const int64_t grain = std::max<int64_t>(1, (1 << 13) / std::max<int64_t>(1, cost));
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) f(r);
   });
