@@ -185,9 +185,7 @@ void values_256(const float* p, const float* v, int64_t n, int64_t D, float* o) 
   for (; d < D; d += 16) axpy_rows_256<2>(p, v + d, n, D, o + d);
 }
 
-#if defined(__GNUC__)
-#define MCSD_ATTENTION_512 1
-#define MCSD_TARGET_512F __attribute__((target("avx512f")))
+#if defined(MCSD_HAVE_512F)
 // K keys from k: one 16-lane chain per key, kD the head dimension when known at compile time (the
 // chains then stay in registers), else 0 (D at run time).
 template <int K, int kD>
@@ -242,13 +240,13 @@ void values_256(const float*, const float*, int64_t, int64_t, float*) {}
 #endif
 
 inline void dots(const float* q, const float* k, int64_t n, int64_t D, float* out) {
-#if defined(MCSD_ATTENTION_512)
+#if defined(MCSD_HAVE_512F)
   if (mcsd::wide_vectors().load(std::memory_order_relaxed)) return dots_512(q, k, n, D, out);
 #endif
   dots_256(q, k, n, D, out);
 }
 inline void values(const float* p, const float* v, int64_t n, int64_t D, float* o) {
-#if defined(MCSD_ATTENTION_512)
+#if defined(MCSD_HAVE_512F)
   if (mcsd::wide_vectors().load(std::memory_order_relaxed)) return values_512(p, v, n, D, o);
 #endif
   values_256(p, v, n, D, o);
@@ -332,9 +330,9 @@ void attend_block(int64_t nq, int64_t group, int64_t D, const int64_t* keys, con
   const int64_t H = nq * group, ss = L + kTile;
   // Rows [r0, r1) of key list `list` converted a tile at a time; f(r0, nt, padded) then reads `rows`,
   // zero beyond nt up to the next multiple of 4 (extra scores land in s's padding and are overwritten
-  // or never read).
-  // The next tile's rows are asked for while this one is computed: a forward's keys and values come
-  // from memory (a layer's do not stay in cache between steps), one scattered row at a time.
+  // or never read).  The next tile's rows are asked for while this one is computed: a forward's keys
+  // and values come from memory (a layer's do not stay in cache between steps), one scattered row at a
+  // time.
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   const auto tiles = [&](auto row_of, const int64_t* list, int64_t r0, int64_t r1, auto f) {
     for (; r0 < r1; r0 += kTile) {
@@ -372,8 +370,12 @@ void attend_block(int64_t nq, int64_t group, int64_t D, const int64_t* keys, con
       for (int64_t h = q * group; h < (q + 1) * group; ++h) l[h] += s[h * ss + r];
   }
   for (int64_t h = 0; h < H; ++h) {
-    const float inv = n[h / group] > 0 ? 1.0f / l[h] : 0.0f;  // nothing to attend to: zeros (SDPA: NaN)
-    for (int64_t d = 0; d < D; ++d) orows[h][d] = static_cast<T>(n[h / group] > 0 ? o[h * D + d] * inv : 0.0f);
+    if (n[h / group] == 0) {  // nothing to attend to: zeros (SDPA would give NaN)
+      std::fill(orows[h], orows[h] + D, static_cast<T>(0.0f));
+      continue;
+    }
+    const float inv = 1.0f / l[h];
+    for (int64_t d = 0; d < D; ++d) orows[h][d] = static_cast<T>(o[h * D + d] * inv);
   }
 }
 

@@ -230,55 +230,23 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__GNUC__)
-#define MCSD_LAYER_OPS_512 1
-#define MCSD_TARGET_512F __attribute__((target("avx512f")))
-// 16 lanes of the 8-lane operations (elementwise, so the same bits): load8, exp8, round_bf16, store8.
-MCSD_TARGET_512F inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-MCSD_TARGET_512F inline __m512 load16(const bf16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-MCSD_TARGET_512F inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(88.0f);
-  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), over = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  const __m512 y = _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(e));
-  return _mm512_mask_blend_ps(over, y, _mm512_set1_ps(__builtin_inff()));
-}
+#if defined(MCSD_HAVE_512F)
 MCSD_TARGET_512F inline __m512 round16(__m512 v, float*) { return v; }
-MCSD_TARGET_512F inline __m512 round16(__m512 v, bf16*) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))),
-                                     _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_castsi512_ps(r),
-                              _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
-}
+MCSD_TARGET_512F inline __m512 round16(__m512 v, bf16*) { return mcsd::round_bf16_16(v); }
+template <typename T>
+MCSD_TARGET_512F inline __m512 rnd16(__m512 v) { return round16(v, static_cast<T*>(nullptr)); }
 MCSD_TARGET_512F inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-MCSD_TARGET_512F inline void store16(bf16* p, __m512 v) {  // v already rounded: its top halves
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-}
+MCSD_TARGET_512F inline void store16(bf16* p, __m512 v) { mcsd::store_bf16_16(p, v); }  // v already rounded
+
 // silu(g) * u over lanes [0, n16), n16 a multiple of 16: the 8-lane loop's operations.
 template <typename T>
 MCSD_TARGET_512F void silu_mul_512(const T* g, const T* u, T* o, int64_t n16) {
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t i = 0; i < n16; i += 16) {
-    const __m512 gv = load16(g + i);
-    const __m512 act = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_castsi512_ps(
+    const __m512 gv = mcsd::load16(g + i);
+    const __m512 act = _mm512_div_ps(gv, _mm512_add_ps(one, mcsd::exp16(_mm512_castsi512_ps(
                                              _mm512_xor_si512(_mm512_castps_si512(gv), _mm512_set1_epi32(INT32_MIN))))));
-    store16(o + i, round16(_mm512_mul_ps(round16(act, static_cast<T*>(nullptr)), load16(u + i)), static_cast<T*>(nullptr)));
+    store16(o + i, rnd16<T>(_mm512_mul_ps(rnd16<T>(act), mcsd::load16(u + i))));
   }
 }
 #endif
@@ -292,7 +260,7 @@ void silu_mul_rows(const at::Tensor& gu, at::Tensor& out) {
     const T *g = gp + r * 2 * n, *u = g + n;
     T* o = op + r * n;
     int64_t i = 0;
-#if defined(MCSD_LAYER_OPS_512)
+#if defined(MCSD_HAVE_512F)
     if (mcsd::wide_vectors().load(std::memory_order_relaxed)) {
       silu_mul_512(g, u, o, n / 16 * 16);
       i = n / 16 * 16;

@@ -1285,9 +1285,9 @@ struct Out {
 // then rounded to bf16 (ties to even, as c10 rounds) where y is bf16.  The same operations as adding
 // the bias and converting the fp32 result afterwards, done while the chunk is in cache.
 void finish(const float* buf, int64_t ld, int64_t rows, int64_t cols, const Out& out, int64_t N, int64_t n0) {
+  const float* bias = out.bias != nullptr ? out.bias + n0 : nullptr;
   for (int64_t r = 0; r < rows; ++r) {
     const float* src = buf + r * ld;
-    const float* bias = out.bias != nullptr ? out.bias + n0 : nullptr;
     int64_t j = 0;
 #if defined(__AVX2__)
     for (; j + 8 <= cols; j += 8) {
@@ -1420,8 +1420,7 @@ at::Tensor quant_unpack(const at::Tensor& w, int64_t type, int64_t K, const at::
   return out;
 }
 
-// y = x @ W^T in fp32 for a packed weight (type | kPackedFlag).
-// x @ W^T (+ bias) in fp32, returned in x's dtype, in one operator call per linear: fp32 or bf16
+// x @ W^T (+ bias) in fp32 for a packed weight (type | kPackedFlag), returned in x's dtype, in one operator call per linear: fp32 or bf16
 // activations are read as they are, and the bias and the rounding to bf16 are done chunk by chunk while
 // the outputs are in cache (the same fp32 operations and rounding as doing them apart).  Other dtypes
 // go through fp32.
@@ -1450,10 +1449,6 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t typ
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y.reshape(out_shape).to(dtype);
   Out out;
-  if (x.scalar_type() == at::kBFloat16)
-    out.bf16 = y.data_ptr<c10::BFloat16>();
-  else
-    out.f32 = y.data_ptr<float>();
   out.bias = b.defined() ? b.data_ptr<float>() : nullptr;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const auto run = [&](const auto* xp) {
@@ -1462,10 +1457,13 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t typ
     else
       packed_linear(b32_kernels(type), wp, G, group_bytes, quantize_acts_32(xp, M, K), M, K, out);
   };
-  if (x.scalar_type() == at::kBFloat16)
+  if (x.scalar_type() == at::kBFloat16) {  // y has x's dtype
+    out.bf16 = y.data_ptr<c10::BFloat16>();
     run(x.data_ptr<c10::BFloat16>());
-  else
+  } else {
+    out.f32 = y.data_ptr<float>();
     run(x.data_ptr<float>());
+  }
   y = y.reshape(out_shape);
   return native ? y : y.to(dtype);
 }
