@@ -1,4 +1,7 @@
-"""Batch-invariant small-M bf16 GEMM for x86 CPUs with AVX2 + FMA.
+"""The CPU kernels: batch-invariant small-M GEMMs (bf16, fp32 and GGUF blocks), attention and the
+row-wise layer operations, built as one library (``csrc/``).  x86-64 CPUs with AVX2 + FMA get vector
+code (and 512-bit variants where they have AVX-512); other CPUs a portable build of the same kernels
+(:func:`build_kind`).
 
 On CPUs without native bf16 (no avx512_bf16 / AMX), ``torch.nn.functional.linear`` in bfloat16 is
 a decent GEMV for one input row but falls back to a slow kernel for 2..64 rows (time linear in the
@@ -13,7 +16,8 @@ forward uses this kernel, which is why :func:`should_use` decides once per proce
 
 API::
 
-    available()             -> bool  the CPU has AVX2+FMA and the extension is built (never raises)
+    available()             -> bool  the extension is built and loaded (never raises)
+    build_kind()            -> str   "avx2" or "portable" (``MCSD_CPU_BUILD=portable`` forces the latter)
     bf16_linear(x, w, b)    -> Tensor  round_bf16(x @ w.T + b), x [..., K], w [N, K], b [N] (bf16)
     f32_linear(x, w, b)     -> Tensor  the same tiles in fp32 (torch's fp32 GEMM is not batch invariant)
     should_use(weight)      -> bool  use our kernel for this weight? (decided once per mode)
@@ -59,9 +63,12 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (_CSRC / "bf16_gemm.cpp", _CSRC / "quant_gemm.cpp", _CSRC / "attention.cpp",
             _CSRC / "layer_ops.cpp")  # one library
 _HEADERS = (_CSRC / "lanes.h",)  # included by the sources: part of the build's hash
-_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
-_LDFLAGS = ["-fopenmp"]
+# -ffp-contract=off: no fused multiply-adds but the written ones (the kernels' numerics are spelled
+# out; aarch64 compilers fuse by default).  No -ffast-math.
+_BASE_CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
+_X86_VECTOR_CFLAGS = ["-mavx2", "-mfma", "-mf16c"]  # the "avx2" build (its 512-bit code is per function)
 _ENV_SWITCH = "MCSD_CPU_KERNELS"
+_BUILD_SWITCH = "MCSD_CPU_BUILD"  # "portable": the build without x86 vector extensions, on any CPU
 _ATTENTION_SWITCH = "MCSD_INVARIANT_ATTENTION"
 _STALE_LOCK_S = 600.0  # a build takes ~10-30 s
 _batch_invariant = True  # set_batch_invariant()
@@ -104,11 +111,36 @@ def _cpu_has_avx2_fma() -> bool:
         return False
 
 
+@functools.cache
+def build_kind() -> str:
+    """Which build of the library this process uses: ``"avx2"`` on x86-64 CPUs with AVX2 + FMA + F16C
+    (with 512-bit variants chosen at run time where the CPU has AVX-512), else ``"portable"``: the same
+    kernels in plain C++ (any CPU the compiler targets, e.g. aarch64, or an older x86), which compute
+    the same integer sums and, for the linears, the same bits; only slower.  ``MCSD_CPU_BUILD=portable``
+    picks the portable build on any CPU (read once per process)."""
+    env = os.environ.get(_BUILD_SWITCH, "").strip().lower()
+    if env and env not in ("portable", "auto"):
+        log.warning("ignoring %s=%r (expected portable or auto)", _BUILD_SWITCH, env)
+    if env == "portable":
+        return "portable"
+    return "avx2" if _cpu_has_avx2_fma() else "portable"
+
+
+def _build_flags() -> tuple[list[str], list[str]]:
+    """(compiler flags, linker flags) of this process's build.  OpenMP where the compiler has it
+    (at::parallel_for runs on it in Linux builds of torch); Apple's clang does not take -fopenmp."""
+    cflags = list(_BASE_CFLAGS)
+    if build_kind() == "avx2":
+        cflags += _X86_VECTOR_CFLAGS
+    openmp = [] if sys.platform == "darwin" else ["-fopenmp"]
+    return cflags + openmp, openmp
+
+
 def _extension_name() -> str:
     h = hashlib.sha256()
     for src in (*_SOURCES, *_HEADERS):
         h.update(src.read_bytes())
-    h.update(repr((_CFLAGS, _LDFLAGS, torch.__version__, platform.machine())).encode())
+    h.update(repr((*_build_flags(), torch.__version__, platform.machine())).encode())
     return f"mcsd_cpu_kernels_{h.hexdigest()[:12]}"
 
 
@@ -139,8 +171,8 @@ def _load_library() -> None:
         cpp_extension.load(
             name=name,
             sources=[str(src) for src in _SOURCES],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=_LDFLAGS,
+            extra_cflags=_build_flags()[0],
+            extra_ldflags=_build_flags()[1],
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,
@@ -151,8 +183,6 @@ def _load_library() -> None:
 def _status() -> tuple[bool, str]:
     """(available, reason when not).  Cached: the CPU check and the build happen once per process."""
     try:
-        if not _cpu_has_avx2_fma():
-            return False, "CPU lacks AVX2+FMA (or is not x86-64)"
         _load_library()
         torch.ops.mcsd_cpu.bf16_linear  # resolves the operator, raises if registration failed
         _register_fakes()
@@ -161,7 +191,7 @@ def _status() -> tuple[bool, str]:
         text = " ".join(str(exc).split())
         if len(text) > 600:
             text = text[:200] + " ... " + text[-400:]
-        reason = f"building/loading the bf16 CPU kernels failed ({type(exc).__name__}: {text})"
+        reason = f"building/loading the CPU kernels ({build_kind()} build) failed ({type(exc).__name__}: {text})"
         log.warning("%s; falling back to torch.nn.functional.linear", reason)
         return False, reason
 
@@ -202,7 +232,7 @@ def _register_fakes() -> None:
 
 
 def available() -> bool:
-    """True when the CPU has AVX2+FMA and the extension is built and loaded.  Never raises."""
+    """True when the library is built and loaded (:func:`build_kind` says which build).  Never raises."""
     return _status()[0]
 
 

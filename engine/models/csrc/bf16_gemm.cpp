@@ -1,4 +1,5 @@
-// Small-M bf16 GEMM for x86 CPUs with AVX2 + FMA (no native bf16):  y = round_bf16(x @ W^T + b),
+// Small-M bf16 GEMM for CPUs without native bf16 (AVX2 + FMA on x86; the same eight lanes in plain C++
+// elsewhere, see V8):  y = round_bf16(x @ W^T + b),
 // and the same kernel over fp32 weights and activations (f32_linear), for batch-invariant fp32.
 //
 // Built once per machine at first use by engine/models/cpu_kernels.py and registered as the
@@ -51,11 +52,10 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include "lanes.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -84,8 +84,60 @@ inline uint16_t f32_to_bf16_rne(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// Eight fp32 lanes and what the tiles do with them.  With AVX2 + FMA a 256-bit register; the portable
+// build (other CPUs) holds the same eight lanes in an array and does the same operations on each (a
+// fused multiply-add per lane, the same reduction tree), so both builds give the same bits.
+#if defined(__AVX2__) && defined(__FMA__)
+using V8 = __m256;
+inline V8 v_zero() { return _mm256_setzero_ps(); }
+inline V8 v_load(const float* p) { return _mm256_loadu_ps(p); }
+inline V8 v_fma(V8 a, V8 b, V8 c) { return _mm256_fmadd_ps(a, b, c); }
+// A 256-bit load of 16 bf16 weights gives lane j = (w[2j+1] << 16) | w[2j]: the even elements'
+// fp32 values are that shifted left by 16, the odd ones' that with the low half masked away.
+inline V8 v_even_bf16(const uint16_t* w) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+inline V8 v_odd_bf16(const uint16_t* w) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
 // The one horizontal reduction used for every output element (lanes.h).
-inline float hsum8(__m256 v) { return mcsd::reduce_lanes(v); }
+inline float hsum8(V8 v) { return mcsd::reduce_lanes(v); }
+inline void prefetch_l1(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
+inline void prefetch_l2(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
+#else
+struct V8 {
+  float l[8];
+};
+inline V8 v_zero() { return V8{}; }
+inline V8 v_load(const float* p) {
+  V8 v;
+  std::memcpy(v.l, p, sizeof(v.l));
+  return v;
+}
+inline V8 v_fma(V8 a, V8 b, V8 c) {
+  for (int j = 0; j < 8; ++j) c.l[j] = std::fma(a.l[j], b.l[j], c.l[j]);
+  return c;
+}
+inline V8 v_even_bf16(const uint16_t* w) {
+  V8 v;
+  for (int j = 0; j < 8; ++j) v.l[j] = bf16_bits_to_f32(w[2 * j]);
+  return v;
+}
+inline V8 v_odd_bf16(const uint16_t* w) {
+  V8 v;
+  for (int j = 0; j < 8; ++j) v.l[j] = bf16_bits_to_f32(w[2 * j + 1]);
+  return v;
+}
+// lanes.h's reduce_lanes: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+inline float hsum8(const V8& v) {
+  const float* l = v.l;
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+inline void prefetch_l1(const char* p) { __builtin_prefetch(p, 0, 3); }
+inline void prefetch_l2(const char* p) { __builtin_prefetch(p, 0, 2); }
+#endif
 
 // One activation row (K bf16) -> fp32 scratch row (nchunks * 16 floats, even/odd layout).
 void convert_row(const uint16_t* src, int64_t K, float* dst, int64_t nchunks);
@@ -94,14 +146,8 @@ void convert_row(const uint16_t* src, int64_t K, float* dst, int64_t nchunks);
 // the matching layout), the activation row's conversion, and the output's rounding.
 struct Bf16 {
   using T = uint16_t;
-  static __m256 first(const T* w) {  // even elements
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-  }
-  static __m256 second(const T* w) {  // odd elements
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-  }
+  static V8 first(const T* w) { return v_even_bf16(w); }
+  static V8 second(const T* w) { return v_odd_bf16(w); }
   static void convert(const T* src, int64_t K, float* dst, int64_t nchunks) { convert_row(src, K, dst, nchunks); }
   static float to_f32(T v) { return bf16_bits_to_f32(v); }
   static T store(float v) { return f32_to_bf16_rne(v); }
@@ -109,8 +155,8 @@ struct Bf16 {
 
 struct F32 {
   using T = float;
-  static __m256 first(const T* w) { return _mm256_loadu_ps(w); }
-  static __m256 second(const T* w) { return _mm256_loadu_ps(w + 8); }
+  static V8 first(const T* w) { return v_load(w); }
+  static V8 second(const T* w) { return v_load(w + 8); }
   static void convert(const T* src, int64_t K, float* dst, int64_t nchunks) {
     std::memcpy(dst, src, K * sizeof(float));
     for (int64_t k = K; k < nchunks * kChunk; ++k) dst[k] = 0.0f;
@@ -120,12 +166,17 @@ struct F32 {
 };
 
 void convert_row(const uint16_t* src, int64_t K, float* dst, int64_t nchunks) {
-  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   const int64_t nfull = K / kChunk;
   for (int64_t c = 0; c < nfull; ++c) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c * kChunk));
-    _mm256_storeu_ps(dst + c * kChunk, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-    _mm256_storeu_ps(dst + c * kChunk + 8, _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask)));
+#if defined(__AVX2__) && defined(__FMA__)
+    _mm256_storeu_ps(dst + c * kChunk, v_even_bf16(src + c * kChunk));
+    _mm256_storeu_ps(dst + c * kChunk + 8, v_odd_bf16(src + c * kChunk));
+#else
+    for (int j = 0; j < 8; ++j) {
+      dst[c * kChunk + j] = bf16_bits_to_f32(src[c * kChunk + 2 * j]);
+      dst[c * kChunk + 8 + j] = bf16_bits_to_f32(src[c * kChunk + 2 * j + 1]);
+    }
+#endif
   }
   if (nfull < nchunks) {  // tail chunk, zero padded
     float* d = dst + nfull * kChunk;
@@ -144,23 +195,23 @@ void convert_row(const uint16_t* src, int64_t K, float* dst, int64_t nchunks) {
 // accumulators + C activations + 1 temporary fit the 16 ymm registers (R=4, C=3: 12 + 3 + 1).
 template <typename W, int R, int C>
 __attribute__((always_inline)) inline void step(const typename W::T* w, int64_t ldw, const float* x,
-                                                int64_t ldx, __m256 (&acc)[R][C]) {
-  __m256 xv[C];
+                                                int64_t ldx, V8 (&acc)[R][C]) {
+  V8 xv[C];
 #pragma GCC unroll 4
-  for (int c = 0; c < C; ++c) xv[c] = _mm256_loadu_ps(x + c * ldx);
+  for (int c = 0; c < C; ++c) xv[c] = v_load(x + c * ldx);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    const __m256 we = W::first(w + r * ldw);
+    const V8 we = W::first(w + r * ldw);
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(we, xv[c], acc[r][c]);
+    for (int c = 0; c < C; ++c) acc[r][c] = v_fma(we, xv[c], acc[r][c]);
   }
 #pragma GCC unroll 4
-  for (int c = 0; c < C; ++c) xv[c] = _mm256_loadu_ps(x + c * ldx + 8);
+  for (int c = 0; c < C; ++c) xv[c] = v_load(x + c * ldx + 8);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    const __m256 wo = W::second(w + r * ldw);
+    const V8 wo = W::second(w + r * ldw);
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(wo, xv[c], acc[r][c]);
+    for (int c = 0; c < C; ++c) acc[r][c] = v_fma(wo, xv[c], acc[r][c]);
   }
 }
 
@@ -170,22 +221,22 @@ __attribute__((always_inline)) inline void step(const typename W::T* w, int64_t 
 template <typename W, int R, int C>
 void tile(const typename W::T* w, int64_t ldw, int64_t nfull, const typename W::T* wtail, const float* x,
           int64_t ldx, float* out, const char* pf, int64_t pf_lines) {
-  __m256 acc[R][C];
+  V8 acc[R][C];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[r][c] = v_zero();
   int64_t ch = 0;
   if (pf_lines <= nfull) {  // several m-tiles share the prefetch: one line per step, into L1
     for (; ch < pf_lines; ++ch) {
-      _mm_prefetch(pf + ch * 64, _MM_HINT_T0);
+      prefetch_l1(pf + ch * 64);
       step<W, R, C>(w + ch * kChunk, ldw, x + ch * kChunk, ldx, acc);
     }
   } else if (nfull > 0) {  // a single m-tile prefetches the whole next block, into L2
     const int64_t per_step = (pf_lines + nfull - 1) / nfull;
     for (; ch < nfull; ++ch) {
       const char* p = pf + ch * per_step * 64;
-      for (int64_t j = 0; j < per_step; ++j) _mm_prefetch(p + j * 64, _MM_HINT_T1);
+      for (int64_t j = 0; j < per_step; ++j) prefetch_l2(p + j * 64);
       step<W, R, C>(w + ch * kChunk, ldw, x + ch * kChunk, ldx, acc);
     }
   }
