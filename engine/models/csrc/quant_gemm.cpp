@@ -789,67 +789,103 @@ inline float k_scaled_lane(float acc, int32_t isum, float d, float dx) {
   return std::fma(static_cast<float>(isum), d * dx, acc);
 }
 
+// A group's 8 rows at once: an l-block's 64 bytes hold row r's 8 weights at 8 r .. 8 r + 7, so each
+// row's products are 8 adjacent lanes of a 64-lane loop (which compilers vectorize), summed per row
+// after kBlocks l-blocks; x: their 8 kBlocks activations.  Acc: int16 where kBlocks products fit it
+// (4 of at most 31 * 127), int32 for Q8_0's signed weights.  Exact integers: the vector kernels' sums.
+#if defined(__GNUC__)
+#define MCSD_INLINE __attribute__((always_inline)) inline
+#else
+#define MCSD_INLINE inline
+#endif
+template <int kBlocks, typename Acc = int16_t, typename U = uint8_t>
+MCSD_INLINE void dot_rows_8(const U (*u)[64], const int8_t* x, int32_t* dot) {
+  Acc t[64] = {};
+  for (int lb = 0; lb < kBlocks; ++lb)
+    for (int r = 0; r < kPackRows; ++r)
+      for (int l = 0; l < 8; ++l) t[8 * r + l] = static_cast<Acc>(t[8 * r + l] + u[lb][8 * r + l] * x[8 * lb + l]);
+  for (int r = 0; r < kPackRows; ++r) {
+    int32_t d = 0;
+    for (int l = 0; l < 8; ++l) d += t[8 * r + l];
+    dot[r] = d;
+  }
+}
+
 template <int C, bool kFifth>
 void k4_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy, Ahead ahead) {
   constexpr int kBytes = kFifth ? kK5Bytes : kK4Bytes;
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < kPackRows; ++r) {
-      float acc = 0.0f, accm = 0.0f;
-      for (int64_t s = 0; s < a.supers; ++s) {
-        const uint8_t* b = w + s * kBytes;
-        const int8_t* x = a.x(m + c, s);
-        const int16_t* sums = a.pair_sums(m + c, s);
-        int32_t isum = 0, msum = 0;
-        for (int sub = 0; sub < 8; ++sub) {
-          const int j = sub / 2, hi = sub % 2;
-          int32_t dot = 0;
-          for (int lb = 0; lb < 4; ++lb)
-            for (int l = 0; l < 8; ++l) {
-              const uint8_t byte = b[kK4Qs + 256 * j + 64 * lb + 8 * r + l];
-              int u = hi ? byte >> 4 : byte & 0x0f;
-              if (kFifth) u |= ((b[kK5Qh + 64 * lb + 8 * r + l] >> sub) & 1) << 4;
-              dot += u * x[64 * j + 32 * hi + 8 * lb + l];
-            }
-          isum += b[kK4Scales + 16 * j + 2 * r + hi] * dot;
-          msum += b[kK4Mins + 16 * j + 2 * r + hi] * sums[16 * j + hi];
+  float acc[C][kPackRows] = {}, accm[C][kPackRows] = {};
+  for (int64_t s = 0; s < a.supers; ++s) {
+    const uint8_t* b = w + s * kBytes;
+    uint8_t u[8][4][64];  // the super-block's weights as bytes: [sub-block][l-block][8 r + l]
+    for (int j = 0; j < 4; ++j)
+      for (int lb = 0; lb < 4; ++lb) {
+        const uint8_t* q = b + kK4Qs + 256 * j + 64 * lb;
+        const uint8_t* qh = b + kK5Qh + 64 * lb;
+        for (int i = 0; i < 64; ++i) {
+          u[2 * j][lb][i] = static_cast<uint8_t>((q[i] & 0x0f) | (kFifth ? ((qh[i] >> (2 * j)) & 1) << 4 : 0));
+          u[2 * j + 1][lb][i] = static_cast<uint8_t>((q[i] >> 4) | (kFifth ? ((qh[i] >> (2 * j + 1)) & 1) << 4 : 0));
         }
-        const float dx = a.scale(m + c, s);
-        acc = k_scaled_lane(acc, isum, fp16_to_f32(rd16(b + 2 * r)), dx);
-        accm = k_scaled_lane(accm, msum, fp16_to_f32(rd16(b + 16 + 2 * r)), dx);
       }
-      y[c * ldy + r] = acc - accm;
+    for (int c = 0; c < C; ++c) {
+      const int8_t* x = a.x(m + c, s);
+      const int16_t* sums = a.pair_sums(m + c, s);
+      int32_t isum[kPackRows] = {}, msum[kPackRows] = {};
+      for (int sub = 0; sub < 8; ++sub) {
+        const int j = sub / 2, hi = sub % 2;
+        int32_t dot[kPackRows];
+        dot_rows_8<4>(u[sub], x + 64 * j + 32 * hi, dot);
+        for (int r = 0; r < kPackRows; ++r) {
+          isum[r] += b[kK4Scales + 16 * j + 2 * r + hi] * dot[r];
+          msum[r] += b[kK4Mins + 16 * j + 2 * r + hi] * sums[16 * j + hi];
+        }
+      }
+      const float dx = a.scale(m + c, s);
+      for (int r = 0; r < kPackRows; ++r) {
+        acc[c][r] = k_scaled_lane(acc[c][r], isum[r], fp16_to_f32(rd16(b + 2 * r)), dx);
+        accm[c][r] = k_scaled_lane(accm[c][r], msum[r], fp16_to_f32(rd16(b + 16 + 2 * r)), dx);
+      }
     }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < kPackRows; ++r) y[c * ldy + r] = acc[c][r] - accm[c][r];
 }
 
 template <int C>
 void q6k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy, Ahead ahead) {
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < kPackRows; ++r) {
-      float acc = 0.0f;
-      for (int64_t s = 0; s < a.supers; ++s) {
-        const uint8_t* b = w + s * kK6Bytes;
-        const int8_t* x = a.x(m + c, s);
-        const int16_t* sums = a.pair_sums(m + c, s);
-        const int8_t* sc = reinterpret_cast<const int8_t*>(b + kK6Scales);
-        int32_t isum = 0;
-        for (int hf = 0; hf < 2; ++hf)
-          for (int lb = 0; lb < 4; ++lb) {
-            const uint8_t* unit = b + kK6Runs + 192 * (4 * hf + lb) + 8 * r;
-            for (int p = 0; p < 4; ++p) {
-              const int sub = 8 * hf + 2 * p + lb / 2;
-              int32_t dot = 0;
-              for (int l = 0; l < 8; ++l) {
-                const int low = ((p % 2 ? unit[64 + l] : unit[l]) >> (p < 2 ? 0 : 4)) & 0x0f;
-                dot += (low | (((unit[128 + l] >> (2 * p)) & 3) << 4)) * x[128 * hf + 32 * p + 8 * lb + l];
-              }
-              isum += sc[16 * (sub / 2) + 2 * r + sub % 2] * dot;
-            }
-          }
-        for (int sub = 0; sub < 16; ++sub) isum -= 32 * sc[16 * (sub / 2) + 2 * r + sub % 2] * sums[16 * (sub / 2) + sub % 2];
-        acc = k_scaled_lane(acc, isum, fp16_to_f32(rd16(b + 2 * r)), a.scale(m + c, s));
+  float acc[C][kPackRows] = {};
+  for (int64_t s = 0; s < a.supers; ++s) {
+    const uint8_t* b = w + s * kK6Bytes;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + kK6Scales);
+    uint8_t u[2][4][4][64];  // the super-block's weights (0..63) as bytes: [half][run][l-block][8 r + l]
+    for (int hf = 0; hf < 2; ++hf)
+      for (int lb = 0; lb < 4; ++lb) {
+        const uint8_t* unit = b + kK6Runs + 192 * (4 * hf + lb);
+        for (int p = 0; p < 4; ++p)
+          for (int i = 0; i < 64; ++i)
+            u[hf][p][lb][i] = static_cast<uint8_t>((((p % 2 ? unit[64 + i] : unit[i]) >> (p < 2 ? 0 : 4)) & 0x0f) |
+                                                   (((unit[128 + i] >> (2 * p)) & 3) << 4));
       }
-      y[c * ldy + r] = acc;
+    for (int c = 0; c < C; ++c) {
+      const int8_t* x = a.x(m + c, s);
+      const int16_t* sums = a.pair_sums(m + c, s);
+      int32_t isum[kPackRows] = {};
+      for (int hf = 0; hf < 2; ++hf)
+        for (int p = 0; p < 4; ++p)
+          for (int t = 0; t < 2; ++t) {  // sub-block 8 hf + 2 p + t: l-blocks 2 t, 2 t + 1 of run p
+            const int sub = 8 * hf + 2 * p + t;
+            int32_t dot[kPackRows];
+            dot_rows_8<2>(u[hf][p] + 2 * t, x + 128 * hf + 32 * p + 16 * t, dot);
+            for (int r = 0; r < kPackRows; ++r) isum[r] += sc[16 * (sub / 2) + 2 * r + sub % 2] * dot[r];
+          }
+      for (int r = 0; r < kPackRows; ++r) {
+        for (int sub = 0; sub < 16; ++sub) isum[r] -= 32 * sc[16 * (sub / 2) + 2 * r + sub % 2] * sums[16 * (sub / 2) + sub % 2];
+        acc[c][r] = k_scaled_lane(acc[c][r], isum[r], fp16_to_f32(rd16(b + 2 * r)), a.scale(m + c, s));
+      }
     }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < kPackRows; ++r) y[c * ldy + r] = acc[c][r];
 }
 #endif
 
@@ -1136,32 +1172,38 @@ void b32_group(const uint8_t* w, const QActs32& a, int64_t m, float* y, int64_t 
 template <int C, int64_t kType>
 void b32_group(const uint8_t* w, const QActs32& a, int64_t m, float* y, int64_t ldy, Ahead ahead) {
   constexpr int kBytes = b32_bytes(kType), kQs = b32_qs(kType);
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < kPackRows; ++r) {
-      float acc = 0.0f;
-      for (int64_t blk = 0; blk < a.blocks; ++blk) {
-        const uint8_t* b = w + blk * kBytes;
-        const int8_t* x = a.x(m + c, blk);
-        int32_t isum = 0;
-        for (int i = 0; i < 32; ++i) {
-          const int lb = i / 8, l = i % 8;
-          int u;
-          if (kType == 8) {
-            u = static_cast<int8_t>(b[16 + 64 * lb + 8 * r + l]);
+  using U = std::conditional_t<kType == 8, int8_t, uint8_t>;
+  using Acc = std::conditional_t<kType == 8, int32_t, int16_t>;  // Q8_0: 4 * 8 products of up to 128 * 127
+  float acc[C][kPackRows] = {};
+  for (int64_t blk = 0; blk < a.blocks; ++blk) {
+    const uint8_t* b = w + blk * kBytes;
+    U u[4][64];  // the block's weights: [l-block][8 r + l]
+    for (int lb = 0; lb < 4; ++lb)
+      for (int r = 0; r < kPackRows; ++r)
+        for (int l = 0; l < 8; ++l) {
+          const int i = 8 * r + l;
+          if constexpr (kType == 8) {
+            u[lb][i] = static_cast<int8_t>(b[16 + 64 * lb + i]);
           } else {
-            const uint8_t byte = b[kQs + 64 * (lb & 1) + 8 * r + l];
-            u = lb < 2 ? byte & 0x0f : byte >> 4;
-            if (kType == 6) u |= ((b[16 + 8 * lb + r] >> l) & 1) << 4;
+            const uint8_t byte = b[kQs + 64 * (lb & 1) + i];
+            int v = lb < 2 ? byte & 0x0f : byte >> 4;
+            if (kType == 6) v |= ((b[16 + 8 * lb + r] >> l) & 1) << 4;  // row r's fifth bits: a byte
+            u[lb][i] = static_cast<uint8_t>(v);
           }
-          isum += u * x[i];
         }
-        isum -= b32_zero_point(kType) * a.sum(m + c, blk);
-        const float dx = a.scale(m + c, blk);
-        acc = k_scaled_lane(acc, isum, fp16_to_f32(rd16(b + 2 * r)), dx);
-        if (kType == 3) acc = std::fma(fp16_to_f32(rd16(b + 16 + 2 * r)), dx * static_cast<float>(a.sum(m + c, blk)), acc);
+    for (int c = 0; c < C; ++c) {
+      int32_t dot[kPackRows];
+      dot_rows_8<4, Acc>(u, a.x(m + c, blk), dot);
+      const float dx = a.scale(m + c, blk);
+      for (int r = 0; r < kPackRows; ++r) {
+        const int32_t isum = dot[r] - b32_zero_point(kType) * a.sum(m + c, blk);
+        acc[c][r] = k_scaled_lane(acc[c][r], isum, fp16_to_f32(rd16(b + 2 * r)), dx);
+        if (kType == 3) acc[c][r] = std::fma(fp16_to_f32(rd16(b + 16 + 2 * r)), dx * static_cast<float>(a.sum(m + c, blk)), acc[c][r]);
       }
-      y[c * ldy + r] = acc;
     }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < kPackRows; ++r) y[c * ldy + r] = acc[c][r];
 }
 #endif
 
