@@ -22,38 +22,25 @@ pytestmark = pytest.mark.skipif(
 
 ROOT = Path(__file__).resolve().parents[3]
 
-# Runs in the child: the inputs' outputs under the portable build, and attention's batch invariance there.
+# Runs in the child: the inputs' outputs under the portable build (``_here``), and attention's batch
+# invariance there.
 CHILD = r"""
 import sys
 import torch
 from engine.models import cpu_kernels
-from engine.models.qweight import QuantWeight
+from tests.engine.models.test_portable_build import _here
 
 assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
 inputs = torch.load(sys.argv[1])
-outputs = {"build": cpu_kernels.build_kind(), "quant_isa": torch.ops.mcsd_cpu.quant_isa(""),
-           "vector_isa": torch.ops.mcsd_cpu.vector_isa("")}
+outputs = _here(inputs)
 for key, item in inputs.items():
-    kind = key.split()[0]
-    if kind == "lin":
-        op = torch.ops.mcsd_cpu.bf16_linear if item["x"].dtype == torch.bfloat16 else torch.ops.mcsd_cpu.f32_linear
-        outputs[key] = op(item["x"], item["w"], item["b"])
-    elif kind == "quant":
-        w = QuantWeight(item["rows"], item["type_id"], item["k"])
-        outputs[key], outputs[key + " dequantized"] = w.linear(item["x"], item["b"]), w.dequantize()
-    elif kind == "att":
+    if key.startswith("att"):
         q, k, v, mask = item["q"], item["k"], item["v"], item["mask"]
-        whole = cpu_kernels.attention(q, k, v, mask)
         alone = torch.cat([cpu_kernels.attention(q[:, :, t:t + 1], k, v, mask[:, :, t:t + 1])
                            for t in range(q.shape[2])], dim=2)
-        assert torch.equal(whole, alone), f"{key}: a query's attention depends on the block it is in"
-        outputs[key] = whole
-    elif kind == "rows":
-        x, r, w = item["x"], item["r"], item["w"]
-        outputs[key + " rms_norm"] = cpu_kernels.rms_norm(x, w, 1e-6)
-        outputs[key + " add_rms_norm"] = torch.cat(cpu_kernels.add_rms_norm(x, r, w, 1e-6))
-        outputs[key + " silu_mul"] = cpu_kernels.silu_mul(item["gate_up"])
-        outputs[key + " rotary"] = cpu_kernels.rotary(item["rx"], item["cos"], item["sin"])
+        assert torch.equal(outputs[key], alone), f"{key}: a query's attention depends on the block it is in"
+outputs.update(build=cpu_kernels.build_kind(), quant_isa=torch.ops.mcsd_cpu.quant_isa(""),
+               vector_isa=torch.ops.mcsd_cpu.vector_isa(""))
 torch.save(outputs, sys.argv[2])
 """
 
@@ -98,7 +85,7 @@ def _inputs() -> dict:
 
 
 def _here(inputs: dict) -> dict:
-    """The same outputs under this process's build."""
+    """Every operator's outputs on ``inputs`` under this process's build."""
     outputs = {}
     for key, item in inputs.items():
         kind = key.split()[0]
