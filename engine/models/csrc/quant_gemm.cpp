@@ -21,7 +21,9 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#include <immintrin.h>  // x86 only: the portable build elsewhere uses none of it
+#endif
 
 #include "lanes.h"
 
