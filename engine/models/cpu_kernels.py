@@ -165,14 +165,15 @@ def _load_library() -> None:
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
+    cflags, ldflags = _build_flags()
     print("compiling the CPU kernels (once, about a minute)", file=sys.stderr, flush=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # compiler-version / ABI chatter; real errors raise
         cpp_extension.load(
             name=name,
             sources=[str(src) for src in _SOURCES],
-            extra_cflags=_build_flags()[0],
-            extra_ldflags=_build_flags()[1],
+            extra_cflags=cflags,
+            extra_ldflags=ldflags,
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,

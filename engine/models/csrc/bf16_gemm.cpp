@@ -91,6 +91,7 @@ inline uint16_t f32_to_bf16_rne(float f) {
 using V8 = __m256;
 inline V8 v_zero() { return _mm256_setzero_ps(); }
 inline V8 v_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void v_store(float* p, V8 v) { _mm256_storeu_ps(p, v); }
 inline V8 v_fma(V8 a, V8 b, V8 c) { return _mm256_fmadd_ps(a, b, c); }
 // A 256-bit load of 16 bf16 weights gives lane j = (w[2j+1] << 16) | w[2j]: the even elements'
 // fp32 values are that shifted left by 16, the odd ones' that with the low half masked away.
@@ -116,6 +117,7 @@ inline V8 v_load(const float* p) {
   std::memcpy(v.l, p, sizeof(v.l));
   return v;
 }
+inline void v_store(float* p, const V8& v) { std::memcpy(p, v.l, sizeof(v.l)); }
 inline V8 v_fma(V8 a, V8 b, V8 c) {
   for (int j = 0; j < 8; ++j) c.l[j] = std::fma(a.l[j], b.l[j], c.l[j]);
   return c;
@@ -168,15 +170,8 @@ struct F32 {
 void convert_row(const uint16_t* src, int64_t K, float* dst, int64_t nchunks) {
   const int64_t nfull = K / kChunk;
   for (int64_t c = 0; c < nfull; ++c) {
-#if defined(__AVX2__) && defined(__FMA__)
-    _mm256_storeu_ps(dst + c * kChunk, v_even_bf16(src + c * kChunk));
-    _mm256_storeu_ps(dst + c * kChunk + 8, v_odd_bf16(src + c * kChunk));
-#else
-    for (int j = 0; j < 8; ++j) {
-      dst[c * kChunk + j] = bf16_bits_to_f32(src[c * kChunk + 2 * j]);
-      dst[c * kChunk + 8 + j] = bf16_bits_to_f32(src[c * kChunk + 2 * j + 1]);
-    }
-#endif
+    v_store(dst + c * kChunk, v_even_bf16(src + c * kChunk));
+    v_store(dst + c * kChunk + 8, v_odd_bf16(src + c * kChunk));
   }
   if (nfull < nchunks) {  // tail chunk, zero padded
     float* d = dst + nfull * kChunk;

@@ -15,6 +15,7 @@ import torch
 
 from engine.models import cpu_kernels
 from engine.models.qweight import BLOCK_TYPES, QuantWeight
+from tests.engine.models.test_qweight import random_blocks
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}"
@@ -45,18 +46,6 @@ torch.save(outputs, sys.argv[2])
 """
 
 
-def _random_rows(type_id: int, n: int, k: int, g: torch.Generator) -> torch.Tensor:
-    """Random GGUF rows with sane fp16 scales (as test_qweight.random_blocks)."""
-    name, block, nbytes = BLOCK_TYPES[type_id]
-    raw = torch.randint(0, 256, (n, k // block, nbytes), generator=g, dtype=torch.uint8)
-    offsets = {"Q6_K": [(208, 0.01)], "Q4_K": [(0, 0.01), (2, 0.01)], "Q5_K": [(0, 0.01), (2, 0.01)],
-               "Q4_1": [(0, 0.05), (2, 0.1)]}.get(name, [(0, 0.05)])
-    for offset, scale in offsets:
-        h = (torch.rand(n, k // block, generator=g) * scale + scale / 10).half()
-        raw[..., offset:offset + 2] = h.view(torch.uint8).reshape(n, k // block, 2)
-    return raw.reshape(n, -1)
-
-
 def _inputs() -> dict:
     g = torch.Generator().manual_seed(0)
     inputs = {}
@@ -69,7 +58,7 @@ def _inputs() -> dict:
     for type_id in BLOCK_TYPES:
         for m in (1, 3, 8, 9, 17):
             inputs[f"quant {type_id} m{m}"] = {
-                "rows": _random_rows(type_id, 13, 512, g), "type_id": type_id, "k": 512,
+                "rows": random_blocks(type_id, 13, 512, seed=10 * type_id + m).rows(), "type_id": type_id, "k": 512,
                 "x": torch.randn(m, 512, generator=g), "b": torch.randn(13, generator=g)}
     for dtype in (torch.float32, torch.bfloat16):
         for d in (64, 128, 24):
