@@ -7,11 +7,18 @@
 #include <cstdlib>
 #include <string>
 
+// The fp32 kernels' 512-bit variants (attention, layer operations) are compiled in every build with
+// AVX2 + FMA, as functions targeting AVX-512F whatever the build's flags, and chosen at run time.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__GNUC__)
+#define MCSD_HAVE_512F 1
+#define MCSD_TARGET_512F __attribute__((target("avx512f")))
+#endif
+
 namespace mcsd {
 
-// Whether this build and CPU can run the fp32 kernels' 512-bit variants (AVX-512F).
+// Whether this build has the fp32 kernels' 512-bit variants and the CPU can run them (AVX-512F).
 inline bool cpu_has_avx512f() {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__GNUC__)
+#if defined(MCSD_HAVE_512F)
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f");
 #else
