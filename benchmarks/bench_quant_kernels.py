@@ -2,9 +2,11 @@
 
 For Qwen2.5-Coder-1.5B's largest linears and M = 1..64 rows (decode, tree verification, prefill
 chunks), every block type and bf16: milliseconds per call (median), the weight bytes read and the
-effective bandwidth (bytes / time), and the ratio to one row.  Every call reads its weights from DRAM:
-each method cycles through copies of the weight totalling at least ``--pool-mib`` (a model forward
-reads each weight once).  Prints a table and writes JSON.
+effective bandwidth (bytes / time) and its share of the machine's read bandwidth (measured in the same
+run: the limit a one-row call can reach), and the ratio to one row.  Every call reads its weights from
+memory: each method cycles through copies of the weight totalling at least ``--pool-mib`` (a model
+forward reads each weight once; make it larger than the last-level cache).  Prints a table and writes
+JSON.
 
 Usage: ``python benchmarks/bench_quant_kernels.py [--types Q4_K,Q6_K,...] [--rows 1,2,4,8,16,32,64]
 [--shapes gate_up,down] [--isas avx2,avx512] [--min-time 0.3] [--out benchmarks/results/quant_kernels.json]``
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import read_bandwidth_gbs  # noqa: E402
 from engine.models import cpu_kernels  # noqa: E402
 from engine.models.qweight import BLOCK_TYPES, TYPE_IDS, QuantWeight, kernel_isa  # noqa: E402
 
@@ -69,9 +72,11 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     results = []
     default_isa = kernel_isa()
-    print(f"quantized kernels in use: {default_isa}")
+    threads = torch.get_num_threads()
+    bandwidth = read_bandwidth_gbs(threads)
+    print(f"quantized kernels in use: {default_isa}; read bandwidth {bandwidth:.1f} GB/s ({threads} threads)")
     print(f"{'shape':8s} {'type':11s} {'MiB':>6s} " + " ".join(f"{f'M={m} ms':>9s}" for m in rows)
-          + f" {'GB/s@1':>7s} {'8/1':>5s}")
+          + f" {'GB/s@1':>7s} {'of bw':>6s} {'8/1':>5s}")
     for shape in args.shapes.split(","):
         n, k = SHAPES[shape]
         for name in ["bf16"] + args.types.split(","):
@@ -103,7 +108,7 @@ def main() -> None:
                 gbs = nbytes / (t[rows[0]] / 1e3) / 1e9
                 ratio = t.get(8, float("nan")) / t[rows[0]]
                 print(f"{shape:8s} {label:11s} {nbytes / 2**20:6.1f} " + " ".join(f"{t[m]:9.2f}" for m in rows)
-                      + f" {gbs:7.1f} {ratio:5.2f}")
+                      + f" {gbs:7.1f} {gbs / bandwidth:6.0%} {ratio:5.2f}")
                 results.append({"shape": shape, "N": n, "K": k, "type": name, "kernels": isa, "weight_bytes": nbytes,
                                 "ms": {str(m): t[m] for m in rows}, "gb_per_s_at_1": gbs})
             kernel_isa(default_isa)
@@ -111,7 +116,7 @@ def main() -> None:
     meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "bf16_kernel": cpu_kernels.should_use(torch.zeros(2, 2, dtype=torch.bfloat16)),
-            "quantized_kernels": default_isa}
+            "quantized_kernels": default_isa, "read_bandwidth_gb_per_s": bandwidth}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"wrote {args.out}")
