@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="gate_up,down")
     ap.add_argument("--pool-mib", type=float, default=256.0)
     ap.add_argument("--min-time", type=float, default=0.3)
-    ap.add_argument("--isas", default="", help="quantized kernels to time, e.g. 'avx2,avx512' (one row each, the "
+    ap.add_argument("--isas", default="", help="quantized kernels to time, e.g. 'avx2,avxvnni,avx512' (one row each, the "
                     "same weights, interleaved per row count); default: the one the CPU uses")
     ap.add_argument("--out", default="benchmarks/results/quant_kernels.json")
     args = ap.parse_args()
@@ -75,7 +75,7 @@ def main() -> None:
     threads = torch.get_num_threads()
     bandwidth = read_bandwidth_gbs(threads)
     print(f"quantized kernels in use: {default_isa}; read bandwidth {bandwidth:.1f} GB/s ({threads} threads)")
-    print(f"{'shape':8s} {'type':11s} {'MiB':>6s} " + " ".join(f"{f'M={m} ms':>9s}" for m in rows)
+    print(f"{'shape':8s} {'type':13s} {'MiB':>6s} " + " ".join(f"{f'M={m} ms':>9s}" for m in rows)
           + f" {'GB/s@1':>7s} {'of bw':>6s} {'8/1':>5s}")
     for shape in args.shapes.split(","):
         n, k = SHAPES[shape]
@@ -107,7 +107,7 @@ def main() -> None:
                 t = ms[isa]
                 gbs = nbytes / (t[rows[0]] / 1e3) / 1e9
                 ratio = t.get(8, float("nan")) / t[rows[0]]
-                print(f"{shape:8s} {label:11s} {nbytes / 2**20:6.1f} " + " ".join(f"{t[m]:9.2f}" for m in rows)
+                print(f"{shape:8s} {label:13s} {nbytes / 2**20:6.1f} " + " ".join(f"{t[m]:9.2f}" for m in rows)
                       + f" {gbs:7.1f} {gbs / bandwidth:6.0%} {ratio:5.2f}")
                 results.append({"shape": shape, "N": n, "K": k, "type": name, "kernels": isa, "weight_bytes": nbytes,
                                 "ms": {str(m): t[m] for m in rows}, "gb_per_s_at_1": gbs})

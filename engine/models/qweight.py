@@ -154,9 +154,11 @@ def available() -> bool:
 
 def kernel_isa(switch: str = "") -> str:
     """The quantized kernels in use: ``"avx512"`` (512-bit, with VNNI: chosen where the CPU has them),
-    ``"avx2"`` or ``"portable"``.  ``switch`` (``"avx512"`` / ``"avx2"``) changes them for the process;
-    both give bitwise the same results, so this is for timing and tests.  ``MCSD_CPU_ISA=avx2`` starts a
-    process on the 256-bit ones."""
+    ``"avxvnni"`` (256-bit with AVX-VNNI, for Q4_K, the AVX2 ones for the other types: chosen where
+    the CPU has AVX-VNNI but no AVX-512, as Intel's client cores), ``"avx2"`` or ``"portable"``.
+    ``switch`` (one of the first three) changes them for the process; all give bitwise the same
+    results, so this is for timing and tests.  ``MCSD_CPU_ISA=avx2`` (or ``avxvnni``) starts a process
+    on those."""
     if not cpu_kernels.available():
         raise RuntimeError("the CPU kernels are not available on this machine")
     return torch.ops.mcsd_cpu.quant_isa(switch)

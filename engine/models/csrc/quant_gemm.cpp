@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>  // x86 only: the portable build elsewhere uses none of it
 #endif
 
@@ -1050,6 +1051,71 @@ bool cpu_has_512() {
 bool cpu_has_512() { return false; }
 #endif
 
+// ------------------------------------------------------------------------------------ Q4_K, AVX-VNNI
+// CPUs with AVX-VNNI but no AVX-512 (Intel's client cores since Alder Lake) run Q4_K's 256-bit kernel
+// with the 512-bit one's integer steps: vpdpbusd sums a sub-block's products without its scale (16
+// per int32 lane, at most 16 * 15 * 127 = 30480), then one vpdpwssd multiplies them by the scales
+// (kU32 layout), where the AVX2 kernel takes maddubs, 16-bit adds and a madd.  The same integers, then
+// k_scaled: bitwise the other kernels' results (tested), so it changes the time only.  Compiled for
+// those instructions whatever the build's flags, chosen at run time (quant_isa).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__GNUC__)
+#define MCSD_HAVE_VNNI256 1
+#define MCSD_TARGET_VNNI256 __attribute__((target("avx2,fma,f16c,avxvnni")))
+
+template <int C>
+MCSD_TARGET_VNNI256 void q4k_group_vnni(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy,
+                                        Ahead ahead) {
+  __m256 acc[C], accm[C];
+  for (int c = 0; c < C; ++c) acc[c] = accm[c] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  for (int64_t s = 0; s < a.supers; ++s) {
+    const uint8_t* b = w + s * kK4Bytes;
+    ahead.unit(s, kK4Bytes);
+    __m256i isum[2][C];
+    for (int h = 0; h < 2; ++h) {
+      for (int c = 0; c < C; ++c) isum[h][c] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i pair = _mm256_broadcastsi128_si256(load16(b + kK4Scales + 16 * j));
+        const __m256i slo = scales_256<kU32>(pair, 0, h), shi = scales_256<kU32>(pair, 1, h);
+        __m256i lo[4], hi[4];
+        for (int lb = 0; lb < 4; ++lb) {
+          const __m256i v = load32b(b + kK4Qs + 256 * j + 64 * lb + 32 * h);
+          lo[lb] = _mm256_and_si256(v, low4);
+          hi[lb] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+        for (int c = 0; c < C; ++c) {
+          const int8_t* xq = a.x(m + c, s) + 64 * j;
+          __m256i tlo = _mm256_setzero_si256(), thi = _mm256_setzero_si256();
+          for (int lb = 0; lb < 4; ++lb) {
+            tlo = _mm256_dpbusd_avx_epi32(tlo, lo[lb], _mm256_set1_epi64x(load64(xq + 8 * lb)));
+            thi = _mm256_dpbusd_avx_epi32(thi, hi[lb], _mm256_set1_epi64x(load64(xq + 32 + 8 * lb)));
+          }
+          isum[h][c] = _mm256_dpwssd_avx_epi32(_mm256_dpwssd_avx_epi32(isum[h][c], tlo, slo), thi, shi);
+        }
+      }
+    }
+    const __m256 d8 = fp16x8(b), dm8 = fp16x8(b + 16);
+    for (int c = 0; c < C; ++c) {
+      const float dx = a.scale(m + c, s);
+      acc[c] = k_scaled(acc[c], pair_sums_256(isum[0][c], isum[1][c]), d8, dx);
+      accm[c] = k_scaled(accm[c], scale_dot<4, false>(b + kK4Mins, a.pair_sums(m + c, s)), dm8, dx);
+    }
+  }
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * ldy, _mm256_sub_ps(acc[c], accm[c]));
+}
+
+// AVX-VNNI is CPUID leaf 7, sub-leaf 1, EAX bit 4 (GCC 12's __builtin_cpu_supports does not know it).
+bool cpu_has_vnni256() {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return false;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
+  return (eax >> 4) & 1u;
+}
+#else
+bool cpu_has_vnni256() { return false; }
+#endif
+
 // ------------------------------------------------------------------------------------ 32-weight blocks, packed
 // Q4_0, Q4_1, Q5_0 and Q8_0 are packed like the k-quants, in groups of 8 rows, block by block (a
 // packed block holds the 8 rows' blocks of 32 weights; the same bytes as the GGUF rows):
@@ -1262,6 +1328,7 @@ template <typename Acts>
 struct GroupKernels {
   GroupFn<Acts> rows[5];
   GroupFn<Acts> wide[9];
+  GroupFn<Acts> vnni[5] = {};  // 256-bit with AVX-VNNI, 1-4 rows (null: none for this type or build)
 };
 
 #if defined(MCSD_HAVE_512)
@@ -1294,7 +1361,11 @@ B32(q8_0_group_512, 8)
 #endif
 
 const GroupKernels<QActsK>& k_kernels(int64_t id) {
+#if defined(MCSD_HAVE_VNNI256)
+  static const GroupKernels<QActsK> q4k{NARROW(q4k_group), WIDE(q4k_group_512), NARROW(q4k_group_vnni)};
+#else
   static const GroupKernels<QActsK> q4k{NARROW(q4k_group), WIDE(q4k_group_512)};
+#endif
   static const GroupKernels<QActsK> q5k{NARROW(q5k_group), WIDE(q5k_group_512)};
   static const GroupKernels<QActsK> q6k{NARROW(q6k_group), WIDE(q6k_group_512)};
   return id == 12 ? q4k : id == 13 ? q5k : q6k;
@@ -1310,11 +1381,16 @@ const GroupKernels<QActs32>& b32_kernels(int64_t id) {
 #undef WIDE
 #undef NARROW
 
-// Which kernels run: the 512-bit ones where the CPU has them, unless MCSD_CPU_ISA=avx2 (read once) or
-// quant_isa() says otherwise.  Both give the same bits; this is for timing and tests.
-std::atomic<bool> g_wide{[] {
+// Which kernels run: the 512-bit ones where the CPU has them, else the AVX-VNNI ones where it has
+// those, unless MCSD_CPU_ISA (read once: avx2, or avxvnni to stand in for a CPU without AVX-512) or
+// quant_isa() says otherwise.  All give the same bits; this is for timing and tests.
+enum class Isa { kNarrow, kVnni256, kWide };
+std::atomic<Isa> g_isa{[] {
   const char* env = std::getenv("MCSD_CPU_ISA");
-  return cpu_has_512() && !(env != nullptr && std::string(env) == "avx2");
+  const std::string want = env != nullptr ? env : "";
+  if (want == "avx2") return Isa::kNarrow;
+  if (want != "avxvnni" && cpu_has_512()) return Isa::kWide;
+  return cpu_has_vnni256() ? Isa::kVnni256 : Isa::kNarrow;
 }()};
 
 // Where packed_linear's outputs go: y [M, N] in fp32 or bf16, plus an optional fp32 bias of N.
@@ -1360,8 +1436,9 @@ void finish(const float* buf, int64_t ld, int64_t rows, int64_t cols, const Out&
 template <typename Acts>
 void packed_linear(const GroupKernels<Acts>& k, const uint8_t* wp, int64_t G, int64_t group_bytes, const Acts& a,
                    int64_t M, int64_t K, const Out& out) {
-  const bool wide = g_wide.load(std::memory_order_relaxed) && k.wide[8] != nullptr;
-  const GroupFn<Acts>* rows = wide ? k.wide : k.rows;
+  const Isa isa = g_isa.load(std::memory_order_relaxed);
+  const bool wide = isa == Isa::kWide && k.wide[8] != nullptr;
+  const GroupFn<Acts>* rows = wide ? k.wide : isa == Isa::kVnni256 && k.vnni[4] != nullptr ? k.vnni : k.rows;
   const int64_t most = wide ? 8 : 4;  // activation rows per pass
   const int64_t N = kPackRows * G;
   // Groups go in chunks of about kChunkBytes, which stay in the core's L2 while every panel of
@@ -1525,8 +1602,9 @@ at::Tensor quant_dequantize(const at::Tensor& w, int64_t type, int64_t K) {
   return y;
 }
 
-// "avx512" or "avx2" (or "portable"): the quantized kernels in use; `set` ("avx512" / "avx2", "" to only
-// ask) switches them, and asking for 512-bit kernels the CPU lacks is an error.
+// "avx512", "avxvnni" or "avx2" (or "portable"): the quantized kernels in use ("avxvnni": the 256-bit
+// ones, with AVX-VNNI where a type has such a kernel, Q4_K); `set` (one of those, "" to only ask)
+// switches them, and asking for kernels the CPU lacks is an error.
 std::string quant_isa(const std::string& set) {
 #if defined(__AVX2__)
   const std::string narrow = "avx2";
@@ -1535,13 +1613,17 @@ std::string quant_isa(const std::string& set) {
 #endif
   if (set == "avx512") {
     TORCH_CHECK(cpu_has_512(), "quant_isa: this CPU (or build) has no AVX-512 with VNNI");
-    g_wide = true;
+    g_isa = Isa::kWide;
+  } else if (set == "avxvnni") {
+    TORCH_CHECK(cpu_has_vnni256(), "quant_isa: this CPU (or build) has no AVX-VNNI");
+    g_isa = Isa::kVnni256;
   } else if (set == "avx2" || set == "portable") {
-    g_wide = false;
+    g_isa = Isa::kNarrow;
   } else {
-    TORCH_CHECK(set.empty(), "quant_isa: expected 'avx512', 'avx2' or '', got '", set, "'");
+    TORCH_CHECK(set.empty(), "quant_isa: expected 'avx512', 'avxvnni', 'avx2' or '', got '", set, "'");
   }
-  return g_wide ? "avx512" : narrow;
+  const Isa isa = g_isa.load();
+  return isa == Isa::kWide ? "avx512" : isa == Isa::kVnni256 ? "avxvnni" : narrow;
 }
 
 }  // namespace

@@ -3,13 +3,20 @@ package's dequantize + an fp64 matmul of the kernel's rounded activations (exact
 within the activation rounding of the unrounded product (per 32, or per 256 for the k-quants); every row count 1..64 batch-invariant, odd
 shapes refused."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from engine.models import qweight
+from engine.models import cpu_kernels, qweight
 from engine.models.qweight import BLOCK_TYPES, QuantWeight, quantize_q8_0
+
+ROOT = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.skipif(not qweight.available(), reason="CPU kernels unavailable on this machine")
 
@@ -212,15 +219,18 @@ def test_a_padded_group_keeps_the_shape_and_the_bias(type_id):
     assert torch.equal(w.linear(xb, bb), whole.linear(xb, torch.cat([bb, bb.new_zeros(5)]))[:, :11])
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avxvnni"])
 @pytest.mark.parametrize("type_id", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
-def test_the_512_bit_kernels_give_the_same_bits(type_id):
-    """Where the CPU has AVX-512 with VNNI, the 512-bit kernels are used, and every row count
-    gives bitwise the 256-bit kernels' result (so batch invariance and the exactness tests above carry
-    over).  Elsewhere asking for them is a clear error and the 256-bit ones stay in use."""
+def test_the_wider_kernels_give_the_same_bits(type_id, isa):
+    """Where the CPU has AVX-512 with VNNI (or AVX-VNNI), those kernels can be switched on, and every
+    row count gives bitwise the 256-bit AVX2 kernels' result (so batch invariance and the exactness
+    tests above carry over).  Elsewhere asking for them is a clear error and the kernels in use stay."""
+    flags = cpu_kernels.cpu_flags() or set()
+    has = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags if isa == "avx512" else "avx_vnni" in flags
     before = qweight.kernel_isa()
-    if before != "avx512":
-        with pytest.raises(RuntimeError, match="no AVX-512"):
-            qweight.kernel_isa("avx512")
+    if not has or before == "portable":
+        with pytest.raises(RuntimeError, match="no AVX-512" if isa == "avx512" else "no AVX-VNNI"):
+            qweight.kernel_isa(isa)
         assert qweight.kernel_isa() == before
         return
     w = random_blocks(type_id, 21, 768, seed=5)
@@ -228,10 +238,34 @@ def test_the_512_bit_kernels_give_the_same_bits(type_id):
     try:
         assert qweight.kernel_isa("avx2") == "avx2"
         narrow = [w.linear(x[:m]) for m in range(1, 65)]
-        assert qweight.kernel_isa("avx512") == "avx512"
+        assert qweight.kernel_isa(isa) == isa
         for m in range(1, 65):
             assert torch.equal(w.linear(x[:m]), narrow[m - 1]), m
     finally:
         qweight.kernel_isa(before)
     with pytest.raises(RuntimeError, match="expected 'avx512'"):
         qweight.kernel_isa("sse")
+
+
+def test_the_default_kernels_are_the_widest_the_cpu_has():
+    """Without MCSD_CPU_ISA, a process starts on the 512-bit kernels where the CPU has AVX-512 with
+    VNNI, else on the AVX-VNNI ones where it has those, else on the AVX2 ones; MCSD_CPU_ISA=avx2 and
+    =avxvnni start it on those (avxvnni only where the CPU has it)."""
+    flags = cpu_kernels.cpu_flags() or set()
+    if cpu_kernels.build_kind() == "portable":
+        want = "portable"
+    elif {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        want = "avx512"
+    elif "avx_vnni" in flags:
+        want = "avxvnni"
+    else:
+        want = "avx2"
+    narrow = "portable" if want == "portable" else "avx2"
+    vnni = "avxvnni" if want != "portable" and "avx_vnni" in flags else narrow
+    code = "from engine.models import qweight; print(qweight.kernel_isa())"
+    env = {k: v for k, v in os.environ.items() if k != "MCSD_CPU_ISA"}
+    for setting, expected in ((None, want), ("avx2", narrow), ("avxvnni", vnni)):
+        run_env = env if setting is None else {**env, "MCSD_CPU_ISA": setting}
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, cwd=ROOT, capture_output=True, text=True,
+                             check=True)
+        assert out.stdout.strip() == expected, setting
