@@ -154,7 +154,7 @@ def available() -> bool:
 
 def kernel_isa(switch: str = "") -> str:
     """The quantized kernels in use: ``"avx512"`` (512-bit, with VNNI: chosen where the CPU has them),
-    ``"avxvnni"`` (256-bit with AVX-VNNI, for Q4_K, the AVX2 ones for the other types: chosen where
+    ``"avxvnni"`` (256-bit with AVX-VNNI for Q4_K and the 32-weight types, AVX2 for Q5_K and Q6_K: chosen where
     the CPU has AVX-VNNI but no AVX-512, as Intel's client cores), ``"avx2"`` or ``"portable"``.
     ``switch`` (one of the first three) changes them for the process; all give bitwise the same
     results, so this is for timing and tests.  ``MCSD_CPU_ISA=avx2`` (or ``avxvnni``) starts a process

@@ -1053,7 +1053,7 @@ bool cpu_has_512() { return false; }
 
 // ------------------------------------------------------------------------------------ Q4_K, AVX-VNNI
 // CPUs with AVX-VNNI but no AVX-512 (Intel's client cores since Alder Lake) run Q4_K's 256-bit kernel
-// with the 512-bit one's integer steps: vpdpbusd sums a sub-block's products without its scale (16
+// (and the 32-weight blocks', b32_group_vnni below) with the 512-bit one's integer steps: vpdpbusd sums a sub-block's products without its scale (16
 // per int32 lane, at most 16 * 15 * 127 = 30480), then one vpdpwssd multiplies them by the scales
 // (kU32 layout), where the AVX2 kernel takes maddubs, 16-bit adds and a madd.  The same integers, then
 // k_scaled: bitwise the other kernels' results (tested), so it changes the time only.  Compiled for
@@ -1318,6 +1318,53 @@ MCSD_TARGET_512 void b32_group_512(const uint8_t* w, const QActs32& a, int64_t m
 }
 #endif
 
+#if defined(MCSD_HAVE_VNNI256)
+// AVX-VNNI, 256-bit: b32_group_512's integer steps on rows 0-3 and 4-7 in turn (h), vpdpbusd taking
+// every l-block's products to int32 where the AVX2 kernel takes maddubs, 16-bit adds and a madd.  The
+// same integers (Q8_0 read as w + 128, z = 128), then the same float work: bitwise b32_group's results.
+template <int C, int64_t kType>
+MCSD_TARGET_VNNI256 void b32_group_vnni(const uint8_t* w, const QActs32& a, int64_t m, float* y, int64_t ldy,
+                                        Ahead ahead) {
+  constexpr int kBytes = b32_bytes(kType), kQs = b32_qs(kType), kZero = kType == 8 ? 128 : b32_zero_point(kType);
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  for (int64_t blk = 0; blk < a.blocks; ++blk) {
+    const uint8_t* b = w + blk * kBytes;
+    ahead.unit(blk, kBytes);
+    __m256i isum[2][C];
+    for (int h = 0; h < 2; ++h) {
+      for (int c = 0; c < C; ++c) isum[h][c] = _mm256_setzero_si256();
+      for (int lb = 0; lb < 4; ++lb) {
+        __m256i u;
+        if (kType == 8) {
+          u = _mm256_xor_si256(load32b(b + 16 + 64 * lb + 32 * h), _mm256_set1_epi8(static_cast<char>(0x80)));
+        } else {
+          const __m256i nib = load32b(b + kQs + 64 * (lb & 1) + 32 * h);
+          u = _mm256_and_si256(lb < 2 ? nib : _mm256_srli_epi16(nib, 4), low4);
+          if (kType == 6) {
+            uint32_t bits;
+            std::memcpy(&bits, b + 16 + 8 * lb + 4 * h, 4);  // rows 4 h .. 4 h + 3: bit 8 r' + l, weight 8 lb + l
+            u = _mm256_or_si256(u, bits_to_16s(bits));
+          }
+        }
+        for (int c = 0; c < C; ++c)
+          isum[h][c] = _mm256_dpbusd_avx_epi32(isum[h][c], u, _mm256_set1_epi64x(load64(a.x(m + c, blk) + 8 * lb)));
+      }
+    }
+    const __m256 d8 = fp16x8(b);
+    for (int c = 0; c < C; ++c) {
+      __m256i i8 = pair_sums_256(isum[0][c], isum[1][c]);
+      if (kZero != 0) i8 = _mm256_sub_epi32(i8, _mm256_set1_epi32(kZero * a.sum(m + c, blk)));
+      const float dx = a.scale(m + c, blk);
+      acc[c] = k_scaled(acc[c], i8, d8, dx);
+      if (kType == 3) acc[c] = _mm256_fmadd_ps(fp16x8(b + 16), _mm256_set1_ps(dx * static_cast<float>(a.sum(m + c, blk))), acc[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * ldy, acc[c]);
+}
+#endif
+
 // ------------------------------------------------------------------------------------ the driver
 template <typename Acts>
 using GroupFn = void (*)(const uint8_t*, const Acts&, int64_t, float*, int64_t, Ahead);
@@ -1359,6 +1406,16 @@ B32(q5_0_group_512, 6)
 B32(q8_0_group_512, 8)
 #undef B32
 #endif
+#if defined(MCSD_HAVE_VNNI256)
+#define B32(f, id)                                                                                     \
+  template <int C>                                                                                     \
+  void f(const uint8_t* w, const QActs32& a, int64_t m, float* y, int64_t ldy, Ahead ahead) { b32_group_vnni<C, id>(w, a, m, y, ldy, ahead); }
+B32(q4_0_group_vnni, 2)
+B32(q4_1_group_vnni, 3)
+B32(q5_0_group_vnni, 6)
+B32(q8_0_group_vnni, 8)
+#undef B32
+#endif
 
 const GroupKernels<QActsK>& k_kernels(int64_t id) {
 #if defined(MCSD_HAVE_VNNI256)
@@ -1372,10 +1429,17 @@ const GroupKernels<QActsK>& k_kernels(int64_t id) {
 }
 
 const GroupKernels<QActs32>& b32_kernels(int64_t id) {
+#if defined(MCSD_HAVE_VNNI256)
+  static const GroupKernels<QActs32> q4_0{NARROW(q4_0_group), WIDE(q4_0_group_512), NARROW(q4_0_group_vnni)};
+  static const GroupKernels<QActs32> q4_1{NARROW(q4_1_group), WIDE(q4_1_group_512), NARROW(q4_1_group_vnni)};
+  static const GroupKernels<QActs32> q5_0{NARROW(q5_0_group), WIDE(q5_0_group_512), NARROW(q5_0_group_vnni)};
+  static const GroupKernels<QActs32> q8_0{NARROW(q8_0_group), WIDE(q8_0_group_512), NARROW(q8_0_group_vnni)};
+#else
   static const GroupKernels<QActs32> q4_0{NARROW(q4_0_group), WIDE(q4_0_group_512)};
   static const GroupKernels<QActs32> q4_1{NARROW(q4_1_group), WIDE(q4_1_group_512)};
   static const GroupKernels<QActs32> q5_0{NARROW(q5_0_group), WIDE(q5_0_group_512)};
   static const GroupKernels<QActs32> q8_0{NARROW(q8_0_group), WIDE(q8_0_group_512)};
+#endif
   return id == 2 ? q4_0 : id == 3 ? q4_1 : id == 6 ? q5_0 : q8_0;
 }
 #undef WIDE
@@ -1603,8 +1667,8 @@ at::Tensor quant_dequantize(const at::Tensor& w, int64_t type, int64_t K) {
 }
 
 // "avx512", "avxvnni" or "avx2" (or "portable"): the quantized kernels in use ("avxvnni": the 256-bit
-// ones, with AVX-VNNI where a type has such a kernel, Q4_K); `set` (one of those, "" to only ask)
-// switches them, and asking for kernels the CPU lacks is an error.
+// ones, with AVX-VNNI where a type has such a kernel: Q4_K and the 32-weight types); `set` (one of
+// those, "" to only ask) switches them, and asking for kernels the CPU lacks is an error.
 std::string quant_isa(const std::string& set) {
 #if defined(__AVX2__)
   const std::string narrow = "avx2";
