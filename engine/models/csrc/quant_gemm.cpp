@@ -692,6 +692,36 @@ inline __m256i fifth_256(__m256i h, int bit) {
   return _mm256_slli_epi16(b, 4);
 }
 
+// Sub-block pair j's weights of rows 4 h .. 4 h + 3 as bytes, per l-block: lo (sub-block 2 j) and hi
+// (2 j + 1), with Q5_K's fifth bits.
+template <bool kFifth>
+inline void k4_unpack_256(const uint8_t* b, int j, int h, __m256i* lo, __m256i* hi) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  for (int lb = 0; lb < 4; ++lb) {
+    const __m256i v = load32b(b + kK4Qs + 256 * j + 64 * lb + 32 * h);
+    lo[lb] = _mm256_and_si256(v, low4);
+    hi[lb] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    if (kFifth) {
+      const __m256i qh = load32b(b + kK5Qh + 64 * lb + 32 * h);
+      lo[lb] = _mm256_or_si256(lo[lb], fifth_256(qh, 2 * j));
+      hi[lb] = _mm256_or_si256(hi[lb], fifth_256(qh, 2 * j + 1));
+    }
+  }
+}
+
+// A Q4_K / Q5_K super-block's float work for activation rows m .. m + C - 1 (256-bit kernels): the
+// 8 rows' sums (rows 0-3 in isum[0], 4-7 in isum[1]) and mins scaled into acc and accm.
+template <int C>
+inline void k4_scale_256(const uint8_t* b, const QActsK& a, int64_t m, int64_t s, const __m256i (*isum)[C],
+                         __m256* acc, __m256* accm) {
+  const __m256 d8 = fp16x8(b), dm8 = fp16x8(b + 16);
+  for (int c = 0; c < C; ++c) {
+    const float dx = a.scale(m + c, s);
+    acc[c] = k_scaled(acc[c], pair_sums_256(isum[0][c], isum[1][c]), d8, dx);
+    accm[c] = k_scaled(accm[c], scale_dot<4, false>(b + kK4Mins, a.pair_sums(m + c, s)), dm8, dx);
+  }
+}
+
 // Q4_K (kFifth = false) and Q5_K, 256-bit: packed group `w` times activation rows m .. m + C - 1;
 // y[c * ldy + r] for the group's 8 rows r.  Rows 0-3 and 4-7 take turns (h): a register holds 4 rows.
 template <int C, bool kFifth>
@@ -699,7 +729,6 @@ void k4_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ld
   constexpr int kBytes = kFifth ? kK5Bytes : kK4Bytes;
   __m256 acc[C], accm[C];
   for (int c = 0; c < C; ++c) acc[c] = accm[c] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
   for (int64_t s = 0; s < a.supers; ++s) {
     const uint8_t* b = w + s * kBytes;
     ahead.unit(s, kBytes);
@@ -710,16 +739,7 @@ void k4_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ld
         const __m256i pair = _mm256_broadcastsi128_si256(load16(b + kK4Scales + 16 * j));
         const __m256i slo = scales_256<kU16>(pair, 0, h), shi = scales_256<kU16>(pair, 1, h);
         __m256i lo[4], hi[4];
-        for (int lb = 0; lb < 4; ++lb) {
-          const __m256i v = load32b(b + kK4Qs + 256 * j + 64 * lb + 32 * h);
-          lo[lb] = _mm256_and_si256(v, low4);
-          hi[lb] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-          if (kFifth) {
-            const __m256i qh = load32b(b + kK5Qh + 64 * lb + 32 * h);
-            lo[lb] = _mm256_or_si256(lo[lb], fifth_256(qh, 2 * j));
-            hi[lb] = _mm256_or_si256(hi[lb], fifth_256(qh, 2 * j + 1));
-          }
-        }
+        k4_unpack_256<kFifth>(b, j, h, lo, hi);
         // A sub-block's 4 registers of maddubs pairs added as int16 (at most 8 * 31 * 127 = 31496), then
         // one madd against its scales, where there was one per register.
         for (int c = 0; c < C; ++c) {
@@ -734,12 +754,7 @@ void k4_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ld
         }
       }
     }
-    const __m256 d8 = fp16x8(b), dm8 = fp16x8(b + 16);
-    for (int c = 0; c < C; ++c) {
-      const float dx = a.scale(m + c, s);
-      acc[c] = k_scaled(acc[c], pair_sums_256(isum[0][c], isum[1][c]), d8, dx);
-      accm[c] = k_scaled(accm[c], scale_dot<4, false>(b + kK4Mins, a.pair_sums(m + c, s)), dm8, dx);
-    }
+    k4_scale_256<C>(b, a, m, s, isum, acc, accm);
   }
   for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * ldy, _mm256_sub_ps(acc[c], accm[c]));
 }
@@ -1067,7 +1082,6 @@ MCSD_TARGET_VNNI256 void q4k_group_vnni(const uint8_t* w, const QActsK& a, int64
                                         Ahead ahead) {
   __m256 acc[C], accm[C];
   for (int c = 0; c < C; ++c) acc[c] = accm[c] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
   for (int64_t s = 0; s < a.supers; ++s) {
     const uint8_t* b = w + s * kK4Bytes;
     ahead.unit(s, kK4Bytes);
@@ -1078,11 +1092,7 @@ MCSD_TARGET_VNNI256 void q4k_group_vnni(const uint8_t* w, const QActsK& a, int64
         const __m256i pair = _mm256_broadcastsi128_si256(load16(b + kK4Scales + 16 * j));
         const __m256i slo = scales_256<kU32>(pair, 0, h), shi = scales_256<kU32>(pair, 1, h);
         __m256i lo[4], hi[4];
-        for (int lb = 0; lb < 4; ++lb) {
-          const __m256i v = load32b(b + kK4Qs + 256 * j + 64 * lb + 32 * h);
-          lo[lb] = _mm256_and_si256(v, low4);
-          hi[lb] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        }
+        k4_unpack_256<false>(b, j, h, lo, hi);
         for (int c = 0; c < C; ++c) {
           const int8_t* xq = a.x(m + c, s) + 64 * j;
           __m256i tlo = _mm256_setzero_si256(), thi = _mm256_setzero_si256();
@@ -1094,12 +1104,7 @@ MCSD_TARGET_VNNI256 void q4k_group_vnni(const uint8_t* w, const QActsK& a, int64
         }
       }
     }
-    const __m256 d8 = fp16x8(b), dm8 = fp16x8(b + 16);
-    for (int c = 0; c < C; ++c) {
-      const float dx = a.scale(m + c, s);
-      acc[c] = k_scaled(acc[c], pair_sums_256(isum[0][c], isum[1][c]), d8, dx);
-      accm[c] = k_scaled(accm[c], scale_dot<4, false>(b + kK4Mins, a.pair_sums(m + c, s)), dm8, dx);
-    }
+    k4_scale_256<C>(b, a, m, s, isum, acc, accm);
   }
   for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * ldy, _mm256_sub_ps(acc[c], accm[c]));
 }
