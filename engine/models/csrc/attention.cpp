@@ -381,15 +381,15 @@ void attend_block(int64_t nq, int64_t group, int64_t D, const int64_t* keys, con
   }
 }
 
-// Scratch of one thread for blocks of up to nq queries: their heads' queries, scores (L + kTile apart),
-// max / sum, outputs and key lists, and kTile rows in fp32.
-// The fp32 rows start on 64-byte boundaries, so that a 16-lane load or store of a row (D a multiple of
-// 16) never spans two cache lines (malloc aligns to 16 bytes).
+// n floats starting on a 64-byte boundary, so that a 16-lane load or store of a row (D a multiple of
+// 16) never spans two cache lines (malloc aligns to 16 bytes).  Not copyable: p_ points into raw_.
 class Floats {
  public:
   explicit Floats(int64_t n) : raw_(static_cast<size_t>(n) + 15) {
     p_ = raw_.data() + ((-reinterpret_cast<uintptr_t>(raw_.data()) & 63) / sizeof(float));
   }
+  Floats(const Floats&) = delete;
+  Floats& operator=(const Floats&) = delete;
   float* data() { return p_; }
 
  private:
@@ -397,6 +397,8 @@ class Floats {
   float* p_;
 };
 
+// Scratch of one thread for blocks of up to nq queries: their heads' queries, scores (L + kTile apart),
+// max / sum, outputs and key lists, and kTile rows in fp32.
 struct Scratch {
   Floats qf, o, s, row, m, l;
   std::vector<int64_t> keys, n;

@@ -27,13 +27,14 @@ inline bool cpu_has_avx512f() {
 }
 
 // Whether the fp32 kernels (attention, layer operations) run 16 lanes at a time: where the CPU has
-// AVX-512F, unless MCSD_CPU_ISA=avx2 or avxvnni (read once) or torch.ops.mcsd_cpu.vector_isa switches them.  Every
-// such variant computes each lane by the 8-lane code's operations, so both widths give the same bits;
+// AVX-512F, unless MCSD_CPU_ISA is avx2 or avxvnni (read once) or torch.ops.mcsd_cpu.vector_isa
+// switches them.  Every such variant computes each lane by the 8-lane code's operations, so both widths give the same bits;
 // the switch is for timing and tests.  One flag for the whole library (an inline function's static).
 inline std::atomic<bool>& wide_vectors() {
   static std::atomic<bool> wide{[] {
-    const char* env = std::getenv("MCSD_CPU_ISA");
-    return cpu_has_avx512f() && !(env != nullptr && (std::string(env) == "avx2" || std::string(env) == "avxvnni"));
+    const char* set = std::getenv("MCSD_CPU_ISA");
+    const std::string env = set != nullptr ? set : "";
+    return cpu_has_avx512f() && env != "avx2" && env != "avxvnni";
   }()};
   return wide;
 }

@@ -1110,9 +1110,8 @@ MCSD_TARGET_VNNI256 void q4k_group_vnni(const uint8_t* w, const QActsK& a, int64
 }
 
 // AVX-VNNI is CPUID leaf 7, sub-leaf 1, EAX bit 4 (GCC 12's __builtin_cpu_supports does not know it).
+// (This build loads only on CPUs with AVX2 + FMA + F16C: cpu_kernels.build_kind.)
 bool cpu_has_vnni256() {
-  __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return false;
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
   return (eax >> 4) & 1u;
@@ -1190,14 +1189,44 @@ QActs32 quantize_acts_32(const T* x, int64_t M, int64_t K) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
+// L-block lb's unsigned quants of rows 4 h .. 4 h + 3 (Q4_0, Q4_1, Q5_0: nibbles, with Q5_0's fifth
+// bits).
+template <int64_t kType>
+inline __m256i b32_nibbles_256(const uint8_t* b, int lb, int h) {
+  const __m256i nib = load32b(b + b32_qs(kType) + 64 * (lb & 1) + 32 * h);
+  __m256i u = _mm256_and_si256(lb < 2 ? nib : _mm256_srli_epi16(nib, 4), _mm256_set1_epi8(0x0f));
+  if (kType == 6) {
+    uint32_t bits;
+    std::memcpy(&bits, b + 16 + 8 * lb + 4 * h, 4);  // rows 4 h .. 4 h + 3: bit 8 r' + l, weight 8 lb + l
+    u = _mm256_or_si256(u, bits_to_16s(bits));
+  }
+  return u;
+}
+
+// A block's float work for activation rows m .. m + C - 1 (256-bit kernels): the 8 rows' sums (rows
+// 0-3 in isum[0], 4-7 in isum[1]) less kZero times the activation's block sum, scaled into acc; Q4_1
+// also adds its m term.
+template <int C, int64_t kType, int kZero>
+inline void b32_scale_256(const uint8_t* b, const QActs32& a, int64_t m, int64_t blk, const __m256i (*isum)[C],
+                          __m256* acc) {
+  const __m256 d8 = fp16x8(b);
+  for (int c = 0; c < C; ++c) {
+    __m256i i8 = pair_sums_256(isum[0][c], isum[1][c]);
+    if (kZero != 0) i8 = _mm256_sub_epi32(i8, _mm256_set1_epi32(kZero * a.sum(m + c, blk)));
+    const float dx = a.scale(m + c, blk);
+    acc[c] = k_scaled(acc[c], i8, d8, dx);
+    if (kType == 3) acc[c] = _mm256_fmadd_ps(fp16x8(b + 16), _mm256_set1_ps(dx * static_cast<float>(a.sum(m + c, blk))), acc[c]);
+  }
+}
+
 // Packed group `w` (K / 32 blocks) times activation rows m .. m + C - 1: y[c * ldy + r], rows 0-3 and
 // 4-7 in turn (h).
 template <int C, int64_t kType>
 void b32_group(const uint8_t* w, const QActs32& a, int64_t m, float* y, int64_t ldy, Ahead ahead) {
-  constexpr int kBytes = b32_bytes(kType), kQs = b32_qs(kType);
+  constexpr int kBytes = b32_bytes(kType);
   __m256 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t blk = 0; blk < a.blocks; ++blk) {
     const uint8_t* b = w + blk * kBytes;
     ahead.unit(blk, kBytes);
@@ -1217,27 +1246,13 @@ void b32_group(const uint8_t* w, const QActs32& a, int64_t m, float* y, int64_t 
       __m256i s16[C];  // int16 pair sums of the 4 l-blocks: at most 4 x 2 x 31 x 127
       for (int c = 0; c < C; ++c) s16[c] = _mm256_setzero_si256();
       for (int lb = 0; lb < 4; ++lb) {
-        const __m256i nib = load32b(b + kQs + 64 * (lb & 1) + 32 * h);
-        __m256i u = _mm256_and_si256(lb < 2 ? nib : _mm256_srli_epi16(nib, 4), low4);
-        if (kType == 6) {
-          uint32_t bits;
-          std::memcpy(&bits, b + 16 + 8 * lb + 4 * h, 4);  // rows 4 h .. 4 h + 3: bit 8 r' + l, weight 8 lb + l
-          u = _mm256_or_si256(u, bits_to_16s(bits));
-        }
+        const __m256i u = b32_nibbles_256<kType>(b, lb, h);
         for (int c = 0; c < C; ++c)
           s16[c] = _mm256_add_epi16(s16[c], _mm256_maddubs_epi16(u, _mm256_set1_epi64x(load64(a.x(m + c, blk) + 8 * lb))));
       }
       for (int c = 0; c < C; ++c) isum[h][c] = _mm256_madd_epi16(s16[c], ones);
     }
-    const __m256 d8 = fp16x8(b);
-    for (int c = 0; c < C; ++c) {
-      __m256i i8 = pair_sums_256(isum[0][c], isum[1][c]);
-      if (b32_zero_point(kType) != 0)
-        i8 = _mm256_sub_epi32(i8, _mm256_set1_epi32(b32_zero_point(kType) * a.sum(m + c, blk)));
-      const float dx = a.scale(m + c, blk);
-      acc[c] = k_scaled(acc[c], i8, d8, dx);
-      if (kType == 3) acc[c] = _mm256_fmadd_ps(fp16x8(b + 16), _mm256_set1_ps(dx * static_cast<float>(a.sum(m + c, blk))), acc[c]);
-    }
+    b32_scale_256<C, kType, b32_zero_point(kType)>(b, a, m, blk, isum, acc);
   }
   for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * ldy, acc[c]);
 }
@@ -1330,10 +1345,9 @@ MCSD_TARGET_512 void b32_group_512(const uint8_t* w, const QActs32& a, int64_t m
 template <int C, int64_t kType>
 MCSD_TARGET_VNNI256 void b32_group_vnni(const uint8_t* w, const QActs32& a, int64_t m, float* y, int64_t ldy,
                                         Ahead ahead) {
-  constexpr int kBytes = b32_bytes(kType), kQs = b32_qs(kType), kZero = kType == 8 ? 128 : b32_zero_point(kType);
+  constexpr int kBytes = b32_bytes(kType);
   __m256 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
   for (int64_t blk = 0; blk < a.blocks; ++blk) {
     const uint8_t* b = w + blk * kBytes;
     ahead.unit(blk, kBytes);
@@ -1341,30 +1355,13 @@ MCSD_TARGET_VNNI256 void b32_group_vnni(const uint8_t* w, const QActs32& a, int6
     for (int h = 0; h < 2; ++h) {
       for (int c = 0; c < C; ++c) isum[h][c] = _mm256_setzero_si256();
       for (int lb = 0; lb < 4; ++lb) {
-        __m256i u;
-        if (kType == 8) {
-          u = _mm256_xor_si256(load32b(b + 16 + 64 * lb + 32 * h), _mm256_set1_epi8(static_cast<char>(0x80)));
-        } else {
-          const __m256i nib = load32b(b + kQs + 64 * (lb & 1) + 32 * h);
-          u = _mm256_and_si256(lb < 2 ? nib : _mm256_srli_epi16(nib, 4), low4);
-          if (kType == 6) {
-            uint32_t bits;
-            std::memcpy(&bits, b + 16 + 8 * lb + 4 * h, 4);  // rows 4 h .. 4 h + 3: bit 8 r' + l, weight 8 lb + l
-            u = _mm256_or_si256(u, bits_to_16s(bits));
-          }
-        }
+        const __m256i u = kType == 8 ? _mm256_xor_si256(load32b(b + 16 + 64 * lb + 32 * h), _mm256_set1_epi8(static_cast<char>(0x80)))
+                                     : b32_nibbles_256<kType>(b, lb, h);
         for (int c = 0; c < C; ++c)
           isum[h][c] = _mm256_dpbusd_avx_epi32(isum[h][c], u, _mm256_set1_epi64x(load64(a.x(m + c, blk) + 8 * lb)));
       }
     }
-    const __m256 d8 = fp16x8(b);
-    for (int c = 0; c < C; ++c) {
-      __m256i i8 = pair_sums_256(isum[0][c], isum[1][c]);
-      if (kZero != 0) i8 = _mm256_sub_epi32(i8, _mm256_set1_epi32(kZero * a.sum(m + c, blk)));
-      const float dx = a.scale(m + c, blk);
-      acc[c] = k_scaled(acc[c], i8, d8, dx);
-      if (kType == 3) acc[c] = _mm256_fmadd_ps(fp16x8(b + 16), _mm256_set1_ps(dx * static_cast<float>(a.sum(m + c, blk))), acc[c]);
-    }
+    b32_scale_256<C, kType, kType == 8 ? 128 : b32_zero_point(kType)>(b, a, m, blk, isum, acc);
   }
   for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * ldy, acc[c]);
 }
@@ -1389,6 +1386,11 @@ struct GroupKernels {
 #define WIDE(f) {}
 #endif
 #define NARROW(f) {nullptr, f<1>, f<2>, f<3>, f<4>}
+#if defined(MCSD_HAVE_VNNI256)
+#define VNNI(f) NARROW(f)
+#else
+#define VNNI(f) {}
+#endif
 template <int C>
 void q4k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy, Ahead ahead) { k4_group<C, false>(w, a, m, y, ldy, ahead); }
 template <int C>
@@ -1423,30 +1425,20 @@ B32(q8_0_group_vnni, 8)
 #endif
 
 const GroupKernels<QActsK>& k_kernels(int64_t id) {
-#if defined(MCSD_HAVE_VNNI256)
-  static const GroupKernels<QActsK> q4k{NARROW(q4k_group), WIDE(q4k_group_512), NARROW(q4k_group_vnni)};
-#else
-  static const GroupKernels<QActsK> q4k{NARROW(q4k_group), WIDE(q4k_group_512)};
-#endif
+  static const GroupKernels<QActsK> q4k{NARROW(q4k_group), WIDE(q4k_group_512), VNNI(q4k_group_vnni)};
   static const GroupKernels<QActsK> q5k{NARROW(q5k_group), WIDE(q5k_group_512)};
   static const GroupKernels<QActsK> q6k{NARROW(q6k_group), WIDE(q6k_group_512)};
   return id == 12 ? q4k : id == 13 ? q5k : q6k;
 }
 
 const GroupKernels<QActs32>& b32_kernels(int64_t id) {
-#if defined(MCSD_HAVE_VNNI256)
-  static const GroupKernels<QActs32> q4_0{NARROW(q4_0_group), WIDE(q4_0_group_512), NARROW(q4_0_group_vnni)};
-  static const GroupKernels<QActs32> q4_1{NARROW(q4_1_group), WIDE(q4_1_group_512), NARROW(q4_1_group_vnni)};
-  static const GroupKernels<QActs32> q5_0{NARROW(q5_0_group), WIDE(q5_0_group_512), NARROW(q5_0_group_vnni)};
-  static const GroupKernels<QActs32> q8_0{NARROW(q8_0_group), WIDE(q8_0_group_512), NARROW(q8_0_group_vnni)};
-#else
-  static const GroupKernels<QActs32> q4_0{NARROW(q4_0_group), WIDE(q4_0_group_512)};
-  static const GroupKernels<QActs32> q4_1{NARROW(q4_1_group), WIDE(q4_1_group_512)};
-  static const GroupKernels<QActs32> q5_0{NARROW(q5_0_group), WIDE(q5_0_group_512)};
-  static const GroupKernels<QActs32> q8_0{NARROW(q8_0_group), WIDE(q8_0_group_512)};
-#endif
+  static const GroupKernels<QActs32> q4_0{NARROW(q4_0_group), WIDE(q4_0_group_512), VNNI(q4_0_group_vnni)};
+  static const GroupKernels<QActs32> q4_1{NARROW(q4_1_group), WIDE(q4_1_group_512), VNNI(q4_1_group_vnni)};
+  static const GroupKernels<QActs32> q5_0{NARROW(q5_0_group), WIDE(q5_0_group_512), VNNI(q5_0_group_vnni)};
+  static const GroupKernels<QActs32> q8_0{NARROW(q8_0_group), WIDE(q8_0_group_512), VNNI(q8_0_group_vnni)};
   return id == 2 ? q4_0 : id == 3 ? q4_1 : id == 6 ? q5_0 : q8_0;
 }
+#undef VNNI
 #undef WIDE
 #undef NARROW
 
@@ -1610,10 +1602,10 @@ at::Tensor quant_unpack(const at::Tensor& w, int64_t type, int64_t K, const at::
   return out;
 }
 
-// x @ W^T (+ bias) in fp32 for a packed weight (type | kPackedFlag), returned in x's dtype, in one operator call per linear: fp32 or bf16
-// activations are read as they are, and the bias and the rounding to bf16 are done chunk by chunk while
-// the outputs are in cache (the same fp32 operations and rounding as doing them apart).  Other dtypes
-// go through fp32.
+// x @ W^T (+ bias) in fp32 for a packed weight (type | kPackedFlag), returned in x's dtype, in one
+// operator call per linear: fp32 or bf16 activations are read as they are, and the bias and the
+// rounding to bf16 are done chunk by chunk while the outputs are in cache (the same fp32 operations and
+// rounding as doing them apart).  Other dtypes go through fp32.
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t K,
                         const std::optional<at::Tensor>& bias) {
   if ((type & kPackedFlag) == 0) {

@@ -17,6 +17,7 @@ from engine.models import cpu_kernels, qweight
 from engine.models.qweight import BLOCK_TYPES, QuantWeight, quantize_q8_0
 
 ROOT = Path(__file__).resolve().parents[3]
+_AVX512_VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}  # /proc/cpuinfo flags: the 512-bit kernels
 
 pytestmark = pytest.mark.skipif(not qweight.available(), reason="CPU kernels unavailable on this machine")
 
@@ -226,7 +227,7 @@ def test_the_wider_kernels_give_the_same_bits(type_id, isa):
     row count gives bitwise the 256-bit AVX2 kernels' result (so batch invariance and the exactness
     tests above carry over).  Elsewhere asking for them is a clear error and the kernels in use stay."""
     flags = cpu_kernels.cpu_flags() or set()
-    has = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags if isa == "avx512" else "avx_vnni" in flags
+    has = _AVX512_VNNI <= flags if isa == "avx512" else "avx_vnni" in flags
     before = qweight.kernel_isa()
     if not has or before == "portable":
         with pytest.raises(RuntimeError, match="no AVX-512" if isa == "avx512" else "no AVX-VNNI"):
@@ -254,7 +255,7 @@ def test_the_default_kernels_are_the_widest_the_cpu_has():
     flags = cpu_kernels.cpu_flags() or set()
     if cpu_kernels.build_kind() == "portable":
         want = "portable"
-    elif {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+    elif _AVX512_VNNI <= flags:
         want = "avx512"
     elif "avx_vnni" in flags:
         want = "avxvnni"
