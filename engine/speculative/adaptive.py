@@ -16,7 +16,9 @@ that ``budget`` returns; the policy keeps no per-step state of its own:
   stays that of plain decoding), then only when the expected saving over its remaining tokens exceeds
   the catch-up's measured cost (``engine.speculative.cost_model``); otherwise it decodes without the draft
   model this step.  The remaining tokens count at the measured share that comes from steps the draft
-  model can draft (``draft_share``: a step ending in a long Max-Gram match is Max-Gram's alone).  Until
+  model can draft (``draft_share``: a step ending in a long Max-Gram match is Max-Gram's alone).  For
+  such a method, a sequence's first catch-up (its prompt) also waits until its own steps without the
+  draft are estimated to have lost what the catch-up costs (ski rental, ``observe_trust``).  Until
   a few dozen first-level nodes have been verified, the acceptance estimates are still the prior, so
   one sequence at a time may catch up to measure them (a pessimistic prior would otherwise never be
   tested): one already drafting, else the one with the shortest lag; a few requests per mode at most.
@@ -46,6 +48,8 @@ the target's distribution for any threshold, head or calibrator state (chi-squar
 from __future__ import annotations
 
 import logging
+import math
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -94,9 +98,10 @@ class SpecPolicy:
     def observe(self, results: list["SeqStepResult"]) -> None:
         return None
 
-    def observe_trust(self, greedy: bool, tokens: int, trusted: bool) -> None:
-        """A step of a sequence whose method trusts long Max-Gram matches: ``tokens`` emitted, and whether
-        Max-Gram alone drafted it (the draft model could not contribute)."""
+    def observe_trust(self, seq: SeqView, tokens: int, trusted: bool, drafted: bool) -> None:
+        """A step of a sequence whose method trusts long Max-Gram matches: ``tokens`` emitted, whether
+        Max-Gram alone drafted it (the draft model could not contribute), and whether the draft model
+        drafted in it."""
         return None
 
     def catch_up_pays(self, seq: SeqView, step: Optional[StepBudget] = None) -> bool:
@@ -231,6 +236,10 @@ class AdaptiveSpeculation(SpecPolicy):
         # sequences whose method trusts long Max-Gram matches (see ``draft_share``).
         self._trust_tokens = {g: [0.0, 0.0] for g in (True, False)}
         self._explorers: dict[bool, set[str]] = {True: set(), False: set()}  # requests that caught up to explore
+        # Per sequence of such a method: the seconds its steps without the draft model are estimated to
+        # have lost before the draft first drafted for it, inf after (see ``observe_trust``).
+        self._rent: "weakref.WeakKeyDictionary[SeqView, float]" = weakref.WeakKeyDictionary()
+        self._draft_price = (0.0, math.inf)  # the last budget's saving and seconds per token, all drafting
         self._idle_steps = 0
         self._chosen_depth = self.max_depth  # the last budget's depth (a probe's when it was one)
 
@@ -279,6 +288,7 @@ class AdaptiveSpeculation(SpecPolicy):
         spec = [s for s in seqs if s.request.spec.enabled and s.draft_slot is not None]
         step.rates = {g: self.calibrators[g].rates() for g in {s.request.sampling.greedy for s in spec}}
         choice = self._choose(spec, len(seqs) - len(spec), step)
+        self._draft_price = (self.chooser.saving, self.chooser.per_token)  # with every sequence drafting
         if choice:
             # Sequences whose catch-up does not pay decode plainly this step.  Plan the step without them:
             # a budget priced for every draft slot would make the few that draft pay alone for levels
@@ -350,15 +360,34 @@ class AdaptiveSpeculation(SpecPolicy):
             explorers.add(seq.request.request_id)
             return True
         remaining = min(seq.remaining, self.HORIZON) * self.draft_share(greedy)
-        return self.chooser.cost.catch_up_pays(lag, remaining, self.chooser.saving)
+        if not self.chooser.cost.catch_up_pays(lag, remaining, self.chooser.saving):
+            return False
+        rent = self._rent.get(seq)
+        return rent is None or rent >= self.chooser.cost.catch_up_curve(lag)
 
     TRUST_DECAY = 0.995  # per observed sequence-step, as the calibrators
     TRUST_PRIOR = 16.0  # pseudo-tokens at share 1 (until measured, every token counts)
 
-    def observe_trust(self, greedy: bool, tokens: int, trusted: bool) -> None:
-        t = self._trust_tokens[greedy]
+    def observe_trust(self, seq: SeqView, tokens: int, trusted: bool, drafted: bool) -> None:
+        t = self._trust_tokens[seq.request.sampling.greedy]
         t[0] = self.TRUST_DECAY * t[0] + (0 if trusted else tokens)
         t[1] = self.TRUST_DECAY * t[1] + tokens
+        # The first catch-up (the prompt) as ski rental: the draft model is bought once the steps that
+        # went without it are estimated to have lost what the catch-up costs, and is then kept (later
+        # catch-ups are a few tokens, priced by the payback test alone).  A step without the draft that
+        # emitted k tokens lost about what plain decoding's token costs over the draft's (the budget's
+        # saving), less the k - 1 tokens Max-Gram added at the draft's price per token; a step where
+        # Max-Gram did better than that gains, down to nothing lost.  A request that copies its prompt
+        # (code) never pays for the draft to read it; one writing novel text pays after a few steps.
+        # Whatever the request turns out to need, this spends at most twice the better choice's cost.
+        rent = self._rent.get(seq, 0.0)
+        if drafted or rent == math.inf:
+            self._rent[seq] = math.inf
+        elif not trusted and self._draft_price[0] > 0:
+            saving, per_token = self._draft_price
+            self._rent[seq] = max(0.0, rent + saving - (tokens - 1) * per_token)
+        else:
+            self._rent[seq] = rent
 
     def draft_share(self, greedy: bool) -> float:
         """The share of emitted tokens that come from steps where the draft model can draft: a step whose

@@ -413,6 +413,11 @@ class BudgetChooser:
             self._per_token = float(per_token[best])
         return choice
 
+    @property
+    def per_token(self) -> float:
+        """Seconds per emitted token of the last choice (inf: it was plain decoding)."""
+        return self._per_token
+
     def level_tokens(self, block: float, draft_tokens: float, rows: float) -> float:
         """What one more draft level costs the step, in tokens at the chosen plan's seconds per token:
         a draft forward of ``draft_tokens`` nodes plus ``rows`` more verification rows on a block that

@@ -92,8 +92,8 @@ class Planner:
             for res, plan in zip(results, plans):
                 mg = plan.share(MAXGRAM_DRAFTER)
                 if mg is not None and mg.length and mg.trust:  # a method that lets long matches draft alone
-                    self.policy.observe_trust(res.seq.request.sampling.greedy, len(res.result.accepted) + 1,
-                                              mg.trusted)
+                    self.policy.observe_trust(res.seq, len(res.result.accepted) + 1, mg.trusted,
+                                              drafted=res.tree.num_sub > 0)
             self.policy.observe(results)
 
     @property

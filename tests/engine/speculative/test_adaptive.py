@@ -5,6 +5,8 @@ greedy output with adaptive depth is token-identical to plain decoding on tiny m
 
 import dataclasses
 
+import math
+
 import pytest
 import torch
 
@@ -566,13 +568,49 @@ def test_catch_ups_pay_back_only_over_the_tokens_the_draft_model_can_draft():
     needed = cost.catch_up_curve(lag) / policy.chooser.saving  # tokens left for which catching up breaks even
     assert 15 * needed < policy.HORIZON
     assert policy.catch_up_pays(LaggingSeq(lag, int(needed * 1.5)))
+    other = GreedySeq()
     for _ in range(200):  # Max-Gram drafted 9 tokens of 10 alone
-        policy.observe_trust(True, 9, trusted=True)
-        policy.observe_trust(True, 1, trusted=False)
+        policy.observe_trust(other, 9, trusted=True, drafted=False)
+        policy.observe_trust(other, 1, trusted=False, drafted=True)
     assert policy.draft_share(True) == pytest.approx(0.1, abs=0.02) and policy.draft_share(False) == 1.0
     assert not policy.catch_up_pays(LaggingSeq(lag, int(needed * 1.5)))
     assert policy.catch_up_pays(LaggingSeq(lag, int(needed * 15)))
     assert policy.catch_up_pays(LaggingSeq(3, 1))  # a short lag still always catches up
+
+
+def test_a_prompts_catch_up_waits_until_steps_without_the_draft_have_lost_what_it_costs():
+    """Ski rental: a sequence of a method that trusts long Max-Gram matches catches its prompt up only
+    once its steps without the draft model are estimated to have lost the catch-up's cost (each such
+    step the budget's saving, less the tokens past the first at the draft's price per token); steps
+    where Max-Gram alone did better lose nothing, trusted steps count nothing, and once the draft has
+    drafted for the sequence its later catch-ups are judged by the payback test alone."""
+    topo = TreeTopology((2, 1, 1))
+    cost = CostModel(CostCurve((1.0, 1000.0), (0.1, 0.2)), CostCurve((1.0, 1000.0), (0.01, 10.0)))
+    policy = AdaptiveSpeculation(topo, cost=cost)
+    n = 2 * policy.EXPLORE_NODES  # measured: no longer exploring
+    policy.calibrators[True].update(torch.ones(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
+                                    torch.full((n,), 0.5), (torch.arange(n) % 5 < 3).float())
+    seq = LaggingSeq(50, 10_000)  # pays back many times over: only the rent decides
+    policy.budget([seq])
+    saving, per_token = policy.chooser.saving, policy.chooser.per_token
+    price = cost.catch_up_curve(50)
+    assert 0 < saving < price and saving < per_token
+    assert policy.catch_up_pays(seq)  # never observed: a method without trust is not held back
+
+    policy.observe_trust(seq, 1, trusted=False, drafted=False)
+    assert not policy.catch_up_pays(seq)
+    policy.observe_trust(seq, 40, trusted=True, drafted=False)  # Max-Gram's alone: costs nothing either way
+    policy.observe_trust(seq, 5, trusted=False, drafted=False)  # Max-Gram did better than the draft would
+    assert 4 * per_token > 2 * saving and policy._rent[seq] == 0.0
+    steps = 0
+    while not policy.catch_up_pays(seq):
+        policy.observe_trust(seq, 1, trusted=False, drafted=False)
+        steps += 1
+    assert steps == math.ceil(price / saving - 1e-9)
+    policy.observe_trust(seq, 3, trusted=False, drafted=True)  # caught up and drafted: the draft is kept
+    seq.draft_cached = 10 - 30  # a later lag of 80 tokens
+    assert policy.catch_up_pays(seq) == cost.catch_up_pays(80, 10_000, policy.chooser.saving)
+    assert policy.catch_up_pays(seq)
 
 
 def test_the_budget_is_planned_for_the_sequences_that_draft():
