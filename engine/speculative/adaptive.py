@@ -80,6 +80,9 @@ class StepBudget:
     reach: dict[bool, torch.Tensor] = field(default_factory=dict)  # each topology node's P(accepted), by greedy
     probe: bool = False  # the smallest tree granted although it did not pay (the calibrator keeps learning)
     exploring: dict[bool, bool] = field(default_factory=dict)  # by greedy: a sequence already measures the prior
+    # the draft model's price with every sequence drafting: seconds per token it saves, seconds per token
+    saving: float = 0.0
+    per_token: float = math.inf
 
 
 class SpecPolicy:
@@ -98,10 +101,11 @@ class SpecPolicy:
     def observe(self, results: list["SeqStepResult"]) -> None:
         return None
 
-    def observe_trust(self, seq: SeqView, tokens: int, trusted: bool, drafted: bool) -> None:
+    def observe_trust(self, seq: SeqView, tokens: int, trusted: bool, drafted: bool,
+                      step: Optional[StepBudget] = None) -> None:
         """A step of a sequence whose method trusts long Max-Gram matches: ``tokens`` emitted, whether
-        Max-Gram alone drafted it (the draft model could not contribute), and whether the draft model
-        drafted in it."""
+        Max-Gram alone drafted it (the draft model could not contribute), whether the draft model
+        drafted in it, and the step's budget."""
         return None
 
     def catch_up_pays(self, seq: SeqView, step: Optional[StepBudget] = None) -> bool:
@@ -239,7 +243,6 @@ class AdaptiveSpeculation(SpecPolicy):
         # Per sequence of such a method: the seconds its steps without the draft model are estimated to
         # have lost before the draft first drafted for it, inf after (see ``observe_trust``).
         self._rent: "weakref.WeakKeyDictionary[SeqView, float]" = weakref.WeakKeyDictionary()
-        self._draft_price = (0.0, math.inf)  # the last budget's saving and seconds per token, all drafting
         self._idle_steps = 0
         self._chosen_depth = self.max_depth  # the last budget's depth (a probe's when it was one)
 
@@ -288,7 +291,7 @@ class AdaptiveSpeculation(SpecPolicy):
         spec = [s for s in seqs if s.request.spec.enabled and s.draft_slot is not None]
         step.rates = {g: self.calibrators[g].rates() for g in {s.request.sampling.greedy for s in spec}}
         choice = self._choose(spec, len(seqs) - len(spec), step)
-        self._draft_price = (self.chooser.saving, self.chooser.per_token)  # with every sequence drafting
+        step.saving, step.per_token = self.chooser.saving, self.chooser.per_token  # every sequence drafting
         if choice:
             # Sequences whose catch-up does not pay decode plainly this step.  Plan the step without them:
             # a budget priced for every draft slot would make the few that draft pay alone for levels
@@ -368,7 +371,8 @@ class AdaptiveSpeculation(SpecPolicy):
     TRUST_DECAY = 0.995  # per observed sequence-step, as the calibrators
     TRUST_PRIOR = 16.0  # pseudo-tokens at share 1 (until measured, every token counts)
 
-    def observe_trust(self, seq: SeqView, tokens: int, trusted: bool, drafted: bool) -> None:
+    def observe_trust(self, seq: SeqView, tokens: int, trusted: bool, drafted: bool,
+                      step: Optional[StepBudget] = None) -> None:
         t = self._trust_tokens[seq.request.sampling.greedy]
         t[0] = self.TRUST_DECAY * t[0] + (0 if trusted else tokens)
         t[1] = self.TRUST_DECAY * t[1] + tokens
@@ -379,13 +383,13 @@ class AdaptiveSpeculation(SpecPolicy):
         # saving), less the k - 1 tokens Max-Gram added at the draft's price per token; a step where
         # Max-Gram did better than that gains, down to nothing lost.  A request that copies its prompt
         # (code) never pays for the draft to read it; one writing novel text pays after a few steps.
-        # Whatever the request turns out to need, this spends at most twice the better choice's cost.
+        # As far as these estimates hold, whatever the request turns out to need, this costs at most
+        # about twice the better of catching up at once and never (docs/algorithms.md §5.5).
         rent = self._rent.get(seq, 0.0)
         if drafted or rent == math.inf:
             self._rent[seq] = math.inf
-        elif not trusted and self._draft_price[0] > 0:
-            saving, per_token = self._draft_price
-            self._rent[seq] = max(0.0, rent + saving - (tokens - 1) * per_token)
+        elif not trusted and step is not None and step.saving > 0:
+            self._rent[seq] = max(0.0, rent + step.saving - (tokens - 1) * step.per_token)
         else:
             self._rent[seq] = rent
 

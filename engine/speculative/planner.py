@@ -93,7 +93,7 @@ class Planner:
                 mg = plan.share(MAXGRAM_DRAFTER)
                 if mg is not None and mg.length and mg.trust:  # a method that lets long matches draft alone
                     self.policy.observe_trust(res.seq, len(res.result.accepted) + 1, mg.trusted,
-                                              drafted=res.tree.num_sub > 0)
+                                              drafted=res.tree.num_sub > 0, step=plan.step)
             self.policy.observe(results)
 
     @property

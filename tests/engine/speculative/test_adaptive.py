@@ -591,23 +591,25 @@ def test_a_prompts_catch_up_waits_until_steps_without_the_draft_have_lost_what_i
     policy.calibrators[True].update(torch.ones(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
                                     torch.full((n,), 0.5), (torch.arange(n) % 5 < 3).float())
     seq = LaggingSeq(50, 10_000)  # pays back many times over: only the rent decides
-    policy.budget([seq])
-    saving, per_token = policy.chooser.saving, policy.chooser.per_token
+    step = policy.budget([seq])
+    saving, per_token = step.saving, step.per_token  # the draft's price this step
     price = cost.catch_up_curve(50)
     assert 0 < saving < price and saving < per_token
     assert policy.catch_up_pays(seq)  # never observed: a method without trust is not held back
+    policy.observe_trust(seq, 1, trusted=False, drafted=False)  # no step's price: nothing lost
+    assert policy._rent[seq] == 0.0
 
-    policy.observe_trust(seq, 1, trusted=False, drafted=False)
+    policy.observe_trust(seq, 1, trusted=False, drafted=False, step=step)
     assert not policy.catch_up_pays(seq)
-    policy.observe_trust(seq, 40, trusted=True, drafted=False)  # Max-Gram's alone: costs nothing either way
-    policy.observe_trust(seq, 5, trusted=False, drafted=False)  # Max-Gram did better than the draft would
+    policy.observe_trust(seq, 40, trusted=True, drafted=False, step=step)  # Max-Gram alone: nothing either way
+    policy.observe_trust(seq, 5, trusted=False, drafted=False, step=step)  # Max-Gram did better than the draft would
     assert 4 * per_token > 2 * saving and policy._rent[seq] == 0.0
     steps = 0
     while not policy.catch_up_pays(seq):
-        policy.observe_trust(seq, 1, trusted=False, drafted=False)
+        policy.observe_trust(seq, 1, trusted=False, drafted=False, step=step)
         steps += 1
     assert steps == math.ceil(price / saving - 1e-9)
-    policy.observe_trust(seq, 3, trusted=False, drafted=True)  # caught up and drafted: the draft is kept
+    policy.observe_trust(seq, 3, trusted=False, drafted=True, step=step)  # caught up and drafted: the draft is kept
     seq.draft_cached = 10 - 30  # a later lag of 80 tokens
     assert policy.catch_up_pays(seq) == cost.catch_up_pays(80, 10_000, policy.chooser.saving)
     assert policy.catch_up_pays(seq)
