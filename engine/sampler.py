@@ -309,6 +309,10 @@ def finish_probs(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:  # [rows
         return one_hot_argmax(x)
     greedy_probs = one_hot_argmax(x) if st.any_greedy else None
     x = x / st.temperature[:, None]
+    if st.any_repetition:
+        # A small repetition penalty divides positive logits past the float range (r = 1e-196 is valid):
+        # saturated, the tokens at +inf share the mass as their limit does, where softmax would give NaN.
+        x = x.clamp(max=torch.finfo(x.dtype).max)
     if st.any_top_k:
         x = apply_top_k(x, st)
     if st.any_top_p:

@@ -63,6 +63,19 @@ def test_repetition_penalty_uses_prompt_and_generated():
     assert close(p[0], softmax([1.0, -2.0, 1.0, 0.5]))  # positive / r, negative * r, once per token
 
 
+def test_a_tiny_repetition_penalty_saturates_instead_of_giving_nan():
+    """r = 1e-196 is a valid penalty (> 0) that divides positive logits past the float range: the
+    tokens at +inf share the mass equally (softmax's limit), no row turns NaN, at any temperature."""
+    logits = torch.tensor([[2.0, 3.0, -1.0, 1.0]])
+    prompt = torch.tensor([[True, True, True, False]])
+    counts = torch.zeros(1, 4, dtype=torch.long)
+    for temperature in (1.0, 0.7):
+        p = probs_for(logits, [SamplingParams(repetition_penalty=1e-196, temperature=temperature)],
+                      counts=counts, prompt=prompt)
+        assert torch.isfinite(p).all()
+        assert close(p[0], [0.5, 0.5, 0.0, 0.0])
+
+
 def test_presence_and_frequency_use_generated_only():
     logits = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
     counts = torch.tensor([[0, 3, 1, 0]])

@@ -346,6 +346,20 @@ def test_target_init_with_one_candidate_is_greedy_and_the_mode_is_labelled(model
                 assert [o.tokens for o in outs] == [o.tokens for o in base]
 
 
+@pytest.mark.parametrize("method", ["target-init-lossy", "mcsd", "mcsd+maxgram"])
+def test_a_tiny_repetition_penalty_is_served(models, method):
+    """A repetition penalty of 1e-196 (valid: > 0) puts the seen tokens' positive logits at +inf.  Its
+    probabilities were NaN, so the target-initialised mode drew no candidate, emitted nothing, and its
+    next step's draft catch-up had no token to read (an engine error found by schemathesis).  Every
+    request now runs to its length, sampled, and frees its slots."""
+    target, _, other_draft = models
+    outs, core = run_engine(target, other_draft, PROMPTS, tree=(2, 1), ignore_eos=True, max_tokens=12,
+                            temperature=1.0, seed=3, repetition_penalty=1e-196,
+                            spec=SpecOptions(method=method), config=dict(load_aware=False))
+    assert all(len(o.tokens) == 12 for o in outs)
+    assert core.cache.free_slots == core.cache.num_slots
+
+
 @pytest.mark.parametrize("method", ["mcsd", "mcsd+maxgram", "cascade"])
 def test_lazy_draft_cache_tracks_the_sequence_under_continuous_batching(models, method):
     """Draft prefill is lazy and its catch-up chunked: after every step, every running sequence's
