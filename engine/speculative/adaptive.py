@@ -385,13 +385,12 @@ class AdaptiveSpeculation(SpecPolicy):
         # (code) never pays for the draft to read it; one writing novel text pays after a few steps.
         # As far as these estimates hold, whatever the request turns out to need, this costs at most
         # about twice the better of catching up at once and never (docs/algorithms.md §5.5).
-        rent = self._rent.get(seq, 0.0)
-        if drafted or rent == math.inf:
-            self._rent[seq] = math.inf
-        elif not trusted and step is not None and step.saving > 0:
-            self._rent[seq] = max(0.0, rent + step.saving - (tokens - 1) * step.per_token)
-        else:
-            self._rent[seq] = rent
+        rent = self._rent.get(seq, 0.0)  # inf once bought: it stays so
+        if drafted:
+            rent = math.inf
+        elif not trusted and step is not None and step.saving > 0:  # a choice that drafts: per_token finite
+            rent = max(0.0, rent + step.saving - (tokens - 1) * step.per_token)
+        self._rent[seq] = rent
 
     def draft_share(self, greedy: bool) -> float:
         """The share of emitted tokens that come from steps where the draft model can draft: a step whose
