@@ -28,7 +28,7 @@ from engine.sequence import Sequence
 from engine.speculative.adaptive import AdaptiveSpeculation, SpecPolicy
 from engine.speculative.drafter import DrafterContext, build_drafters
 from engine.speculative.drafter import limits as drafter_limits
-from engine.speculative.methods import method
+from engine.speculative.methods import DraftPlan, method
 from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.planner import Planner
 from engine.speculative.tree import TreeTopology
@@ -77,7 +77,7 @@ class EngineCore:
         self.planner = Planner.build(cfg, self.topology, self.policy, self.tokenizer, target.model, self.cache)
         drafters = build_drafters(DrafterContext(cfg, self.topology, self.planner.maxgram, proposer))
         self.runner = ModelRunner(target.model, self.cache, self.vocab_size, proposer, drafters,
-                                  build_rules(cfg, self.vocab_size))
+                                  build_rules(cfg, self.vocab_size), self.topology)
         self.scheduler = Scheduler(self.config, self.cache, proposer.cache if proposer else None, rows, entries)
         self.eos_token_ids = set(target.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -209,19 +209,27 @@ class EngineCore:
         plan = self.scheduler.schedule()
         stats = StepStats()
         stats.prefix_queried_tokens, stats.prefix_hit_tokens, stats.preemptions = self.scheduler.take_counts()
+        outputs = []
+        decode = plan.decode
         if plan.prefill:
             stats.prefill_tokens = sum(end - s.target_cached for s, end in plan.prefill)
-            self.runner.prefill(plan.prefill)
-        outputs = []
-        if plan.decode:
-            plans = self.planner.plan(plan.decode)
-            stats.budget = max(p.sub.num_nodes for p in plans)
-            results, failed = self.runner.step(plan.decode, plans, stats)
+            failed = self.runner.prefill(plan.prefill)
             if failed:
-                kept = {id(r.seq) for r in results}
-                plans = [p for s, p in zip(plan.decode, plans) if id(s) in kept]
-            self.planner.observe(results, plans, None if failed else stats.verify_seconds)
-            self.runner.observe(results, plans)
+                outputs += [self._fail(seq, exc) for seq, exc in failed]
+                gone = {id(seq) for seq, _ in failed}
+                decode = [s for s in decode if id(s) not in gone]
+        if decode:
+            plans = self._plan(decode)
+            stats.budget = max(p.sub.num_nodes for p in plans)
+            step = self.runner.step(decode, plans, stats)
+            results, failed = step.results, step.failed
+            for seq in step.stopped:
+                self.scheduler.stop_drafting(seq)
+            try:  # learning from the step: its tokens are already decided
+                self.planner.observe(results, step.plans, stats.verify_seconds if step.whole and not failed else None)
+            except Exception:  # noqa: BLE001 - a failure to learn fails no request
+                log.exception("the planner failed to learn from the step")
+            self.runner.observe(results, step.plans)
             for res in results:
                 record_step(stats, res)
                 try:
@@ -234,6 +242,15 @@ class EngineCore:
         if not plan.empty:
             self._stats.append(stats)
         return outputs
+
+    def _plan(self, seqs: list[Sequence]) -> list[DraftPlan]:
+        """The step's plans; if planning fails, plain decoding for the step (speculation only saves
+        time: its failure must not cost a request its output)."""
+        try:
+            return self.planner.plan(seqs)
+        except Exception:  # noqa: BLE001 - the step goes on without speculation
+            log.exception("planning the step failed; the batch decodes without speculation this step")
+            return self.planner.plain(seqs)
 
     def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
         """Ends ``seq`` with an error (its slots freed); the batch's other requests are untouched."""

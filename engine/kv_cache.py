@@ -273,6 +273,13 @@ class KVCache:
         self.pending[slot] = 0
         self._trim(slot, int(self.lens[slot]))
 
+    def rewind(self, slot: int, length: int) -> None:
+        """Rolls back every pending entry and the committed ones past ``length`` (a step that failed
+        after committing some: its work is redone).  Entries below ``length`` are untouched, so blocks
+        shared through the prefix cache, which a step never writes, stay as they are."""
+        self.lens[slot] = min(int(self.lens[slot]), length)
+        self.discard(slot)
+
     def keep(self, slot: int, keep_idx: list[int] | torch.Tensor) -> None:
         """Keeps the pending entries ``keep_idx`` (indices relative to the first pending entry,
         ascending), moved to sit right after the committed context; drops the rest."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Optional
 from typing import Sequence as Sequence_
 
@@ -23,6 +24,7 @@ from engine.speculative.draft_tree import DEAD, DraftTree
 from engine.speculative.drafter import Drafter
 from engine.speculative.methods import DraftPlan, method
 from engine.speculative.proposer import DraftModelProposer
+from engine.speculative.tree import TreeTopology
 from engine.speculative.verify import LOSSLESS, LosslessRule, SeqStepResult, VerifyRule
 from engine.speculative.walk import VerifyResult
 from engine.stats import StepStats, add_at
@@ -30,13 +32,37 @@ from engine.stats import StepStats, add_at
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class StepOutcome:
+    """What a decoding step did (``ModelRunner.step``)."""
+
+    results: list[SeqStepResult] = field(default_factory=list)
+    plans: list[DraftPlan] = field(default_factory=list)  # the plan each result followed, in the same order
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # ended, with the error
+    stopped: list[Sequence] = field(default_factory=list)  # speculation failed: decoded plainly, from now on
+    whole: bool = True  # the batch ran as one forward, so the step's time is the cost of its rows
+
+
+@dataclass
+class _Forward:
+    """Sequences drafted and run through the target together: their plans, trees and block logits."""
+
+    seqs: list[Sequence]
+    plans: list[DraftPlan]
+    trees: list[DraftTree]
+    logits: torch.Tensor  # [len(seqs), rows, vocab]
+    seconds: float  # the target forward (queued, on a device: its work is timed with the verification)
+
+
 class ModelRunner:
     def __init__(self, target: LlamaModel, target_cache: KVCache, vocab_size: int,
                  proposer: Optional[DraftModelProposer] = None, drafters: Sequence_[Drafter] = (),
-                 rules: Optional[dict[str, VerifyRule]] = None) -> None:
+                 rules: Optional[dict[str, VerifyRule]] = None, topology: Optional[TreeTopology] = None) -> None:
         """``proposer``: the draft model and its cache (None: no draft model); ``drafters``: what grows
         the trees, in stage order (``engine.speculative.drafter``); ``rules``: the lossy methods'
-        verification rules by name (``engine.speculative.verify.build_rules``)."""
+        verification rules by name (``engine.speculative.verify.build_rules``); ``topology``: the
+        engine's tree (its empty subtree is the plan of a sequence whose speculation failed)."""
+        self.empty = (topology or TreeTopology(())).subtree(())
         self.target = target
         self.cache = target_cache
         self.vocab_size = vocab_size
@@ -47,13 +73,37 @@ class ModelRunner:
         self.rules: dict[str, VerifyRule] = {LOSSLESS: LosslessRule(vocab_size, without), **(rules or {})}
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
-        """Caches ``seq.tokens[seq.target_cached:end]`` for each ``(seq, end)`` in the target.
+    def prefill(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Exception]]:
+        """Caches ``seq.tokens[seq.target_cached:end]`` for each ``(seq, end)`` in the target.  Returns
+        the sequences whose chunk failed, with the error: when the batch's forward fails, each chunk
+        runs alone, so one prompt's failure is that request's alone.
 
         The draft model's cache is filled lazily: the proposer's catch-up runs whatever the draft has
         not seen the first time a sequence actually drafts with it, so requests that never use the
         draft model (Max-Gram, no speculation, a load-aware budget of plain decoding) never pay for it.
         """
+        try:
+            self._prefill(chunks)
+            return []
+        except Exception as exc:  # noqa: BLE001 - find whose it is
+            if len(chunks) == 1:
+                log.error("prefill failed for request %s", chunks[0][0].request_id, exc_info=exc)
+                self.cache.discard(chunks[0][0].slot)
+                return [(chunks[0][0], exc)]
+            log.exception("prefill failed for a batch of %d chunks; running each alone", len(chunks))
+        for s, _ in chunks:
+            self.cache.discard(s.slot)
+        failed = []
+        for chunk in chunks:
+            try:
+                self._prefill([chunk])
+            except Exception as exc:  # noqa: BLE001 - this request's own failure
+                log.exception("prefill failed for request %s", chunk[0].request_id)
+                self.cache.discard(chunk[0].slot)
+                failed.append((chunk[0], exc))
+        return failed
+
+    def _prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
         blocks = [Block(s.slot, s.tokens[s.target_cached:end], list(range(s.target_cached, end)), [])
                   for s, end in chunks]
         # one forward: chunks of different lengths run packed, so none is padded to the longest
@@ -63,10 +113,40 @@ class ModelRunner:
             s.target_cached = end
 
     # ------------------------------------------------------------------ decode
-    def step(self, seqs: list[Sequence], plans: list[DraftPlan],
-             stats: StepStats) -> tuple[list[SeqStepResult], list[tuple[Sequence, Exception]]]:
-        """Drafts, verifies and updates the caches of ``seqs``.  Returns the results and the sequences
-        whose own verification failed (with the error): one request's failure is that request's alone."""
+    def step(self, seqs: list[Sequence], plans: list[DraftPlan], stats: StepStats) -> StepOutcome:
+        """Drafts, verifies and updates the caches of ``seqs`` (``plans[i]``: what sequence i drafts).
+
+        One request's failure is that request's alone:
+
+        * a sequence whose verification or cache update fails ends with the error (``failed``);
+        * when drafting or the target forward fails for the batch, each sequence runs it alone (what
+          a failed attempt left in the caches is rolled back first);
+        * a sequence whose speculative step fails alone runs it again without speculation and decodes
+          plainly from then on (its ``speculation_error``; ``stopped``).  Speculation only ever saves
+          time, so its failure costs the request none of its output; one that fails without
+          speculation ends with the error."""
+        out = StepOutcome()
+        forwards = self._forward_isolated(seqs, plans, out, stats)
+        t1 = time.perf_counter()
+        for f in forwards:
+            plan_of = {id(s): p for s, p in zip(f.seqs, f.plans)}
+            results, failed = self._verify_all(f.seqs, f.trees, f.plans, f.logits)  # logits: [B, rows, vocab]
+            for res in results:
+                try:
+                    self._update_caches(res.seq, res.tree, res.result, res.last_is_root)
+                except Exception as exc:  # noqa: BLE001 - the engine ends this request, the others go on
+                    log.exception("cache update failed for request %s", res.seq.request_id)
+                    failed.append((res.seq, exc))
+                    continue
+                out.results.append(res)
+                out.plans.append(plan_of[id(res.seq)])
+            out.failed += failed
+        synchronize(self.target.device)
+        stats.verify_seconds += sum(f.seconds for f in forwards) + time.perf_counter() - t1
+        return out
+
+    def _forward(self, seqs: list[Sequence], plans: list[DraftPlan], stats: StepStats) -> _Forward:
+        """Drafts the sequences' trees and runs the target over them, in one forward."""
         t0 = time.perf_counter()
         trees = self._draft(seqs, plans)
         synchronize(self.target.device)  # timings measure the device's work, not its queueing
@@ -78,20 +158,62 @@ class ModelRunner:
             pos = block_positions(root_pos, tree.depths())
             blocks.append(Block(seq.slot, toks, pos, list(range(len(toks))), tree.mask()))
         out, _ = run_blocks(self.target, self.cache, blocks)
-        results, failed = self._verify_all(seqs, trees, plans, out.logits)  # logits: [B, rows, vocab]
-        kept = []
-        for res in results:
-            try:
-                self._update_caches(res.seq, res.tree, res.result, res.last_is_root)
-            except Exception as exc:  # noqa: BLE001 - the engine ends this request, the others go on
-                log.exception("cache update failed for request %s", res.seq.request_id)
-                failed.append((res.seq, exc))
-                continue
-            kept.append(res)
-        synchronize(self.target.device)
         stats.draft_seconds += t1 - t0
-        stats.verify_seconds += time.perf_counter() - t1
-        return kept, failed
+        return _Forward(seqs, plans, trees, out.logits, time.perf_counter() - t1)
+
+    def _forward_isolated(self, seqs: list[Sequence], plans: list[DraftPlan], out: StepOutcome,
+                          stats: StepStats) -> list[_Forward]:
+        """The batch's forward; if it fails, each sequence's alone, and a sequence whose speculative
+        forward fails alone, without speculation (see :meth:`step`)."""
+        marks = [(s.draft_cached, s.draft_slot) for s in seqs]  # what a failed attempt is rolled back to
+        try:
+            return [self._forward(seqs, plans, stats)]
+        except Exception as exc:  # noqa: BLE001 - find whose it is
+            if len(seqs) == 1:
+                return self._without_speculation(seqs[0], plans[0], marks[0], exc, out, stats)
+            log.exception("drafting or the target forward failed for a batch of %d; running each sequence alone",
+                          len(seqs))
+        out.whole = False
+        forwards = []
+        for seq, plan, mark in zip(seqs, plans, marks):
+            self._roll_back(seq, mark)
+            try:
+                forwards.append(self._forward([seq], [plan], stats))
+            except Exception as exc:  # noqa: BLE001 - this request's own failure
+                forwards += self._without_speculation(seq, plan, mark, exc, out, stats)
+        return forwards
+
+    def _without_speculation(self, seq: Sequence, plan: DraftPlan, mark: tuple[int, Optional[int]],
+                             exc: Exception, out: StepOutcome, stats: StepStats) -> list[_Forward]:
+        """``seq``'s forward failed alone with ``exc``: again without speculation, if it speculated."""
+        out.whole = False
+        self._roll_back(seq, mark)
+        if not plan.sub.num_nodes and not plan.shares:  # it drafted nothing: the target's own forward failed
+            log.error("the target forward failed for request %s", seq.request_id, exc_info=exc)
+            out.failed.append((seq, exc))
+            return []
+        log.error("speculation failed for request %s; its step runs again without it", seq.request_id,
+                  exc_info=exc)
+        try:
+            forward = self._forward([seq], [DraftPlan(plan.method, self.empty)], stats)
+        except Exception as exc2:  # noqa: BLE001 - the request cannot go on
+            log.exception("the target forward failed for request %s", seq.request_id)
+            self._roll_back(seq, mark)
+            out.failed.append((seq, exc2))
+            return []
+        seq.speculation_error = f"{type(exc).__name__}: {exc}"
+        seq.spec.note = f"speculation stopped after an engine error ({seq.speculation_error}); the rest was decoded plainly"
+        out.stopped.append(seq)
+        return [forward]
+
+    def _roll_back(self, seq: Sequence, mark: tuple[int, Optional[int]]) -> None:
+        """Undoes what a failed attempt at ``seq``'s step left in the caches: the target's pending entries,
+        and the draft's entries past ``mark`` (its ``draft_cached`` and draft slot before the step)."""
+        self.cache.discard(seq.slot)
+        draft_cached, draft_slot = mark
+        if self.proposer is not None and draft_slot is not None:
+            self.proposer.cache.rewind(draft_slot, draft_cached)
+            seq.draft_cached = draft_cached
 
     def _verify_all(self, seqs: list[Sequence], trees: list[DraftTree], plans: list[DraftPlan],
                     logits: torch.Tensor) -> tuple[list[SeqStepResult], list[tuple[Sequence, Exception]]]:

@@ -220,5 +220,12 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         self._by_id.pop(seq.request_id, None)
 
+    def stop_drafting(self, seq: Sequence) -> None:
+        """Frees the draft slot of a sequence whose speculation failed (it decodes plainly from then
+        on); what the slot holds is not offered to the prefix cache."""
+        if seq.draft_slot is not None:
+            self.draft_prefix.release(seq.draft_slot, None)
+            seq.draft_slot = None
+
     def find(self, request_id: str) -> Optional[Sequence]:
         return self._by_id.get(request_id)

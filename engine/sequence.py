@@ -48,6 +48,7 @@ class Sequence:
     prompt_mask: Optional[torch.Tensor] = None  # [vocab] bool, only with a repetition penalty
     sampling_tensors: Optional[SamplingTensors] = None  # one-row packing of the request's params
     init_candidates: Optional[list[int]] = None  # target-initialised (lossy) mode: the next step's candidate roots
+    speculation_error: Optional[str] = None  # its speculation failed (the error): it decodes plainly from then on
 
     @classmethod
     def create(cls, request: GenerationRequest, stream: TextStream) -> "Sequence":

@@ -80,6 +80,12 @@ class Planner:
         # the step's budget travels with the plans: the proposer hands it back to the policy per level
         return plans if step is None else [replace(p, step=step) for p in plans]
 
+    def plain(self, seqs: list[SeqView]) -> list[DraftPlan]:
+        """Plans that draft nothing (the step decodes plainly): what the engine falls back to when
+        planning fails."""
+        empty = self.topology.subtree(())
+        return [DraftPlan(s.request.spec.method or self.config.spec_method, empty) for s in seqs]
+
     def observe(self, results: list["SeqStepResult"], plans: list[DraftPlan],
                 verify_seconds: Optional[float] = None) -> None:
         """Learns from the step: ``results`` and the plans they followed, in the same order, and what
@@ -172,7 +178,7 @@ class Planner:
         room = seq.remaining - 1
         if spec.max_depth is not None:
             room = min(room, spec.max_depth)
-        if not spec.enabled:
+        if not spec.enabled or seq.speculation_error is not None:
             return DraftPlan(spec.method or cfg.spec_method, empty)
         m = method(spec.method)
         if m.needs_draft and seq.draft_slot is None:
@@ -183,7 +189,7 @@ class Planner:
         """The largest tree this sequence may draft this step: its request's tree (or the engine's),
         within the step's budget (a width config; ``None`` = no cap), its max_depth and what remains."""
         spec = seq.request.spec
-        if not spec.enabled or seq.draft_slot is None:
+        if not spec.enabled or seq.draft_slot is None or seq.speculation_error is not None:
             return self.topology.subtree(())
         widths = spec.tree if spec.tree is not None else self.topology.widths
         if budget is not None:

@@ -33,6 +33,7 @@ class SeqView(Protocol):
     prompt_mask: Optional[torch.Tensor]  # [vocab] tokens of the prompt (repetition penalty), or None
     sampling_tensors: Optional["SamplingTensors"]  # the request's parameters packed as one row
     init_candidates: Optional[list[int]]  # target-initialised mode: this step's candidate roots
+    speculation_error: Optional[str]  # set when its speculation failed: it decodes plainly from then on
 
     @property
     def num_output(self) -> int: ...

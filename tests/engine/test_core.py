@@ -236,3 +236,94 @@ def test_one_failing_request_ends_alone_and_the_batch_goes_on(stage, monkeypatch
     assert core.cache.free_slots == core.cache.num_slots and not core.has_unfinished()
     draft_cache = core.runner.proposer.cache
     assert draft_cache.free_slots == draft_cache.num_slots
+
+
+@pytest.mark.parametrize("stage", ["draft", "forward", "batch-forward", "prefill", "plan", "learn"])
+def test_a_failure_outside_verification_costs_only_its_own_request(stage, monkeypatch):
+    """Drafting, the target forward, prefill, planning and learning fail in turn, with the batch in flight:
+    * ``draft``: r1's drafting raises (after its draft cache caught up) from its second step on.  The
+      batch's step runs each sequence alone; r1's again without speculation, and r1 decodes plainly
+      from then on (its note says why, its draft slot is freed), still with exactly its tokens;
+    * ``forward``: the target forward raises whenever r1 is in it: r1 ends with the error;
+    * ``batch-forward``: one forward of several sequences raises once: each runs alone, nobody fails;
+    * ``prefill``: r1's prompt fails to prefill: r1 ends with the error before any token;
+    * ``plan`` / ``learn``: the planner raises while planning one step (that step decodes plainly) or
+      every time it learns from one (logged).
+    The other requests produce exactly their tokens, and every slot and block is freed at the end."""
+    import engine.runner as runner_mod
+    from engine.runner import ModelRunner
+    from engine.speculative.planner import Planner
+    from engine.speculative.proposer import DraftModelProposer
+
+    target, draft = tiny_loaded("llama", seed=0), tiny_loaded("llama", seed=1, layers=1)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    expected, _ = run_engine(target, draft, prompts, tree=(2, 1), ignore_eos=True, max_tokens=12)
+    state = {"slot": None, "decode": False, "raised": 0}
+    real_forward, real_run_blocks = ModelRunner._forward, runner_mod.run_blocks
+
+    def forward(self, seqs, plans, stats):  # notes what the target forward is about to run
+        r1 = next((s for s in seqs if s.request_id == "r1"), None)
+        state["slot"] = r1.slot if r1 is not None and r1.num_output >= 2 else None
+        state["decode"] = True
+        try:
+            return real_forward(self, seqs, plans, stats)
+        finally:
+            state["decode"] = False
+
+    def run_blocks(model, cache, blocks, *args):
+        out = real_run_blocks(model, cache, blocks, *args)  # the forward writes its entries, then fails
+        if stage == "forward" and state["decode"] and any(b.slot == state["slot"] for b in blocks):
+            state["raised"] += 1
+            raise RuntimeError("planted target failure")
+        if stage == "batch-forward" and state["decode"] and len(blocks) > 1 and not state["raised"]:
+            state["raised"] += 1
+            raise RuntimeError("planted failure of a batch")
+        if stage == "prefill" and not state["decode"] and any(b.tokens == [9, 10] for b in blocks):
+            state["raised"] += 1
+            raise RuntimeError("planted prefill failure")
+        return out
+
+    monkeypatch.setattr(ModelRunner, "_forward", forward)
+    monkeypatch.setattr(runner_mod, "run_blocks", run_blocks)
+    if stage == "draft":
+        real_level = DraftModelProposer._run_level
+
+        def run_level(self, seqs, trees, to_run, d):
+            if any(seqs[i].request_id == "r1" and seqs[i].num_output >= 1 for i in to_run):
+                state["raised"] += 1
+                raise RuntimeError("planted drafting failure")
+            return real_level(self, seqs, trees, to_run, d)
+        monkeypatch.setattr(DraftModelProposer, "_run_level", run_level)
+    elif stage == "plan":
+        real_plan = Planner.plan
+
+        def plan(self, seqs):
+            state["raised"] += 1
+            if state["raised"] == 3:
+                raise RuntimeError("planted planning failure")
+            return real_plan(self, seqs)
+        monkeypatch.setattr(Planner, "plan", plan)
+    elif stage == "learn":
+        def observe(self, *args, **kwargs):
+            state["raised"] += 1
+            raise RuntimeError("planted learning failure")
+        monkeypatch.setattr(Planner, "observe", observe)
+
+    outs, core = run_engine(target, draft, prompts, tree=(2, 1), ignore_eos=True, max_tokens=12)
+    assert state["raised"] >= 1  # the failure happened
+    r1_fails = stage in ("forward", "prefill")
+    survivors = [0, 2] if r1_fails else [0, 1, 2]
+    assert [outs[i].tokens for i in survivors] == [expected[i].tokens for i in survivors]
+    assert all(outs[i].finish_reason == "length" for i in survivors)
+    if r1_fails:
+        assert outs[1].finish_reason == "error"
+        assert len(outs[1].tokens) == (0 if stage == "prefill" else 2)
+    if stage == "draft":  # r1 stopped speculating, and said so; the others went on drafting
+        assert "speculation stopped" in outs[1].spec.note and "planted drafting failure" in outs[1].spec.note
+        assert outs[1].spec.steps < expected[1].spec.steps and outs[0].spec.steps == expected[0].spec.steps
+    else:
+        assert all(o.spec.note is None for o in outs)
+    assert not core.has_unfinished() and core.cache.free_slots == core.cache.num_slots
+    assert core.cache.used_blocks == 0 and not core.cache.pending.any()
+    draft_cache = core.runner.proposer.cache
+    assert draft_cache.free_slots == draft_cache.num_slots and draft_cache.used_blocks == 0

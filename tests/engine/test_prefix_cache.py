@@ -65,6 +65,26 @@ def test_blocks_follow_the_live_tokens_and_all_come_back():
     assert cache.used_blocks == 0 and cache.free_blocks == cache.num_blocks == 12 and cache.free_slots == 3
 
 
+def test_rewind_drops_committed_entries_past_a_length_and_returns_their_blocks():
+    """What a failed step committed (a draft catch-up) is rolled back to the fill before the step."""
+    cache = small_cache()
+    s = cache.allocate()
+    fill(cache, s, 5)
+    cache.commit(s)
+    fill(cache, s, 6, first=5)  # a catch-up: entries 5..10, committed, then a pending level
+    cache.commit(s)
+    fill(cache, s, 2, first=50)
+    assert len(cache.tables[s]) == 4 and int(cache.pending[s]) == 2
+    cache.rewind(s, 5)
+    assert keys(cache, s) == [0, 1, 2, 3, 4] and int(cache.pending[s]) == 0
+    assert len(cache.tables[s]) == 2 and cache.used_blocks == 2
+    cache.rewind(s, 9)  # never past what is committed
+    assert keys(cache, s) == [0, 1, 2, 3, 4]
+    fill(cache, s, 3, first=5)  # the step's work, redone
+    cache.commit(s)
+    assert keys(cache, s) == list(range(8))
+
+
 def test_keep_compacts_the_accepted_entries_across_block_boundaries_and_returns_the_rest():
     cache = small_cache()
     s = cache.allocate()
