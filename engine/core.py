@@ -225,6 +225,7 @@ class EngineCore:
             results, failed = step.results, step.failed
             for seq in step.stopped:
                 self.scheduler.stop_drafting(seq)
+            stats.speculation_failures = len(step.stopped)
             try:  # learning from the step: its tokens are already decided
                 self.planner.observe(results, step.plans, stats.verify_seconds if step.whole and not failed else None)
             except Exception:  # noqa: BLE001 - a failure to learn fails no request

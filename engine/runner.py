@@ -202,7 +202,8 @@ class ModelRunner:
             out.failed.append((seq, exc2))
             return []
         seq.speculation_error = f"{type(exc).__name__}: {exc}"
-        seq.spec.note = f"speculation stopped after an engine error ({seq.speculation_error}); the rest was decoded plainly"
+        stopped = f"speculation stopped after an engine error ({seq.speculation_error}); the rest was decoded plainly"
+        seq.spec.note = f"{seq.spec.note}; {stopped}" if seq.spec.note else stopped  # a lossy method's note stays
         out.stopped.append(seq)
         return [forward]
 

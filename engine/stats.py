@@ -22,6 +22,7 @@ class StepStats:
     prefix_queried_tokens: int = 0  # prompt tokens of the sequences admitted in this step
     prefix_hit_tokens: int = 0  # of those, tokens found in the prefix cache (not prefilled)
     preemptions: int = 0  # sequences whose blocks were taken back to fit this step (recomputed later)
+    speculation_failures: int = 0  # sequences whose speculation failed in this step (they go on plainly)
     accepted_per_position: list[int] = field(default_factory=list)  # [depth-1] sequences accepting >= depth
     drafted_by_depth: list[int] = field(default_factory=list)  # [depth-1] nodes drafted at that depth
     accepted_by_depth: list[int] = field(default_factory=list)  # [depth-1] accepted nodes at that depth

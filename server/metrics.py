@@ -90,6 +90,8 @@ class ServerMetrics:
         self.prefix_queries = c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (admitted).")
         self.prefix_hits = c("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).")
         self.preemptions = c("num_preemptions", "Sequences preempted when the KV cache pool ran out (recomputed).")
+        self.spec_failures = c("spec_decode_failures",
+                               "Requests whose speculation failed with an engine error (they went on without it).")
         self.generation_tokens = c("generation_tokens", "Generated tokens of finished requests.")
         self.request_success = c("request_success", "Finished requests.", ["finished_reason"])
         g = lambda name, doc: Gauge(P + name, doc, registry=r)  # noqa: E731
@@ -118,6 +120,7 @@ class ServerMetrics:
         self.prefix_queries.inc(s.prefix_queried_tokens)
         self.prefix_hits.inc(s.prefix_hit_tokens)
         self.preemptions.inc(s.preemptions)
+        self.spec_failures.inc(s.speculation_failures)
         self.draft_tokens.inc(s.drafted_tokens)
         self.accepted_tokens.inc(s.accepted_tokens)
         self.draft_seconds.inc(s.draft_seconds)

@@ -321,6 +321,7 @@ def test_a_failure_outside_verification_costs_only_its_own_request(stage, monkey
     if stage == "draft":  # r1 stopped speculating, and said so; the others went on drafting
         assert "speculation stopped" in outs[1].spec.note and "planted drafting failure" in outs[1].spec.note
         assert outs[1].spec.steps < expected[1].spec.steps and outs[0].spec.steps == expected[0].spec.steps
+        assert sum(s.speculation_failures for s in core.drain_step_stats()) == 1
     else:
         assert all(o.spec.note is None for o in outs)
     assert not core.has_unfinished() and core.cache.free_slots == core.cache.num_slots

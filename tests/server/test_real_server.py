@@ -48,6 +48,13 @@ def oai(srv):
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
 
 
+def errors(srv) -> float:
+    """Requests finished with an error so far (``request_success_total{finished_reason="error"}``)."""
+    text = httpx.get(srv.url + "/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "mcsd:request_success_total" and s.labels.get("finished_reason") == "error")
+
+
 def counters(srv) -> dict[str, float]:
     text = httpx.get(srv.url + "/metrics").text
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
@@ -202,3 +209,48 @@ def test_the_pool_blocks_are_exported_by_state(srv, oai):
               if s.name == "mcsd:kv_cache_blocks"}
     assert sum(blocks.values()) == srv.core.cache.num_blocks
     assert blocks["used"] == 0 and blocks["cached"] >= 8  # 30-odd prompt tokens + 7 answer ones, in blocks of 4
+
+
+def test_a_request_whose_drafting_fails_is_served_plainly_and_its_batch_is_untouched(srv, oai, monkeypatch):
+    """Four concurrent streams; the drafting of one of them raises from its second step on.  Every
+    stream still gets exactly its greedy text, the failing one without speculation from then on (its
+    usage says why), and /metrics counts one speculation failure and no failed request."""
+    from engine.speculative.proposer import DraftModelProposer
+
+    prompts = PROMPTS[:4]
+    expected = [oai.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+    poisoned = srv.core.tokenizer.encode(prompts[2])
+    real = DraftModelProposer._run_level
+    raised = []
+
+    def run_level(self, seqs, trees, to_run, d):
+        for i in to_run:
+            s = seqs[i]
+            if s.tokens[:len(poisoned)] == poisoned and s.num_output >= 1:
+                raised.append(s.request.request_id)
+                raise RuntimeError("planted drafting failure")
+        return real(self, seqs, trees, to_run, d)
+
+    monkeypatch.setattr(DraftModelProposer, "_run_level", run_level)
+    before, failed_requests = counters(srv), errors(srv)
+
+    async def one(ac: openai.AsyncOpenAI, p: str):
+        stream = await ac.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0, stream=True,
+                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = [c async for c in stream]
+        return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120) as ac:
+            return await asyncio.gather(*(one(ac, p) for p in prompts))
+
+    results = asyncio.run(main())
+    after = counters(srv)
+    assert raised  # the planted failure happened
+    assert [text for text, _ in results] == expected
+    notes = [usage.model_extra["speculative"].get("note") for _, usage in results]
+    assert "speculation stopped" in notes[2] and "planted drafting failure" in notes[2]
+    assert notes[:2] + notes[3:] == [None, None, None]
+    assert after["mcsd:spec_decode_failures_total"] - before["mcsd:spec_decode_failures_total"] == 1
+    assert failed_requests == errors(srv)
