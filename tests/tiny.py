@@ -11,11 +11,12 @@ from engine.models.llama import LlamaModel, build_model
 VOCAB = 101
 
 
-def tiny_hf(kind: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: int = 2):
+def tiny_hf(kind: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: int = 2, hidden: int = 64,
+            intermediate: int = 96):
     """A random HF reference model: ``llama`` (Llama-3 RoPE scaling, untied) or ``qwen2``
     (qkv biases, tied embeddings)."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6)
     if kind == "llama":
@@ -56,11 +57,12 @@ def tiny_tokenizer(vocab: int = VOCAB):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="w1")
 
 
-def tiny_loaded(kind: str = "llama", seed: int = 0, layers: int = 2):
-    """A tiny model wrapped as the loader returns it (our runtime + config + tokenizer)."""
+def tiny_loaded(kind: str = "llama", seed: int = 0, layers: int = 2, **dims):
+    """A tiny model wrapped as the loader returns it (our runtime + config + tokenizer); ``dims``:
+    ``hidden`` and ``intermediate`` sizes other than 64 and 96."""
     from engine.models.loader import LoadedModel
 
-    hf = tiny_hf(kind, seed=seed, layers=layers)
+    hf = tiny_hf(kind, seed=seed, layers=layers, **dims)
     cfg = ModelConfig.from_hf(hf.config)
     model = build_model(cfg, hf.state_dict(), torch.float32)
     return LoadedModel(model, cfg, tiny_tokenizer(cfg.vocab_size), f"tiny-{kind}-{seed}", path=None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -179,6 +180,86 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantWeight:
     return QuantWeight(blocks.reshape(n, k // 32 * 34), TYPE_IDS["Q8_0"], k)
 
 
+# Q4_K: how many rows are quantized at a time (bounds the temporaries), and the grid of step counts a
+# sub-block's range is tried at (15: its min and max are quantization points; more: a finer step,
+# the extremes clamped; fewer: a coarser one).
+_Q4K_ROWS = 512
+_Q4K_STEPS = (14.0, 14.5, 15.0, 15.5, 16.0, 17.0)
+
+
+def quantize_q4_k(weight: torch.Tensor) -> QuantWeight:
+    """Q4_K blocks of a ``[N, K]`` float weight (K a multiple of 256), llama.cpp's layout: per super-block
+    of 256 weights an fp16 ``d`` and ``dmin``, eight sub-blocks of 32 with a 6-bit scale ``sc`` and min
+    ``m`` each (12 bytes), and 4-bit ``q``; a weight is ``d sc q - dmin m``.
+
+    Each sub-block's affine fit ``w ~ s q - mn`` (``mn >= 0``) is the best in squares of a few: its
+    range cut into :data:`_Q4K_STEPS` steps, ``q`` rounded, then ``s`` and ``mn`` refitted to those
+    ``q`` by least squares.  The super-block's ``d`` and ``dmin`` are the largest ``s`` and ``mn`` over 63;
+    ``q`` is rounded again against the 6-bit scale and min as stored."""
+    n, k = weight.shape
+    if k % 256:
+        raise ValueError(f"Q4_K needs K divisible by 256, got {k}")
+    out = torch.empty(n, k // 256 * 144, dtype=torch.uint8)
+    for r0 in range(0, n, _Q4K_ROWS):
+        out[r0:r0 + _Q4K_ROWS] = _q4_k_rows(weight[r0:r0 + _Q4K_ROWS].detach().float())
+    return QuantWeight(out, TYPE_IDS["Q4_K"], k)
+
+
+def _fit_sub_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., 32] -> (s, mn) [...], both >= 0: the best of the grid's fits ``x ~ s q - mn``, q in 0..15."""
+    lo = x.amin(-1, keepdim=True).clamp(max=0.0)  # the min is subtracted, so it is never above 0
+    span = x.amax(-1, keepdim=True) - lo
+    inv_span = torch.where(span > 0, 1.0 / span, torch.zeros_like(span))
+    n = x.shape[-1]
+    sx = x.sum(-1)
+    best_err = best_s = best_lo = None
+    for steps in _Q4K_STEPS:
+        q = ((x - lo) * (inv_span * steps)).round().clamp(0, 15)
+        sq, sqq, sqx = q.sum(-1), (q * q).sum(-1), (q * x).sum(-1)
+        det = n * sqq - sq * sq
+        ok = det > 0
+        safe = torch.where(ok, det, torch.ones_like(det))
+        s = torch.where(ok, (n * sqx - sq * sx) / safe, torch.zeros_like(det))
+        b = torch.where(ok, (sqq * sx - sq * sqx) / safe, sx / n)
+        above = b > 0  # a positive offset is not representable: the fit through 0
+        s = torch.where(above, torch.where(sqq > 0, sqx / sqq.clamp(min=1e-30), torch.zeros_like(sqq)), s)
+        b = torch.where(above, torch.zeros_like(b), b)
+        s = s.clamp(min=0.0)
+        err = ((s[..., None] * q + b[..., None] - x) ** 2).sum(-1)
+        if best_err is None:
+            best_err, best_s, best_lo = err, s, b
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_s, best_lo = torch.where(better, s, best_s), torch.where(better, b, best_lo)
+    return best_s, -best_lo
+
+
+def _q4_k_rows(w: torch.Tensor) -> torch.Tensor:
+    """Q4_K bytes of fp32 rows ``w [n, K]``: uint8 [n, K / 256 * 144]."""
+    n, k = w.shape
+    x = w.reshape(n, k // 256, 8, 32)
+    s, mn = _fit_sub_blocks(x)  # [n, S, 8]
+    d, dmin = (s.amax(-1) / 63).half(), (mn.amax(-1) / 63).half()  # [n, S], as stored
+    df, dminf = d.float()[..., None], dmin.float()[..., None]
+    sc = torch.where(df > 0, s / df.clamp(min=1e-30), torch.zeros_like(s)).round().clamp(0, 63)
+    m = torch.where(dminf > 0, mn / dminf.clamp(min=1e-30), torch.zeros_like(mn)).round().clamp(0, 63)
+    step, offset = (df * sc)[..., None], (dminf * m)[..., None]
+    q = torch.where(step > 0, (x + offset) / step.clamp(min=1e-30), torch.zeros_like(x)).round().clamp(0, 15)
+    q = q.to(torch.uint8)  # [n, S, 8, 32]
+    sc, m = sc.to(torch.uint8), m.to(torch.uint8)
+    scales = torch.empty(n, k // 256, 12, dtype=torch.uint8)
+    # sub-blocks 0-3: 6 bits in bytes 0-3 (scale) and 4-7 (min); 4-7: low 4 bits in bytes 8-11, the top
+    # 2 bits in the top bits of bytes 0-3 (scale) and 4-7 (min)
+    scales[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    scales[..., 4:8] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:] & 0xF) | ((m[..., 4:] & 0xF) << 4)
+    # 32-byte chunks: sub-block 2c in the low nibbles, 2c + 1 in the high ones
+    qs = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).reshape(n, k // 256, 128)
+    head = torch.stack([d, dmin], -1).view(torch.uint8).reshape(n, k // 256, 4)
+    return torch.cat([head, scales, qs], -1).reshape(n, k // 256 * 144)
+
+
 class QuantLinear(nn.Module):
     """Stands in for ``nn.Linear`` in a :class:`~engine.models.llama.LlamaModel`: ``.weight`` is a
     :class:`QuantWeight` (or any weight with a ``linear`` method), which ``engine.models.cpu_kernels.linear``
@@ -190,37 +271,48 @@ class QuantLinear(nn.Module):
         self.bias = bias
 
 
-QUANTIZERS = {"q8_0": quantize_q8_0}
+#: --quantize formats: (quantizer, weights per block); a linear whose K is not a whole number of the
+#: format's blocks falls back to the next one here that fits (Q4_K -> Q8_0, as llama.cpp falls back to
+#: a 32-weight type for such tensors)
+QUANTIZERS = {"q8_0": (quantize_q8_0, 32), "q4_k": (quantize_q4_k, 256)}
+FALLBACK = {"q4_k": "q8_0"}
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def _quantized(lin: nn.Module, quantize) -> nn.Module:
-    """``lin`` as a :class:`QuantLinear`, or ``lin`` itself when its K is not a whole number of blocks
-    (logged; the product stays exact, just dense)."""
+def _quantized(lin: nn.Module, fmt: str, fell_back: Optional[list[str]] = None) -> nn.Module:
+    """``lin`` as a :class:`QuantLinear` in ``fmt`` (or its fallback where K is not a whole number of
+    ``fmt``'s blocks, noted in ``fell_back``), or ``lin`` itself when no format fits K (logged; the
+    product stays exact, just dense)."""
     if isinstance(lin, QuantLinear):
         return lin
     k = lin.weight.shape[1]
-    if k % 32:
+    while fmt is not None and k % QUANTIZERS[fmt][1]:
+        fmt = FALLBACK.get(fmt)
+        if fell_back is not None and fmt is not None:
+            fell_back.append(fmt)
+    if fmt is None:
         log.warning("linear of K=%d is not a multiple of 32; it stays %s", k, lin.weight.dtype)
         return lin
-    return QuantLinear(quantize(lin.weight), lin.bias)
-
-
-def _quantizer(fmt: str):
-    try:
-        return QUANTIZERS[fmt]
-    except KeyError:
-        raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(QUANTIZERS)} or none") from None
+    return QuantLinear(QUANTIZERS[fmt][0](lin.weight), lin.bias)
 
 
 def quantize_linears(model: nn.Module, fmt: str) -> nn.Module:
     """Replaces the decoder linears and the output layer of a dense :class:`LlamaModel` by ``fmt``
     blocks, in place (``--quantize``); embeddings and norms stay as they are.  Returns the model."""
-    quantize = _quantizer(fmt)
-    for layer in model.layers:
+    if fmt not in QUANTIZERS:
+        raise ValueError(f"unknown quantization {fmt!r}; choose one of {', '.join(QUANTIZERS)} or none")
+    t0, fell_back = time.perf_counter(), []
+    layers = len(model.layers)
+    for i, layer in enumerate(model.layers):
         for name in LINEARS:
-            setattr(layer, name, _quantized(getattr(layer, name), quantize))
-    model.lm_head = _quantized(model.lm_head, quantize)
+            setattr(layer, name, _quantized(getattr(layer, name), fmt, fell_back))
+        if fmt == "q4_k" and (i + 1) % max(1, layers // 4) == 0 and i + 1 < layers:  # the slow one: progress
+            log.info("quantizing to %s: %d of %d layers (%.0f s)", fmt, i + 1, layers, time.perf_counter() - t0)
+    model.lm_head = _quantized(model.lm_head, fmt, fell_back)
+    if fell_back:
+        log.info("%d linears have no whole %s blocks in a row; they are %s", len(fell_back), fmt,
+                 ", ".join(sorted(set(fell_back))))
+    log.info("linears quantized to %s in %.1f s", fmt, time.perf_counter() - t0)
     return model
 
 

@@ -72,6 +72,31 @@ def test_greedy_speculation_on_quantized_weights_equals_plain_decoding(kind):
         assert [o.tokens for o in spec] == [o.tokens for o in plain], method
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_q4_k_quantization_of_a_model_falls_back_to_q8_0_where_rows_are_not_whole_blocks(kind):
+    """--quantize q4_k: every linear whose K is a multiple of 256 in Q4_K blocks, the others (here
+    ffn_down, K = 288) in Q8_0; logits close to the dequantized copy's and to the dense model's, and
+    greedy speculation on those weights token-identical to plain decoding."""
+    lm = tiny_loaded(kind, seed=0, hidden=256, intermediate=288)
+    q = copy.copy(lm)
+    q.model = quantize_linears(copy.deepcopy(lm.model), "q4_k")
+    types = {name: mod.weight.type_name for name, mod in q.model.named_modules() if isinstance(mod, QuantLinear)}
+    assert len(types) == 4 * len(q.model.layers) + 1
+    assert {t for n, t in types.items() if n.endswith("down_proj")} == {"Q8_0"}
+    assert {t for n, t in types.items() if not n.endswith("down_proj")} == {"Q4_K"}
+    ids = [5, 17, 3, 99, 42, 7, 7, 1]
+    got, want = logits(q.model, ids), logits(dequantized_copy(q.model), ids)
+    assert (got - want).abs().max() < 2e-2 * want.abs().max()
+    dense = logits(lm.model, ids)  # 4-bit weights of random tiny models: 9-12% of the largest logit; a
+    assert (got - dense).abs().max() < 0.25 * dense.abs().max()  # wiring bug would be of order 1
+    draft = copy.copy(q)
+    draft.model = quantize_linears(tiny_loaded(kind, seed=1, layers=1, hidden=256, intermediate=288).model, "q4_k")
+    prompts = [[5, 6, 7, 8, 5, 6], [3, 4, 3, 4, 3]]
+    plain = run_engine(q, None, prompts, tree=(), ignore_eos=True, max_tokens=16)[0]
+    spec = run_engine(q, draft, prompts, tree=(2, 2, 1), ignore_eos=True, max_tokens=16)[0]
+    assert [o.tokens for o in spec] == [o.tokens for o in plain]
+
+
 def test_quantize_refuses_unknown_formats():
     with pytest.raises(ValueError, match="unknown quantization 'q3'"):
         quantize_linears(tiny_loaded().model, "q3")

@@ -67,3 +67,37 @@ def test_greedy_speculation_equals_plain_on_smollm(smollm):
     chain, _ = run_engine(lm, lm, prompts, tree=(1, 1, 1, 1), max_tokens=32, ignore_eos=True,
                           spec=SpecOptions(max_depth=3))
     assert [o.tokens for o in chain] == [o.tokens for o in plain]
+
+
+def test_q4_k_quantization_on_load_stays_close_to_the_dense_model(smollm):
+    """--quantize q4_k on SmolLM2's dense weights: ffn_down (K = 1536) in Q4_K, the linears of K = 576
+    (not whole 256-weight blocks) in Q8_0.  The logits of a chat prompt stay close to the dense
+    model's (same next token at most positions), and greedy speculation on them equals plain decoding."""
+    import copy
+
+    from engine.models.qweight import QuantLinear, quantize_linears
+    from tests.engine.models.test_gguf_native import dequantized_copy
+
+    _, lm = smollm
+    dense = copy.copy(lm)
+    dense.model = dequantized_copy(lm.model)
+    q4 = copy.copy(lm)
+    q4.model = quantize_linears(dequantized_copy(lm.model), "q4_k")
+    types = {n: m.weight.type_name for n, m in q4.model.named_modules() if isinstance(m, QuantLinear)}
+    assert {t for n, t in types.items() if n.endswith("down_proj")} == {"Q4_K"}
+    assert {t for n, t in types.items() if not n.endswith("down_proj")} == {"Q8_0"}
+    text = lm.tokenizer.apply_chat_template([{"role": "user", "content": "Write a haiku about caches."}],
+                                            add_generation_prompt=True, tokenize=False)
+    ids = lm.tokenizer.encode(text, add_special_tokens=False)
+
+    def logits(model):
+        cache = model.new_cache(1, 256)
+        return model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, [cache.allocate()]).logits[0]
+
+    got, want = logits(q4.model), logits(dense.model)
+    assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).median() < 0.1
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8
+    prompts = [lm.tokenizer.encode(t) for t in ("def add(a, b):", "The capital of France is")]
+    plain, _ = run_engine(q4, None, prompts, tree=(), max_tokens=24, ignore_eos=True)
+    spec, _ = run_engine(q4, q4, prompts, tree=(4, 2, 2), max_tokens=24, ignore_eos=True)
+    assert [o.tokens for o in spec] == [o.tokens for o in plain]
