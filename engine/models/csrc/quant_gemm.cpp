@@ -1372,16 +1372,24 @@ template <typename Acts>
 using GroupFn = void (*)(const uint8_t*, const Acts&, int64_t, float*, int64_t, Ahead);
 
 // A type's kernels by activation rows per call, indexed by that count: the 256-bit (or portable) ones
-// for 1-4 rows and the 512-bit ones for 1-8 (null: none in this build).
+// for 1-4 rows and the 512-bit ones for 1-16 (null: none in this build).  A call runs its rows in
+// passes over each group (packed_linear): passes of `most` rows, then the rest in one pass once it is
+// at most `single` rows.  A pass unpacks the weights once for all its rows, so fewer passes cost less,
+// up to the row count where a kernel's accumulators no longer fit in the registers.  The 512-bit
+// kernels take up to 16 rows in one pass (14 for the 32-weight blocks, whose 15 and 16 spilled), long
+// calls in passes of 8 (wider ones were slower for Q4_K at 64 rows).  Measured on gate_up, the Xeon of
+// docs/quantized.md: 9-14 rows 5-25% faster than 8 + the rest.
+constexpr int kWideMost = 16;
 template <typename Acts>
 struct GroupKernels {
   GroupFn<Acts> rows[5];
-  GroupFn<Acts> wide[9];
+  GroupFn<Acts> wide[kWideMost + 1];
   GroupFn<Acts> vnni[5] = {};  // 256-bit with AVX-VNNI, 1-4 rows (null: none for this type or build)
+  int wide_single = kWideMost;  // the most rows of one 512-bit pass
 };
 
 #if defined(MCSD_HAVE_512)
-#define WIDE(f) {nullptr, f<1>, f<2>, f<3>, f<4>, f<5>, f<6>, f<7>, f<8>}
+#define WIDE(f) {nullptr, f<1>, f<2>, f<3>, f<4>, f<5>, f<6>, f<7>, f<8>, f<9>, f<10>, f<11>, f<12>, f<13>, f<14>, f<15>, f<16>}
 #else
 #define WIDE(f) {}
 #endif
@@ -1432,10 +1440,10 @@ const GroupKernels<QActsK>& k_kernels(int64_t id) {
 }
 
 const GroupKernels<QActs32>& b32_kernels(int64_t id) {
-  static const GroupKernels<QActs32> q4_0{NARROW(q4_0_group), WIDE(q4_0_group_512), VNNI(q4_0_group_vnni)};
-  static const GroupKernels<QActs32> q4_1{NARROW(q4_1_group), WIDE(q4_1_group_512), VNNI(q4_1_group_vnni)};
-  static const GroupKernels<QActs32> q5_0{NARROW(q5_0_group), WIDE(q5_0_group_512), VNNI(q5_0_group_vnni)};
-  static const GroupKernels<QActs32> q8_0{NARROW(q8_0_group), WIDE(q8_0_group_512), VNNI(q8_0_group_vnni)};
+  static const GroupKernels<QActs32> q4_0{NARROW(q4_0_group), WIDE(q4_0_group_512), VNNI(q4_0_group_vnni), 14};
+  static const GroupKernels<QActs32> q4_1{NARROW(q4_1_group), WIDE(q4_1_group_512), VNNI(q4_1_group_vnni), 14};
+  static const GroupKernels<QActs32> q5_0{NARROW(q5_0_group), WIDE(q5_0_group_512), VNNI(q5_0_group_vnni), 14};
+  static const GroupKernels<QActs32> q8_0{NARROW(q8_0_group), WIDE(q8_0_group_512), VNNI(q8_0_group_vnni), 14};
   return id == 2 ? q4_0 : id == 3 ? q4_1 : id == 6 ? q5_0 : q8_0;
 }
 #undef VNNI
@@ -1491,16 +1499,17 @@ void finish(const float* buf, int64_t ld, int64_t rows, int64_t cols, const Out&
 }
 
 // y [M, 8 G] for a packed weight of G groups (group_bytes each): threads split the groups; each group
-// meets the activation rows 8 (512-bit) or 4 at a time, then 2, 1, so its bytes are read from memory
-// once and from L1 after.  Unless y is fp32 without a bias (the kernels then write it), a chunk's
+// meets the activation rows in passes (up to 16 rows in one on 512 bits, else 8 at a time; 4 on 256
+// bits: GroupKernels), so its bytes are read from memory once and from L1 after.  Unless y is fp32 without a bias (the kernels then write it), a chunk's
 // outputs go to a per-thread fp32 buffer and are finished into y chunk by chunk.
 template <typename Acts>
 void packed_linear(const GroupKernels<Acts>& k, const uint8_t* wp, int64_t G, int64_t group_bytes, const Acts& a,
                    int64_t M, int64_t K, const Out& out) {
   const Isa isa = g_isa.load(std::memory_order_relaxed);
-  const bool wide = isa == Isa::kWide && k.wide[8] != nullptr;
+  const bool wide = isa == Isa::kWide && k.wide[kWideMost] != nullptr;
   const GroupFn<Acts>* rows = wide ? k.wide : isa == Isa::kVnni256 && k.vnni[4] != nullptr ? k.vnni : k.rows;
-  const int64_t most = wide ? 8 : 4;  // activation rows per pass
+  const int64_t most = wide ? 8 : 4;  // activation rows per pass, while more than `single` are left
+  const int64_t single = wide ? k.wide_single : 4;
   const int64_t N = kPackRows * G;
   // Groups go in chunks of about kChunkBytes, which stay in the core's L2 while every panel of
   // activation rows (in L1) passes over them: each activation byte is then read from L2 once per
@@ -1527,11 +1536,11 @@ void packed_linear(const GroupKernels<Acts>& k, const uint8_t* wp, int64_t G, in
         }
         first = false;
       };
-      // Full passes, then one pass for the rest: a pass unpacks the group's weights once for all its
-      // rows, so 7 rows in one pass cost less than 4 + 2 + 1 in three (Q6_K gate_up: 2.01 ms in three,
-      // more than 8 rows' 1.35 in one).
+      // Passes of `most` rows, then one pass for the rest: a pass unpacks the group's weights once for
+      // all its rows, so 7 rows in one pass cost less than 4 + 2 + 1 in three (Q6_K gate_up: 2.01 ms in
+      // three, more than 8 rows' 1.35 in one), and 12 in one less than 8 + 4.
       int64_t m = 0;
-      for (; m + most <= M; m += most) pass(rows[most], m);
+      for (; M - m > single; m += most) pass(rows[most], m);
       if (m < M) pass(rows[M - m], m);
       if (!out.direct()) finish(buf.data(), ldy, M, kPackRows * (g1 - g0), out, N, kPackRows * g0);
     }
