@@ -1373,10 +1373,10 @@ using GroupFn = void (*)(const uint8_t*, const Acts&, int64_t, float*, int64_t, 
 
 // A type's kernels by activation rows per call, indexed by that count: the 256-bit (or portable) ones
 // for 1-4 rows and the 512-bit ones for 1-16 (null: none in this build).  A call runs its rows in
-// passes over each group (packed_linear): passes of `most` rows, then the rest in one pass once it is
-// at most `single` rows.  A pass unpacks the weights once for all its rows, so fewer passes cost less,
+// passes over each group (packed_linear): all in one pass if they are at most `single`, else passes
+// of `most` rows and one for the rest.  A pass unpacks the weights once for all its rows, so fewer passes cost less,
 // up to the row count where a kernel's accumulators no longer fit in the registers.  The 512-bit
-// kernels take up to 16 rows in one pass (14 for the 32-weight blocks, whose 15 and 16 spilled), long
+// kernels take up to 16 rows in one pass (14 for the 32-weight blocks, whose 15 and 16 spilled), longer
 // calls in passes of 8 (wider ones were slower for Q4_K at 64 rows).  Measured on gate_up, the Xeon of
 // docs/quantized.md: 9-14 rows 5-25% faster than 8 + the rest.
 constexpr int kWideMost = 16;
@@ -1536,11 +1536,13 @@ void packed_linear(const GroupKernels<Acts>& k, const uint8_t* wp, int64_t G, in
         }
         first = false;
       };
-      // Passes of `most` rows, then one pass for the rest: a pass unpacks the group's weights once for
-      // all its rows, so 7 rows in one pass cost less than 4 + 2 + 1 in three (Q6_K gate_up: 2.01 ms in
-      // three, more than 8 rows' 1.35 in one), and 12 in one less than 8 + 4.
+      // A call of up to `single` rows in one pass, a longer one in passes of `most` and one for the
+      // rest: a pass unpacks the group's weights once for all its rows, so 7 rows in one pass cost less
+      // than 4 + 2 + 1 in three (Q6_K gate_up: 2.01 ms in three, more than 8 rows' 1.35 in one), and 12
+      // in one less than 8 + 4.
       int64_t m = 0;
-      for (; M - m > single; m += most) pass(rows[most], m);
+      if (M > single)
+        for (; m + most <= M; m += most) pass(rows[most], m);
       if (m < M) pass(rows[M - m], m);
       if (!out.direct()) finish(buf.data(), ldy, M, kPackRows * (g1 - g0), out, N, kPackRows * g0);
     }
