@@ -162,6 +162,11 @@ def gguf_meta(gguf: Path, cache_dir: Path) -> Path:
     from transformers import AutoConfig, AutoTokenizer
 
     def build(tmp: Path) -> None:
+        # transformers reads the whole GGUF metadata for each of the two, every tokenizer string
+        # included: 14-15 s each for a 150k vocabulary on a 2-core EPYC (docs/benchmarks.md)
+        log.info("first start on %s: reading its config and tokenizer from the GGUF metadata (about 10 s "
+                 "per 50k tokens of vocabulary); later starts read them from the cache", gguf.name)
+        t0 = time.perf_counter()
         kw = dict(gguf_file=gguf.name)
         try:
             hf_cfg = AutoConfig.from_pretrained(gguf.parent, **kw)
@@ -171,6 +176,7 @@ def gguf_meta(gguf: Path, cache_dir: Path) -> Path:
             raise ModelLoadError(f"cannot read GGUF file {gguf}: {e}") from e
         hf_cfg.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        log.info("cached %s's config and tokenizer in %.1f s", gguf.name, time.perf_counter() - t0)
 
     return _cached_dir(cache_dir / "gguf-meta" / f"{gguf.stem}-{gguf_cache_key(gguf)}", gguf, build)
 

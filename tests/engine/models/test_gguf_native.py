@@ -156,6 +156,30 @@ def test_the_smollm_pack_runs_in_its_own_blocks():
     assert [o.tokens for o in spec] == [o.tokens for o in plain]
 
 
+@pytest.mark.real_model
+def test_the_first_start_on_a_gguf_file_says_it_reads_the_metadata_once(tmp_path, caplog):
+    """Reading a GGUF file's config and tokenizer takes long on the first start (about 30 s for a 150k
+    vocabulary): the server log says so, and how long it took; later starts read the cache silently
+    and get the same files."""
+    import logging
+
+    from engine.models.fetch import fetch_pack
+    from engine.models.loader import gguf_meta
+
+    gguf = fetch_pack("smollm2-135m-instruct", progress=False)
+    with caplog.at_level(logging.INFO, logger="engine.models.loader"):
+        first = gguf_meta(gguf, tmp_path)
+    said = [r.getMessage() for r in caplog.records if r.name == "engine.models.loader"]
+    assert any("first start on" in m and gguf.name in m for m in said), said
+    assert any(m.startswith(f"cached {gguf.name}'s config and tokenizer in") for m in said), said
+    assert (first / "config.json").is_file() and any(first.glob("tokenizer*"))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="engine.models.loader"):
+        again = gguf_meta(gguf, tmp_path)
+    assert again == first
+    assert not [r for r in caplog.records if r.name == "engine.models.loader"]
+
+
 def test_a_cut_draft_vocabulary_keeps_the_quantized_output_rows():
     from engine.models.vocab import OutputVocab
 
