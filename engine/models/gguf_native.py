@@ -22,7 +22,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -82,6 +82,77 @@ def _unpermute_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value types
 _STRING, _ARRAY = 8, 9
 _FLOAT_SIZES = {0: 4, 1: 2, 30: 2}
+
+
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+@dataclass(frozen=True)
+class GGUFArray:
+    """An array value of a GGUF file's metadata, not decoded: its element type and length."""
+
+    item_type: int
+    count: int
+
+
+def read_metadata(path: Path) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """A GGUF file's metadata (scalars and strings decoded, arrays as :class:`GGUFArray`) and its
+    tensor names, in well under a second: nothing of the tokenizer's arrays is decoded, where
+    ``gguf.GGUFReader`` takes about 14 s for a 150k vocabulary."""
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        if buf[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version < 2:
+            raise ValueError(f"{path}: GGUF version {version} is not supported")
+        pos = 24
+
+        def string(at: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", buf, at)
+            return bytes(buf[at + 8:at + 8 + n]).decode("utf-8", "replace"), at + 8 + n
+
+        def skip(vtype: int, at: int) -> int:
+            if vtype == _STRING:
+                (n,) = struct.unpack_from("<Q", buf, at)
+                return at + 8 + n
+            if vtype == _ARRAY:
+                item, count = struct.unpack_from("<IQ", buf, at)
+                at += 12
+                if item in _SCALAR_SIZES:
+                    return at + count * _SCALAR_SIZES[item]
+                for _ in range(count):
+                    at = skip(item, at)
+                return at
+            return at + _SCALAR_SIZES[vtype]
+
+        meta: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (vtype,) = struct.unpack_from("<I", buf, pos)
+            pos += 4
+            if vtype == _STRING:
+                meta[key], pos = string(pos)
+            elif vtype == _ARRAY:
+                item, count = struct.unpack_from("<IQ", buf, pos)
+                meta[key] = GGUFArray(int(item), int(count))
+                pos = skip(vtype, pos)
+            elif vtype in _SCALAR_FORMATS:
+                (value,) = struct.unpack_from(_SCALAR_FORMATS[vtype], buf, pos)
+                meta[key] = value
+                pos += _SCALAR_SIZES[vtype]
+            else:
+                raise ValueError(f"{path}: metadata {key!r} has unknown GGUF value type {vtype}")
+        names = []
+        for _ in range(n_tensors):
+            name, pos = string(pos)
+            (ndim,) = struct.unpack_from("<I", buf, pos)
+            pos += 4 + 8 * ndim + 12
+            names.append(name)
+    finally:
+        buf.close()
+    return meta, tuple(names)
 
 
 @dataclass

@@ -157,20 +157,28 @@ def locate_source(source: str, cache_dir: Path) -> Path:
         f"({', '.join(fetch.PACKS)}), and not a hub id of the form org/name")
 
 
+_TOKENIZER_BY_TYPE = ("qwen2",)  # config types whose tokenizer class AutoTokenizer takes from the type
+
+
 def gguf_meta(gguf: Path, cache_dir: Path) -> Path:
     """A cached directory with ``gguf``'s config and tokenizer only (kilobytes; built once)."""
     from transformers import AutoConfig, AutoTokenizer
 
     def build(tmp: Path) -> None:
-        # transformers reads the whole GGUF metadata for each of the two, every tokenizer string
-        # included: 14-15 s each for a 150k vocabulary on a 2-core EPYC (docs/benchmarks.md)
-        log.info("first start on %s: reading its config and tokenizer from the GGUF metadata (about 10 s "
-                 "per 50k tokens of vocabulary); later starts read them from the cache", gguf.name)
+        log.info("first start on %s: reading its config and tokenizer from the GGUF metadata; later starts "
+                 "read them from the cache", gguf.name)
         t0 = time.perf_counter()
         kw = dict(gguf_file=gguf.name)
         try:
-            hf_cfg = AutoConfig.from_pretrained(gguf.parent, **kw)
+            hf_cfg = gguf_config(gguf)
+            if hf_cfg is None:  # an architecture not ours, or a transformers without the mapping
+                hf_cfg = AutoConfig.from_pretrained(gguf.parent, **kw)
             ModelConfig.from_hf(hf_cfg)
+            # Given a GGUF file, AutoTokenizer reads the config from its whole metadata again to choose the
+            # tokenizer's class (14 s for Qwen2.5's vocabulary). For Qwen2 that class is named by the
+            # type (the same files, tested); llama-type files keep AutoTokenizer's own choice.
+            if hf_cfg.model_type in _TOKENIZER_BY_TYPE:
+                kw["tokenizer_type"] = hf_cfg.model_type
             tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
         except (ValueError, OSError, KeyError) as e:
             raise ModelLoadError(f"cannot read GGUF file {gguf}: {e}") from e
@@ -179,6 +187,46 @@ def gguf_meta(gguf: Path, cache_dir: Path) -> Path:
         log.info("cached %s's config and tokenizer in %.1f s", gguf.name, time.perf_counter() - t0)
 
     return _cached_dir(cache_dir / "gguf-meta" / f"{gguf.stem}-{gguf_cache_key(gguf)}", gguf, build)
+
+
+def gguf_config(gguf: Path):
+    """The ``transformers`` config of a GGUF file of an architecture we run (llama, qwen2, mistral),
+    built as ``transformers`` builds it (its own key mapping, defaults, tied embeddings, vocabulary
+    size) from the metadata read by :func:`read_metadata`, which leaves the tokenizer's arrays undecoded:
+    0.1 s where ``AutoConfig.from_pretrained(..., gguf_file=...)`` takes 14-20 s for Qwen2.5's 150k
+    vocabulary. ``None`` for other architectures, or where this ``transformers`` has no such mapping:
+    the caller then asks ``transformers``. Tested to give the same config as it
+    (``tests/engine/models/test_gguf_native.py``)."""
+    from engine.models.gguf_native import GGUFArray, read_metadata
+
+    try:
+        from transformers import CONFIG_MAPPING
+        from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+    except ImportError:
+        return None
+    meta, tensor_names = read_metadata(gguf)
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        return None
+    # as transformers reads it: a llama file named exactly "mistral" is a Mistral model
+    model_type = "mistral" if arch == "llama" and meta.get("general.name") == "mistral" else arch
+    config: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in tensor_names}
+    for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}).items():
+        config.setdefault(key, value)
+    for key, value in meta.items():
+        prefix, _, rest = key.replace(arch, model_type).partition(".")
+        name = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        if name is None or name == -1:
+            continue
+        if isinstance(value, GGUFArray):
+            return None  # an array-valued setting: transformers' own reader decodes it
+        config[name] = value.replace(arch, model_type) if isinstance(value, str) and arch in value else value
+    if "vocab_size" not in config:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, GGUFArray):
+            return None
+        config["vocab_size"] = tokens.count
+    return CONFIG_MAPPING[config["model_type"]].from_dict(config)
 
 
 def download_from_hub(repo_id: str) -> Path:

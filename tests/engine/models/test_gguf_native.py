@@ -4,6 +4,7 @@ weights (the kernels are batch-invariant), the GGUF index reader, the q/k row un
 real SmolLM2 pack loaded natively."""
 
 import copy
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -131,6 +132,146 @@ def test_the_index_reader_agrees_with_the_gguf_package(tmp_path):
         info = index[t.name]
         assert info.type_id == int(t.tensor_type) and info.shape == tuple(int(d) for d in t.shape)
         assert raw[info.offset:info.offset + info.nbytes] == t.data.tobytes()
+
+
+def test_the_metadata_reader_agrees_with_the_gguf_package(tmp_path):
+    """read_metadata decodes every scalar type and strings as gguf.GGUFReader does, gives arrays as
+    their type and length, and the tensor names in file order."""
+    import gguf
+
+    from engine.models.gguf_native import GGUFArray, read_metadata
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_uint8("t.u8", 200)
+    writer.add_int8("t.i8", -5)
+    writer.add_uint16("t.u16", 60000)
+    writer.add_int16("t.i16", -30000)
+    writer.add_uint32("t.u32", 4_000_000_000)
+    writer.add_int32("t.i32", -2_000_000_000)
+    writer.add_float32("t.f32", 1e-6)
+    writer.add_bool("t.bool", True)
+    writer.add_uint64("t.u64", 2**60)
+    writer.add_int64("t.i64", -(2**60))
+    writer.add_float64("t.f64", 0.1)
+    writer.add_string("t.str", "héllo")
+    writer.add_array("t.strings", [f"tok{i}" for i in range(300)])
+    writer.add_array("t.ints", [1, 2, 3])
+    for name in ("b.weight", "a.weight"):
+        writer.add_tensor(name, np.zeros((2, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    meta, names = read_metadata(path)
+    reader = gguf.GGUFReader(str(path))
+    assert names == tuple(t.name for t in reader.tensors) == ("b.weight", "a.weight")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue  # the reader's own header fields
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            assert meta[key] == GGUFArray(int(field.types[1]), len(field.data)), key
+        else:
+            assert meta[key] == field.contents(), key
+    assert meta["t.f32"] == float(np.float32(1e-6)) and meta["t.str"] == "héllo" and meta["t.bool"] is True
+
+
+def _config_gguf(path: Path, arch: str, name: str, tied: bool, tokenizer_from: Path | None = None) -> Path:
+    """A GGUF file of a tiny model's config, with a 40-token stand-in tokenizer, or the tokenizer of
+    ``tokenizer_from`` (a GGUF file)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    writer.add_block_count(2)
+    writer.add_context_length(512)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    if arch == "llama":
+        writer.add_rope_dimension_count(16)
+    if tokenizer_from is None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list([f"t{i}" for i in range(40)])
+        writer.add_token_merges(["t 1"])
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        vocab = 40
+    else:
+        fields = gguf.GGUFReader(str(tokenizer_from)).fields
+        writer.add_tokenizer_model(fields["tokenizer.ggml.model"].contents())
+        writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents())
+        writer.add_token_list(fields["tokenizer.ggml.tokens"].contents())
+        writer.add_token_types(fields["tokenizer.ggml.token_type"].contents())
+        writer.add_token_merges(fields["tokenizer.ggml.merges"].contents())
+        writer.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"].contents())
+        writer.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"].contents())
+        vocab = len(fields["tokenizer.ggml.tokens"].data)
+    writer.add_tensor("token_embd.weight", np.zeros((vocab, 64), dtype=np.float32))
+    if not tied:
+        writer.add_tensor("output.weight", np.zeros((vocab, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("arch,name,tied", [("qwen2", "tiny", True), ("llama", "tiny", False), ("llama", "mistral", True)])
+def test_the_fast_config_is_the_one_transformers_builds(tmp_path, arch, name, tied):
+    """gguf_config (the metadata without the tokenizer's arrays) gives the config that transformers
+    builds from the whole metadata: every field, the type (a llama file named "mistral" is Mistral), tied
+    embeddings where the file has no output.weight, the vocabulary size from the token list."""
+    from transformers import AutoConfig
+
+    from engine.models.loader import gguf_config
+
+    path = _config_gguf(tmp_path / "c.gguf", arch, name, tied)
+    fast = gguf_config(path).to_dict()
+    slow = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name).to_dict()
+    fast.pop("_name_or_path", None), slow.pop("_name_or_path", None)
+    assert fast == slow
+    assert fast["tie_word_embeddings"] is tied and fast["vocab_size"] == 40
+    assert fast["model_type"] == ("mistral" if name == "mistral" else arch)
+
+
+def test_other_architectures_are_left_to_transformers(tmp_path):
+    from engine.models.loader import gguf_config
+
+    assert gguf_config(_config_gguf(tmp_path / "p.gguf", "phi3", "tiny", False)) is None
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_cached_config_and_tokenizer_are_the_ones_transformers_builds(tmp_path, arch):
+    """The first start's cache (the fast config; for qwen2 the tokenizer class named by the type) holds
+    the same files as transformers' own GGUF loading writes, and they tokenize the same.  SmolLM2's
+    pack (llama), and a qwen2 file with its tokenizer."""
+    import json
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from engine.models.fetch import fetch_pack
+    from engine.models.loader import gguf_meta
+
+    gguf = fetch_pack("smollm2-135m-instruct", progress=False)
+    if arch == "qwen2":
+        (tmp_path / "qwen").mkdir()
+        gguf = _config_gguf(tmp_path / "qwen" / "q.gguf", "qwen2", "tiny", True, tokenizer_from=gguf)
+    ours = gguf_meta(gguf, tmp_path / "cache")
+    theirs = tmp_path / "theirs"
+    AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(theirs)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(theirs)
+    written = sorted(p.name for p in theirs.iterdir())
+    assert written and written == sorted(p.name for p in ours.iterdir() if p.name != "mcsd-complete.json")
+    for name in written:
+        a, b = (ours / name).read_text(), (theirs / name).read_text()
+        assert (json.loads(a) == json.loads(b)) if name.endswith(".json") else a == b, name
+    text = "def fibonacci(n):\n    return n"
+    assert AutoTokenizer.from_pretrained(ours).encode(text) == AutoTokenizer.from_pretrained(theirs).encode(text)
 
 
 @pytest.mark.real_model
