@@ -95,10 +95,9 @@ class GGUFArray:
     count: int
 
 
-def read_metadata(path: Path) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """A GGUF file's metadata (scalars and strings decoded, arrays as :class:`GGUFArray`) and its
-    tensor names, in well under a second: nothing of the tokenizer's arrays is decoded, where
-    ``gguf.GGUFReader`` takes about 14 s for a 150k vocabulary."""
+def _read_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, tuple[int, ...], int]], int]:
+    """A GGUF file's metadata (scalars and strings decoded, arrays as :class:`GGUFArray`, never read),
+    its tensors (name, type, shape, offset in the data) and where the data starts."""
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
@@ -139,20 +138,30 @@ def read_metadata(path: Path) -> tuple[dict[str, Any], tuple[str, ...]]:
                 meta[key] = GGUFArray(int(item), int(count))
                 pos = skip(vtype, pos)
             elif vtype in _SCALAR_FORMATS:
-                (value,) = struct.unpack_from(_SCALAR_FORMATS[vtype], buf, pos)
-                meta[key] = value
+                (meta[key],) = struct.unpack_from(_SCALAR_FORMATS[vtype], buf, pos)
                 pos += _SCALAR_SIZES[vtype]
             else:
                 raise ValueError(f"{path}: metadata {key!r} has unknown GGUF value type {vtype}")
-        names = []
+        infos = []
         for _ in range(n_tensors):
             name, pos = string(pos)
             (ndim,) = struct.unpack_from("<I", buf, pos)
+            shape = struct.unpack_from(f"<{ndim}Q", buf, pos + 4)
+            type_id, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * ndim)
             pos += 4 + 8 * ndim + 12
-            names.append(name)
+            infos.append((name, int(type_id), tuple(int(d) for d in shape), int(offset)))
     finally:
         buf.close()
-    return meta, tuple(names)
+    alignment = meta.get("general.alignment", 32)
+    return meta, infos, -(-pos // alignment) * alignment
+
+
+def read_metadata(path: Path) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """A GGUF file's metadata (scalars and strings decoded, arrays as :class:`GGUFArray`) and its
+    tensor names, in well under a second: nothing of the tokenizer's arrays is decoded, where
+    ``gguf.GGUFReader`` takes about 14 s for a 150k vocabulary."""
+    meta, infos, _ = _read_header(path)
+    return meta, tuple(name for name, *_ in infos)
 
 
 @dataclass
@@ -166,53 +175,8 @@ class TensorInfo:
 
 def read_tensor_index(path: Path) -> dict[str, TensorInfo]:
     """The tensors of a GGUF file (name, type, shape, where their bytes are), reading past the metadata
-    without decoding it (``gguf.GGUFReader`` decodes every tokenizer string: ~10 s for a 50k vocabulary)."""
-    with open(path, "rb") as f:
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version < 2:
-            raise ValueError(f"{path}: GGUF version {version} is not supported")
-        pos, alignment = 24, 32
-
-        def string(at: int) -> tuple[str, int]:
-            (n,) = struct.unpack_from("<Q", buf, at)
-            return bytes(buf[at + 8:at + 8 + n]).decode("utf-8", "replace"), at + 8 + n
-
-        def skip(vtype: int, at: int) -> int:
-            if vtype == _STRING:
-                (n,) = struct.unpack_from("<Q", buf, at)
-                return at + 8 + n
-            if vtype == _ARRAY:
-                item, count = struct.unpack_from("<IQ", buf, at)
-                at += 12
-                if item in _SCALAR_SIZES:
-                    return at + count * _SCALAR_SIZES[item]
-                for _ in range(count):
-                    at = skip(item, at)
-                return at
-            return at + _SCALAR_SIZES[vtype]
-
-        for _ in range(n_kv):
-            key, pos = string(pos)
-            (vtype,) = struct.unpack_from("<I", buf, pos)
-            pos += 4
-            if key == "general.alignment" and vtype == 4:
-                (alignment,) = struct.unpack_from("<I", buf, pos)
-            pos = skip(vtype, pos)
-        infos = []
-        for _ in range(n_tensors):
-            name, pos = string(pos)
-            (ndim,) = struct.unpack_from("<I", buf, pos)
-            shape = struct.unpack_from(f"<{ndim}Q", buf, pos + 4)
-            type_id, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * ndim)
-            pos += 4 + 8 * ndim + 12
-            infos.append((name, int(type_id), tuple(int(d) for d in shape), int(offset)))
-        start = -(-pos // alignment) * alignment
-    finally:
-        buf.close()
+    without decoding its arrays (``gguf.GGUFReader`` decodes every tokenizer string: ~10 s for a 50k vocabulary)."""
+    _, infos, start = _read_header(path)
     out = {}
     for name, type_id, shape, offset in infos:
         rows = math.prod(shape[1:])
