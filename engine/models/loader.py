@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engine.models.config import ModelConfig
+from engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from engine.models.llama import LlamaModel, build_model
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ def gguf_config(gguf: Path):
         return None
     meta, tensor_names = read_metadata(gguf)
     arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen2"):
+    if arch not in SUPPORTED_ARCHITECTURES:
         return None
     # as transformers reads it: a llama file named exactly "mistral" is a Mistral model
     model_type = "mistral" if arch == "llama" and meta.get("general.name") == "mistral" else arch

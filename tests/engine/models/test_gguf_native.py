@@ -191,7 +191,7 @@ def _config_gguf(path: Path, arch: str, name: str, tied: bool, tokenizer_from: P
     writer.add_head_count_kv(2)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    if arch == "llama":
+    if arch in ("llama", "mistral"):
         writer.add_rope_dimension_count(16)
     if tokenizer_from is None:
         writer.add_tokenizer_model("gpt2")
@@ -220,7 +220,8 @@ def _config_gguf(path: Path, arch: str, name: str, tied: bool, tokenizer_from: P
     return path
 
 
-@pytest.mark.parametrize("arch,name,tied", [("qwen2", "tiny", True), ("llama", "tiny", False), ("llama", "mistral", True)])
+@pytest.mark.parametrize("arch,name,tied", [("qwen2", "tiny", True), ("llama", "tiny", False), ("llama", "mistral", True),
+                                           ("mistral", "tiny", False)])
 def test_the_fast_config_is_the_one_transformers_builds(tmp_path, arch, name, tied):
     """gguf_config (the metadata without the tokenizer's arrays) gives the config that transformers
     builds from the whole metadata: every field, the type (a llama file named "mistral" is Mistral), tied
@@ -299,9 +300,8 @@ def test_the_smollm_pack_runs_in_its_own_blocks():
 
 @pytest.mark.real_model
 def test_the_first_start_on_a_gguf_file_says_it_reads_the_metadata_once(tmp_path, caplog):
-    """Reading a GGUF file's config and tokenizer takes long on the first start (about 30 s for a 150k
-    vocabulary): the server log says so, and how long it took; later starts read the cache silently
-    and get the same files."""
+    """The first start on a GGUF file reads its config and tokenizer from the metadata: the server log
+    says so, and how long it took; later starts read the cache silently and get the same files."""
     import logging
 
     from engine.models.fetch import fetch_pack
