@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from engine.device import to_device
 from engine.kv_cache import KVCache
 from engine.models.llama import ForwardOutput, LlamaModel
 from engine.models.vocab import OutputVocab
@@ -56,7 +57,7 @@ def run_blocks(model: LlamaModel, cache: KVCache, blocks: list[Block],
                 mask[i, :n, pending[i]: pending[i] + n] = torch.ones(n, n, dtype=torch.bool).tril()
             else:
                 mask[i, :n, : bl.mask.shape[1]] = bl.mask
-    out = model(ids.to(model.device), pos, cache, [bl.slot for bl in blocks], block_mask=mask,
+    out = model(to_device(ids, model.device), pos, cache, [bl.slot for bl in blocks], block_mask=mask,
                 num_new=[len(bl.tokens) for bl in blocks], logits_rows=rows,
                 num_logits=[len(bl.logit_rows) for bl in blocks], vocab=vocab)
     per_block = [out.logits[i, : len(bl.logit_rows)] for i, bl in enumerate(blocks)]

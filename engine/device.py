@@ -6,7 +6,7 @@ waits for the device to finish what it was given (a *sync point*).  The engine's
 that once where it must, so these helpers are the only places a step moves data:
 
 * :func:`to_device` copies host tensors to the device without waiting for it (through pinned
-  memory on CUDA);
+  memory on CUDA), :func:`to_device_many` several of them in one copy per dtype;
 * :func:`to_host` brings any number of device tensors back behind one synchronization;
 * :func:`synchronize` waits for the device, before a clock is read for a timing.
 
@@ -41,7 +41,23 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` (a host tensor) on ``device``; on CUDA the copy does not make the host wait."""
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return t.to(device, non_blocking=True)  # a no-op on the CPU; the device-check mode counts plain copies
+
+
+def to_device_many(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host ``tensors`` on ``device``, as :func:`to_device` would give them one by one, in one copy per
+    dtype on CUDA (packed into one pinned buffer, then split into views of the device copy)."""
+    if device.type != "cuda":
+        return [to_device(t, device) for t in tensors]
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    for idx in groups.values():
+        flat = to_device(torch.cat([tensors[i].reshape(-1) for i in idx]), device)
+        for i, part in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+            out[i] = part.view(tensors[i].shape)
+    return out  # type: ignore[return-value]
 
 
 def tensor(data, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:

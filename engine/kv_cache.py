@@ -39,6 +39,8 @@ from typing import Optional
 
 import torch
 
+from engine.device import to_device_many
+
 
 class CacheFullError(RuntimeError):
     """A sequence needs more positions than a sequence may hold, no slot is free, or the pool is out of blocks."""
@@ -253,8 +255,9 @@ class KVCache:
         width = min(nb, self.max_blocks)
         tables[:, :width] = self.table[torch.tensor(slots, dtype=torch.long), :width]
         pos = torch.arange(kv_len, device=device)
-        read = tables.to(device)[:, pos // bs] * bs + pos % bs  # [batch, kv_len]
-        offsets = start.to(device)[:, None] + torch.arange(block, device=device)
+        tables, start = to_device_many([tables, start], device)
+        read = tables[:, pos // bs] * bs + pos % bs  # [batch, kv_len]
+        offsets = start[:, None] + torch.arange(block, device=device)
         return Addresses(read.gather(1, offsets), read)
 
     def advance(self, slots: list[int], counts: list[int]) -> None:
@@ -289,8 +292,8 @@ class KVCache:
         if n and (int(idx.max()) >= int(self.pending[slot]) or int(idx.min()) < 0):
             raise IndexError(f"keep indices {idx.tolist()} out of range of {int(self.pending[slot])} pending entries")
         if n and not torch.equal(idx, torch.arange(n)):
-            src = self._rows(slot, idx + base).to(self.k.device)
-            dst = self._rows(slot, torch.arange(base, base + n)).to(self.k.device)
+            src, dst = to_device_many([self._rows(slot, idx + base), self._rows(slot, torch.arange(base, base + n))],
+                                      self.k.device)
             # Gather first (copy), then scatter: source and destination ranges may overlap.
             self.k[:, dst] = self.k[:, src]
             self.v[:, dst] = self.v[:, src]

@@ -17,6 +17,7 @@ import torch
 
 from engine.batching import Block, run_blocks
 from engine.device import Pending, finish_all, synchronize
+from engine.device import tensor as device_tensor
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
 from engine.sequence import Sequence
@@ -291,7 +292,7 @@ def _rows_of(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
     """``logits[index]`` (no copy when ``index`` is every row in order)."""
     if index == list(range(logits.shape[0])):
         return logits
-    return logits[torch.tensor(index, dtype=torch.long, device=logits.device)]
+    return logits[device_tensor(index, logits.device)]
 
 
 def block_positions(root_pos: int, depths: list[int]) -> list[int]:

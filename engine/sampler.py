@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine.device import to_device
+from engine.device import to_device, to_device_many
 from engine.request import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -111,12 +111,11 @@ class SamplingTensors:
         bias_index, bias_value = _sparse_bias(params, rows, vocab_size)
         enabled_k = top_k[top_k < vocab_size]
 
-        dev = torch.device(device)
+        host = dict(temperature=temperature, greedy=greedy, top_k=top_k, top_p=top_p, min_p=min_p,
+                    repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
+                    bias_index=bias_index, bias_value=bias_value)
         return cls(
-            temperature=temperature.to(dev), greedy=greedy.to(dev), top_k=top_k.to(dev),
-            top_p=top_p.to(dev), min_p=min_p.to(dev), repetition_penalty=rep.to(dev),
-            presence_penalty=pres.to(dev), frequency_penalty=freq.to(dev),
-            bias_index=bias_index.to(dev), bias_value=bias_value.to(dev),
+            **dict(zip(host, to_device_many(list(host.values()), torch.device(device)))),
             vocab_size=vocab_size,
             max_top_k=int(enabled_k.max()) if enabled_k.numel() else 0,
             any_top_k=enabled_k.numel() > 0,
@@ -178,7 +177,7 @@ def token_count_matrix(
     row = [r for r, ids in enumerate(token_ids) for _ in ids]
     out = torch.zeros(len(token_ids), vocab_size, dtype=torch.int32, device=device)
     if flat:
-        idx = (torch.tensor(row, device=device), torch.tensor(flat, device=device))
+        idx = tuple(to_device_many([torch.tensor(row), torch.tensor(flat)], torch.device(device)))
         out.index_put_(idx, torch.ones(len(flat), dtype=torch.int32, device=device), accumulate=True)
     return out
 

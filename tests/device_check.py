@@ -10,7 +10,9 @@ tensor.  Then:
   **violation** (on CUDA it would fail, or silently copy and synchronize): recorded with its stack,
   and raised;
 * reading a marked tensor on the host (``item``, ``tolist``, ``bool``/``int``/``float``,
-  ``cpu``, ``numpy``, ``nonzero``, ``equal``) is a **sync point**, counted by label;
+  ``cpu``, ``numpy``, ``nonzero``, ``equal``) is a **sync point**, counted by label; so is copying a
+  host tensor to the device without ``non_blocking`` (``h2d``: on CUDA a copy from pageable memory
+  waits for the device's queue to drain, as torch's sync debug mode reports);
   ``engine.device.to_host`` counts once for all the tensors it brings back.
 
 On the CPU ``x.to(model.device)`` is a no-op returning ``x`` itself; the mode returns a marked copy
@@ -123,6 +125,9 @@ class DeviceCheck(TorchFunctionMode):
             loose = [t for t in inputs if not is_marked(t) and t.numel() > 1]
             if loose:
                 self._violation(func, marked, loose)
+        if func in (torch.tensor, torch.as_tensor) and _is_device(kwargs.get("device"), self.device) and self.counting:
+            self.syncs["h2d"] += 1  # host data copied to the device the plain way, as above
+            self.sync_stacks.append("h2d:\n" + "".join(traceback.format_stack(limit=8)[:-1]))
         out = func(*args, **kwargs)
         explicit = func in _CREATE or getattr(func, "__name__", "").endswith("_like")
         if marked or (explicit and _is_device(kwargs.get("device"), self.device)):
@@ -138,8 +143,14 @@ class DeviceCheck(TorchFunctionMode):
                 target = a
             elif isinstance(a, torch.Tensor):
                 target = a.device if is_marked(a) else None
+        to_device = _is_device(target, self.device) or func is torch.Tensor.cuda
+        if to_device and not marked and not kwargs.get("non_blocking") and self.counting:
+            # a host tensor copied to the device the plain way: on CUDA, a copy from pageable memory
+            # that makes the host wait for the device's queue (``engine.device.to_device`` does not)
+            self.syncs["h2d"] += 1
+            self.sync_stacks.append("h2d:\n" + "".join(traceback.format_stack(limit=8)[:-2]))
         out = func(*args, **kwargs)
-        if marked or _is_device(target, self.device) or func is torch.Tensor.cuda:
+        if marked or to_device:
             if out is src and not marked:
                 out = out.clone()  # a real transfer makes a new tensor; the host one stays a host tensor
             mark(out)

@@ -57,14 +57,15 @@ def tiny_tokenizer(vocab: int = VOCAB):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="w1")
 
 
-def tiny_loaded(kind: str = "llama", seed: int = 0, layers: int = 2, **dims):
-    """A tiny model wrapped as the loader returns it (our runtime + config + tokenizer); ``dims``:
-    ``hidden`` and ``intermediate`` sizes other than 64 and 96."""
+def tiny_loaded(kind: str = "llama", seed: int = 0, layers: int = 2, dtype: torch.dtype = torch.float32,
+                device: str = "cpu", **dims):
+    """A tiny model wrapped as the loader returns it (our runtime + config + tokenizer), in ``dtype``
+    on ``device``; ``dims``: ``hidden`` and ``intermediate`` sizes other than 64 and 96."""
     from engine.models.loader import LoadedModel
 
     hf = tiny_hf(kind, seed=seed, layers=layers, **dims)
     cfg = ModelConfig.from_hf(hf.config)
-    model = build_model(cfg, hf.state_dict(), torch.float32)
+    model = build_model(cfg, hf.state_dict(), dtype, device)
     return LoadedModel(model, cfg, tiny_tokenizer(cfg.vocab_size), f"tiny-{kind}-{seed}", path=None)
 
 

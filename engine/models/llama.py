@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from engine.device import to_device, to_device_many
 from engine.kv_cache import Addresses, KVCache
 from engine.models import cpu_kernels
 from engine.models.config import ModelConfig
@@ -101,7 +102,7 @@ class Packing:
         if sum(counts) == len(counts) * block:
             return None
         rows = torch.cat([torch.arange(n) + b * block for b, n in enumerate(counts)])
-        return Packing(list(counts), block, rows.to(device), torch.tensor(counts, dtype=torch.long).to(device))
+        return Packing(list(counts), block, *to_device_many([rows, torch.tensor(counts, dtype=torch.long)], device))
 
     @property
     def batch(self) -> int:
@@ -272,7 +273,7 @@ class LlamaModel(nn.Module):
         the index is built there)."""
         b, k = logits_rows.shape
         if packing is None and (num_logits is None or all(n == k for n in num_logits)):  # a decoding step
-            idx = logits_rows.to(hidden.device)
+            idx = to_device(logits_rows, hidden.device)
             return torch.gather(hidden, 1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])), None
         counts = num_logits if num_logits is not None else [k] * b
         lengths = packing.lengths if packing is not None else [block] * b  # hidden rows of each row
@@ -283,7 +284,8 @@ class LlamaModel(nn.Module):
         at = torch.stack([firsts[i] + torch.arange(k).clamp(max=max(n, 1) - 1) for i, n in enumerate(counts)])
         dev = hidden.device
         source = hidden.reshape(-1, hidden.shape[-1])
-        return source[wanted.to(dev)].unsqueeze(0), at.to(dev)
+        wanted, at = to_device_many([wanted, at], dev)
+        return source[wanted].unsqueeze(0), at
 
     def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The decoder stack: [batch, block] token ids -> final-norm hidden states [batch, block, hidden],
@@ -308,14 +310,15 @@ class LlamaModel(nn.Module):
         dev = self.device
         # only the small per-block mask [batch, block, width] and two [batch] vectors cross to the device
         at = cache.addresses(slots, start, t, kv_len, dev)
-        positions = positions.to(dev)
+        host = [positions, lens, start] + ([] if block_mask is None else [block_mask])
+        positions, lens_d, start_d, *mask_d = to_device_many(host, dev)
         if packing is not None:  # the layers write and rotate the real rows only
             positions = packing.pack(positions)
             at = Addresses(packing.pack(at.write), at.read, at.view_start, at.write_start)
         cos, sin = self.rope.lookup(positions)
         return ForwardContext(cache=cache, at=at, kv_len=kv_len,
-                              cos=cos, sin=sin, lens=lens.to(dev), start=start.to(dev),
-                              block_mask=None if block_mask is None else block_mask.to(dev),
+                              cos=cos, sin=sin, lens=lens_d, start=start_d,
+                              block_mask=mask_d[0] if mask_d else None,
                               paged=cpu_kernels.paged_attention_applies(cache.k), packing=packing)
 
 

@@ -1,0 +1,174 @@
+"""The engine on a real GPU (CUDA), with the tiny models of the CPU suite placed on the device.
+
+* every method's greedy output equals plain decoding's, in fp32 with TF32 off, one request at a time
+  and in a continuously joined batch (on a GPU torch's kernels are not batch-invariant, so a last-bit
+  difference could flip a near-tie: the tiny random models have none at these prompts);
+* a batch mixing every sampling feature completes under every method, in bf16 and fp32;
+* a step synchronizes with the host only where the engine says it does: torch's sync debug mode
+  reports every synchronizing CUDA call, and their number must equal the reads the engine counts
+  through ``engine.device`` (one per draft level plus one for verification, ``test_device.py``);
+* the server, on the device, answers concurrent streams with the official ``openai`` client.
+
+On a machine without CUDA these tests are skipped with that reason (``-ra`` lists them); the CPU
+suite checks the same code paths with the device-check mode (``tests/engine/test_device.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine.device as engine_device
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.request import GenerationRequest, SamplingParams, SpecOptions
+from engine.speculative.methods import method, method_names
+from tests.engine.test_device import FEATURES
+from tests.engine_utils import run_engine
+from tests.tiny import tiny_loaded
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+LOSSLESS = [m for m in method_names() if not method(m).lossy_note]
+PROMPTS = [[3, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28], [5, 5, 5, 5]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_tf32():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def cuda_pair(dtype: torch.dtype):
+    return (tiny_loaded("llama", seed=0, dtype=dtype, device="cuda"),
+            tiny_loaded("llama", seed=1, layers=1, dtype=dtype, device="cuda"))
+
+
+@pytest.fixture(scope="module")
+def pair32():
+    return cuda_pair(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def pair16():
+    return cuda_pair(torch.bfloat16)
+
+
+def test_the_models_are_on_the_device(pair32):
+    for lm in pair32:
+        assert lm.model.device.type == "cuda"
+        assert all(p.device.type == "cuda" for p in lm.model.parameters())
+
+
+@pytest.mark.parametrize("method_name", LOSSLESS)
+@pytest.mark.parametrize("join_every", [0, 1], ids=["together", "joining"])
+@pytest.mark.parametrize("drafter", ["other", "self"])
+def test_greedy_speculation_equals_plain_decoding(pair32, method_name, join_every, drafter):
+    """``other``: a draft with other weights (mostly rejected); ``self``: the target drafting for
+    itself (mostly accepted), so both the rejection and the acceptance paths run on the device."""
+    target, draft = pair32
+    draft = target if drafter == "self" else draft
+    plain, _ = run_engine(target, draft, PROMPTS, spec=SpecOptions(enabled=False), max_tokens=20, ignore_eos=True)
+    spec, core = run_engine(target, draft, PROMPTS, tree=(3, 2, 2), join_every=join_every, max_tokens=20,
+                            ignore_eos=True, config=dict(spec_method=method_name))
+    assert [c.tokens for c in spec] == [c.tokens for c in plain]
+    assert all(len(c.tokens) == 20 for c in spec)
+    if drafter == "self" and method_name != "maxgram":  # Max-Gram drafts only what the context repeats
+        assert sum(c.spec.accepted_tokens for c in spec) > 20  # speculation really ran
+
+
+@contextmanager
+def sync_report():
+    """Counts, while open, the synchronizing CUDA calls (torch's sync debug mode) and the reads the
+    engine declares (``engine.device.sync_listeners``)."""
+    counts = {"cuda": 0, "declared": 0}
+
+    def declared(_label: str) -> None:
+        counts["declared"] += 1
+
+    engine_device.sync_listeners.append(declared)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield counts, caught
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        engine_device.sync_listeners.remove(declared)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("method_name", method_names())
+def test_a_mixed_batch_has_no_hidden_host_syncs(pair32, pair16, method_name, dtype):
+    target, draft = pair32 if dtype == torch.float32 else pair16
+    core = EngineCore(target, draft, EngineConfig.from_settings(max_batch=8, max_model_len=128, tree=(2, 1, 1),
+                                                                spec_method=method_name))
+    for i, name in enumerate(FEATURES):
+        params = dict(FEATURES[name])
+        if method_name == "mjsd-lossy" and name == "penalties":
+            params = dict(temperature=0.8)  # refused for this method
+        core.add_request(GenerationRequest(f"r{i}", [3 + i, 6, 7, 8, 9, 10],
+                                           SamplingParams(max_tokens=10, **params), SpecOptions()))
+    hidden, outs = [], []
+    while core.has_unfinished():
+        with sync_report() as (counts, caught):
+            step = core.step()
+        syncs = [w for w in caught if "synchronizing" in str(w.message)]
+        if len(syncs) != counts["declared"]:
+            hidden.append((len(syncs), counts["declared"], [f"{w.filename}:{w.lineno}" for w in syncs]))
+        outs += step
+    assert not [o.error for o in outs if o.error]
+    finished = [o for o in outs if o.finished]
+    assert len(finished) == len(FEATURES)
+    assert not hidden, f"steps with synchronizing CUDA calls the engine does not declare: {hidden[:3]}"
+
+
+def test_the_server_serves_concurrent_streams_on_the_device():
+    openai = pytest.importorskip("openai")
+    from engine.async_engine import AsyncEngine
+    from engine.models.config import ModelConfig
+    from engine.models.llama import build_model
+    from engine.models.loader import LoadedModel
+    from server.app import create_app
+    from server.settings import Settings
+    from tests.fakes import ServerThread, make_tokenizer
+    from tests.tiny import tiny_hf
+
+    tok = make_tokenizer()
+
+    def loaded(seed: int) -> LoadedModel:
+        hf = tiny_hf("qwen2", seed=seed, vocab=len(tok))
+        hf.config.eos_token_id = tok.eos_token_id
+        cfg = ModelConfig.from_hf(hf.config)
+        return LoadedModel(build_model(cfg, hf.state_dict(), torch.float32, "cuda"), cfg, tok, f"tiny-{seed}",
+                           path=Path("."))
+
+    core = EngineCore(loaded(0), loaded(1), EngineConfig(max_batch=4, max_model_len=128, tree=(2, 2)),
+                      model_name="tiny")
+    prompts = [f"request {i}: the quick brown fox" for i in range(8)]
+    with ServerThread(create_app(Settings(served_model_name="tiny", device="cuda"),
+                                 AsyncEngine(core, max_queue=32))) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        one_by_one = [client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0,
+                                                extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+
+        async def stream(ac, p: str) -> str:
+            chunks = await ac.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True})
+            return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+        async def together():
+            async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120) as ac:
+                return await asyncio.gather(*(stream(ac, p) for p in prompts))
+
+        assert asyncio.run(together()) == one_by_one
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=6, temperature=0.8, seed=3, n=2, logprobs=True)
+        assert len(chat.choices) == 2 and all(c.logprobs.content for c in chat.choices)
