@@ -142,7 +142,7 @@ def engine_run(target, draft, batch: int, prompt_len: int, new_tokens: int, tree
     def on_sync(_label: str) -> None:
         declared[0] += 1
 
-    steps, tokens, decode_s, cuda_syncs, declared_syncs, errors = 0, 0, 0.0, 0, 0, []
+    steps, tokens, decode_s, host_s, cuda_syncs, declared_syncs, errors = 0, 0, 0.0, 0.0, 0, 0, []
     prefilled = False
     while core.has_unfinished():
         declared[0] = 0
@@ -154,6 +154,7 @@ def engine_run(target, draft, batch: int, prompt_len: int, new_tokens: int, tree
             sync(device)
             t0 = time.perf_counter()
             outs = core.step()
+            host = time.perf_counter() - t0  # until the step returns: what the host spends
             sync(device)
             dt = time.perf_counter() - t0
         if device.type == "cuda":
@@ -167,11 +168,13 @@ def engine_run(target, draft, batch: int, prompt_len: int, new_tokens: int, tree
         steps += 1
         tokens += new
         decode_s += dt
+        host_s += host
         cuda_syncs += sum("synchronizing" in str(w.message) for w in caught)
         declared_syncs += declared[0]
     steps = max(steps, 1)
     decode_s = max(decode_s, 1e-9)
     return dict(batch=batch, steps=steps, tokens=tokens, tok_s=tokens / decode_s, ms_step=decode_s / steps * 1e3,
+                host_ms_step=host_s / steps * 1e3,
                 tok_step=tokens / steps / batch, declared=declared_syncs / steps,
                 cuda_syncs=(cuda_syncs / steps) if count_syncs and device.type == "cuda" else None,
                 errors=len(errors))
@@ -219,9 +222,12 @@ def main(argv=None) -> None:
             r.update(config=name, tree=",".join(map(str, t)) or "-", declared=s["declared"], cuda_syncs=s["cuda_syncs"])
             runs.append(r)
             print(r, flush=True)
+    again = engine_run(target, draft, 1, args.prompt_len, args.new_tokens, (), "mcsd", False, False)
+    runs.append(dict(again, config="plain, again after the rest", tree="-"))  # does the order matter?
     print(f"\nengine steps, greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens (decode only)")
     print_table(runs, [("config", "config", "s"), ("batch", "batch", "d"), ("tree", "tree", "s"),
-                       ("tok_s", "tok/s", ".1f"), ("ms_step", "ms/step", ".2f"), ("tok_step", "tok/step/seq", ".2f"),
+                       ("tok_s", "tok/s", ".1f"), ("ms_step", "ms/step", ".2f"), ("host_ms_step", "host ms/step", ".2f"),
+                       ("tok_step", "tok/step/seq", ".2f"),
                        ("declared", "declared syncs/step", ".2f"), ("cuda_syncs", "CUDA syncs/step", ".2f"),
                        ("errors", "errors", "d")])
     if args.host_profile:

@@ -39,8 +39,8 @@ def _transfer() -> Iterator[None]:
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` (a host tensor) on ``device``; on CUDA the copy does not make the host wait."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.contiguous().pin_memory().to(device, non_blocking=True)  # (an expanded view cannot be pinned)
     return t.to(device, non_blocking=True)  # a no-op on the CPU; the device-check mode counts plain copies
 
 
@@ -49,10 +49,11 @@ def to_device_many(tensors: list[torch.Tensor], device: torch.device) -> list[to
     dtype on CUDA (packed into one pinned buffer, then split into views of the device copy)."""
     if device.type != "cuda":
         return [to_device(t, device) for t in tensors]
-    out: list[torch.Tensor | None] = [None] * len(tensors)
+    out: list[torch.Tensor | None] = [t if t.device.type != "cpu" else None for t in tensors]  # there already
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
-        groups.setdefault(t.dtype, []).append(i)
+        if out[i] is None:
+            groups.setdefault(t.dtype, []).append(i)
     for idx in groups.values():
         flat = to_device(torch.cat([tensors[i].reshape(-1) for i in idx]), device)
         for i, part in zip(idx, flat.split([tensors[i].numel() for i in idx])):

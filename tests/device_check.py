@@ -12,7 +12,8 @@ tensor.  Then:
 * reading a marked tensor on the host (``item``, ``tolist``, ``bool``/``int``/``float``,
   ``cpu``, ``numpy``, ``nonzero``, ``equal``) is a **sync point**, counted by label; so is copying a
   host tensor to the device without ``non_blocking`` (``h2d``: on CUDA a copy from pageable memory
-  waits for the device's queue to drain, as torch's sync debug mode reports);
+  waits for the device's queue to drain, as torch's sync debug mode reports), and indexing with a
+  0-dim integer device tensor (``index``: torch reads it as a Python int first);
   ``engine.device.to_host`` counts once for all the tensors it brings back.
 
 On the CPU ``x.to(model.device)`` is a no-op returning ``x`` itself; the mode returns a marked copy
@@ -121,6 +122,13 @@ class DeviceCheck(TorchFunctionMode):
             return out
         if func is torch.Tensor.to or func is torch.Tensor.cuda:
             return self._to(func, args, kwargs, marked)
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and self.counting:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(is_marked(i) and i.dim() == 0 and not i.is_floating_point() and i.dtype != torch.bool
+                   for i in index):
+                # a 0-dim integer device tensor as an index is read as a Python int first: a sync on CUDA
+                self.syncs["index"] += 1
+                self.sync_stacks.append("index:\n" + "".join(traceback.format_stack(limit=8)[:-1]))
         if marked:
             loose = [t for t in inputs if not is_marked(t) and t.numel() > 1]
             if loose:

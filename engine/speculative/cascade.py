@@ -188,11 +188,12 @@ def review_batch(probs: list[torch.Tensor], guesses: list[list[int]], rooms: lis
             ok = u[:n] < p[:n].gather(1, tok[:n, None])[:, 0]  # kept with probability p(g): strict, as the walk
         lead = ok.long().cumprod(dim=0).sum() if n else torch.zeros((), dtype=torch.long, device=dev)
         kept = lead.clamp(max=room)
-        law = p[kept]  # [vocab] the law after the kept prefix
+        at = kept.view(1)  # indexing by a tensor, not by its value: no read on the host
+        law = p.index_select(0, at)[0]  # [vocab] the law after the kept prefix
         if g:
             y = law.argmax()
         else:
-            residual = without_rows(law[None], tok[kept][None])  # walk.onehot_residual
+            residual = without_rows(law[None], tok.index_select(0, at))  # walk.onehot_residual
             y = sample_from_probs(torch.where(kept < n, residual, law[None]), u[n:])[0]
         packed.append(torch.stack([kept, y]))
     host = to_host(torch.stack(packed))[0].tolist()

@@ -212,10 +212,11 @@ def _decide_joint(logits: torch.Tensor, tokens: list[int], logq: list[float], se
     cleared = torch.cat([torch.zeros(1, dtype=torch.bool, device=dev), ratio.cumsum(0) > math.log(tau)])
     accepted_t = (cleared.long() * torch.arange(n + 1, device=dev)).max()  # the last prefix length that clears
     params = seq.request.sampling
+    at = accepted_t.view(1)  # indexing by a tensor, not by its value: no read on the host
     if params.greedy:
-        y = lp[accepted_t].argmax()
+        y = lp.index_select(0, at)[0].argmax()
     else:
-        probs = compute_probs(logits[accepted_t][None].float(), seq.sampling_tensors)
+        probs = compute_probs(logits.index_select(0, at).float(), seq.sampling_tensors)
         y = sample_tokens(probs, [seq.generator])[0]
     return torch.stack([accepted_t, y])
 

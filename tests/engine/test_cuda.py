@@ -5,8 +5,10 @@
   difference could flip a near-tie: the tiny random models have none at these prompts);
 * a batch mixing every sampling feature completes under every method, in bf16 and fp32;
 * a step synchronizes with the host only where the engine says it does: torch's sync debug mode
-  reports every synchronizing CUDA call, and their number must equal the reads the engine counts
-  through ``engine.device`` (one per draft level plus one for verification, ``test_device.py``);
+  reports the synchronizing CUDA calls, and there must be no more of them than the reads the engine
+  declares through ``engine.device`` (one per draft level plus one for verification,
+  ``test_device.py``, and the timings' ``synchronize``).  Before the copies to the device were made
+  non-blocking, a plain decoding step at batch 8 had 17 of them against 3 declared;
 * the server, on the device, answers concurrent streams with the official ``openai`` client.
 
 On a machine without CUDA these tests are skipped with that reason (``-ra`` lists them); the CPU
@@ -121,7 +123,9 @@ def test_a_mixed_batch_has_no_hidden_host_syncs(pair32, pair16, method_name, dty
         with sync_report() as (counts, caught):
             step = core.step()
         syncs = [w for w in caught if "synchronizing" in str(w.message)]
-        if len(syncs) != counts["declared"]:
+        # torch reports the stream synchronizations of ``to_host``, not the device-wide ones of
+        # ``engine.device.synchronize`` (timings): fewer may be reported than declared, never more
+        if len(syncs) > counts["declared"]:
             hidden.append((len(syncs), counts["declared"], [f"{w.filename}:{w.lineno}" for w in syncs]))
         outs += step
     assert not [o.error for o in outs if o.error]
