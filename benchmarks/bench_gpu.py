@@ -9,7 +9,9 @@ make the draft's tokens almost never accepted, so this measures costs, not speed
   and last R, the kernels one forward launches and their summed device time (torch's profiler);
 * **engine**: ``EngineCore`` steps of greedy requests at batch 1 and ``--batch``: plain decoding, the
   tree ``--tree`` with the draft, and the tree with the target as its own draft (every token accepted:
-  the ceiling of tokens per step).  Per step: milliseconds, tokens, the reads the engine declares
+  the ceiling of tokens per step), after ``--warmup-s`` of back-to-back prefill forwards, median of
+  ``--rounds`` interleaved rounds (the step time drifted 2.8x within one run on an H200:
+  docs/gpu.md).  Per step: milliseconds, the host's share, tokens, the reads the engine declares
   (``engine.device``) and the synchronizing CUDA calls torch's sync debug mode counts.
 
 Prints tables and writes JSON::
@@ -194,6 +196,9 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--tree", default="4,2,2,1")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the engine configurations")
+    ap.add_argument("--warmup-s", type=float, default=10.0,
+                    help="seconds of back-to-back forwards before the engine runs (GPU clocks up)")
     ap.add_argument("--host-profile", metavar="FILE", help="also write a cProfile of the engine's steps to FILE")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -212,27 +217,53 @@ def main(argv=None) -> None:
     print_table(curve, [("model", "model", "s"), ("rows", "rows", "d"), ("ms", "ms", ".2f"), ("ratio", "x 1 row", ".2f"),
                         ("kernels", "kernels", "d"), ("kernel_ms", "kernel ms", ".2f")])
 
+    if args.warmup_s > 0:
+        warm_up(target, args.warmup_s, device)
+    configs = [(batch, name, d, spec_on, t) for batch in sorted({1, args.batch})
+               for name, d, spec_on, t in (("plain", draft, False, ()), ("mcsd, draft", draft, True, tree),
+                                           ("mcsd, target as draft", target, True, tree))]
+    samples: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
+    for rnd in range(args.rounds):  # interleaved, each round in another order: drift hits every config alike
+        order = list(range(len(configs)))
+        order = order[rnd % len(order):] + order[:rnd % len(order)]
+        order = order if rnd % 2 == 0 else order[::-1]
+        for i in order:
+            batch, name, d, spec_on, t = configs[i]
+            samples[i].append(engine_run(target, d, batch, args.prompt_len, args.new_tokens, t, "mcsd", spec_on, False))
+        print(f"round {rnd + 1}/{args.rounds} done", flush=True)
     runs = []
-    for batch in sorted({1, args.batch}):
-        for name, d, spec_on, t in (("plain", draft, False, ()), ("mcsd, draft", draft, True, tree),
-                                    ("mcsd, target as draft", target, True, tree)):
-            engine_run(target, d, batch, args.prompt_len, 4, t, "mcsd", spec_on, False)  # warm-up
-            r = engine_run(target, d, batch, args.prompt_len, args.new_tokens, t, "mcsd", spec_on, False)
-            s = engine_run(target, d, batch, args.prompt_len, 8, t, "mcsd", spec_on, True)
-            r.update(config=name, tree=",".join(map(str, t)) or "-", declared=s["declared"], cuda_syncs=s["cuda_syncs"])
-            runs.append(r)
-            print(r, flush=True)
-    again = engine_run(target, draft, 1, args.prompt_len, args.new_tokens, (), "mcsd", False, False)
-    runs.append(dict(again, config="plain, again after the rest", tree="-"))  # does the order matter?
-    print(f"\nengine steps, greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens (decode only)")
+    for i, (batch, name, d, spec_on, t) in enumerate(configs):
+        s = engine_run(target, d, batch, args.prompt_len, 8, t, "mcsd", spec_on, True)
+        med = {k: statistics.median(x[k] for x in samples[i]) for k in ("tok_s", "ms_step", "host_ms_step", "tok_step")}
+        runs.append(dict(samples[i][0], **med, config=name, tree=",".join(map(str, t)) or "-",
+                         declared=s["declared"], cuda_syncs=s["cuda_syncs"],
+                         tok_s_rounds=[x["tok_s"] for x in samples[i]], errors=sum(x["errors"] for x in samples[i])))
+    print(f"\nengine steps, greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens (decode only), "
+          f"median of {args.rounds} interleaved rounds")
     print_table(runs, [("config", "config", "s"), ("batch", "batch", "d"), ("tree", "tree", "s"),
                        ("tok_s", "tok/s", ".1f"), ("ms_step", "ms/step", ".2f"), ("host_ms_step", "host ms/step", ".2f"),
                        ("tok_step", "tok/step/seq", ".2f"),
                        ("declared", "declared syncs/step", ".2f"), ("cuda_syncs", "CUDA syncs/step", ".2f"),
                        ("errors", "errors", "d")])
+    for r in runs:
+        print(f"{r['config']}, batch {r['batch']}: tok/s by round {[round(x, 1) for x in r['tok_s_rounds']]}")
     if args.host_profile:
         host_profile(target, draft, args.prompt_len, tree, args.host_profile)
     write_json("gpu.json", dict(machine=info, args=vars(args), forward=curve, engine=runs), args.out)
+
+
+def warm_up(lm: LoadedModel, seconds: float, device: torch.device) -> None:
+    """Back-to-back forwards for ``seconds``: a GPU that idled between launches runs at its idle clock."""
+    cache = lm.model.new_cache(1, 520)
+    slot = cache.allocate()
+    ids = torch.zeros(1, 512, dtype=torch.long, device=device)
+    pos = torch.arange(512, device=device)[None]
+    end = time.perf_counter() + seconds
+    with torch.inference_mode():
+        while time.perf_counter() < end:
+            lm.model(ids, pos, cache, [slot], logits_rows=torch.tensor([[511]], device=device))
+            cache.discard(slot)
+            sync(device)
 
 
 def host_profile(target, draft, prompt_len: int, tree, path: str) -> None:
