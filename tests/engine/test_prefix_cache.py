@@ -348,3 +348,23 @@ def test_a_storm_of_aborts_leaks_no_block(tiny_pair):
 def test_a_pool_smaller_than_one_request_is_refused_at_start_up(tiny_pair):
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         make_core(tiny_pair, True, max_model_len=256, kv_cache_tokens=200)
+
+
+def test_a_cpu_pool_is_zero_and_takes_no_memory_until_touched():
+    """``zeroed_pool``: an anonymous mapping on the CPU, zero-filled by the kernel page by page."""
+    import os
+
+    from engine.kv_cache import zeroed_pool
+
+    def resident_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    before = resident_mib()
+    pool = zeroed_pool((4, 8192, 4, 1024), torch.bfloat16, "cpu")  # 256 MiB
+    assert resident_mib() - before < 16
+    assert pool.shape == (4, 8192, 4, 1024) and pool.dtype == torch.bfloat16
+    pool[1, 5] = 3.0
+    assert float(pool[1, 5].sum()) == 3.0 * 4 * 1024 and float(pool.float().abs().sum()) == 3.0 * 4 * 1024
+    empty = zeroed_pool((0, 4), torch.float32, "cpu")
+    assert empty.shape == (0, 4)
