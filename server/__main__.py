@@ -37,7 +37,7 @@ def build_core(settings: Settings):
     draft = None
     if settings.draft_model:
         log.info("loading draft %s", settings.draft_model)
-        draft = load_model(settings.draft_model, settings.dtype, settings.device, **weights)
+        draft = load_model(settings.draft_model, settings.dtype, settings.device, tokenizer_of=target, **weights)
     config = settings.engine_config()
     core = EngineCore(target, draft, config, model_name=settings.model_id)
     log.info("engine ready: context %d tokens, tree %s, default method %s, max batch %d", core.max_model_len,

@@ -84,3 +84,23 @@ def test_dtype_and_device_validation():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             parse_device("cuda")
+
+
+def test_a_draft_takes_the_targets_tokenizer_only_when_the_files_are_the_same(tmp_path):
+    from tests.fakes import make_tokenizer
+    from tests.tiny import save_tiny_pair
+
+    tok = make_tokenizer()
+    save_tiny_pair(tmp_path, tok)
+    (tmp_path / "draft" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")  # may differ
+    target = load_model(str(tmp_path / "target"), dtype="fp32")
+    draft = load_model(str(tmp_path / "draft"), dtype="fp32", tokenizer_of=target)
+    assert draft.tokenizer is target.tokenizer
+    assert load_model(str(tmp_path / "draft"), dtype="fp32").tokenizer is not target.tokenizer  # not asked
+
+    config = json.loads((tmp_path / "draft" / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 77
+    (tmp_path / "draft" / "tokenizer_config.json").write_text(json.dumps(config))
+    other = load_model(str(tmp_path / "draft"), dtype="fp32", tokenizer_of=target)
+    assert other.tokenizer is not target.tokenizer and other.tokenizer.model_max_length == 77
+    assert other.tokenizer.encode("the quick brown fox") == target.tokenizer.encode("the quick brown fox")
