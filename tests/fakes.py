@@ -248,3 +248,26 @@ def echo_text(text: str, n: int) -> str:
     tok = make_tokenizer()
     ids = tok.encode(text)
     return tok.decode([ids[i % len(ids)] for i in range(n)])
+
+
+def greedy_one_by_one_and_streamed(url: str, model: str, prompts: list[str], max_tokens: int = 8) -> tuple[list, list]:
+    """The greedy completions of ``prompts`` through the official ``openai`` client: sent one at a time,
+    then all at once as streams (``ignore_eos``): (one by one, streamed together), texts in order."""
+    import asyncio
+
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    one_by_one = [client.completions.create(model=model, prompt=p, max_tokens=max_tokens, temperature=0,
+                                            extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+
+    async def stream(ac: openai.AsyncOpenAI, p: str) -> str:
+        chunks = await ac.completions.create(model=model, prompt=p, max_tokens=max_tokens, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+        return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+    async def together() -> list:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120) as ac:
+            return await asyncio.gather(*(stream(ac, p) for p in prompts))
+
+    return one_by_one, asyncio.run(together())

@@ -17,7 +17,6 @@ suite checks the same code paths with the device-check mode (``tests/engine/test
 
 from __future__ import annotations
 
-import asyncio
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -142,7 +141,7 @@ def test_the_server_serves_concurrent_streams_on_the_device():
     from engine.models.loader import LoadedModel
     from server.app import create_app
     from server.settings import Settings
-    from tests.fakes import ServerThread, make_tokenizer
+    from tests.fakes import ServerThread, greedy_one_by_one_and_streamed, make_tokenizer
     from tests.tiny import tiny_hf
 
     tok = make_tokenizer()
@@ -159,20 +158,9 @@ def test_the_server_serves_concurrent_streams_on_the_device():
     prompts = [f"request {i}: the quick brown fox" for i in range(8)]
     with ServerThread(create_app(Settings(served_model_name="tiny", device="cuda"),
                                  AsyncEngine(core, max_queue=32))) as srv:
+        one_by_one, together = greedy_one_by_one_and_streamed(srv.url, "tiny", prompts)
+        assert together == one_by_one and any(one_by_one)
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        one_by_one = [client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0,
-                                                extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
-
-        async def stream(ac, p: str) -> str:
-            chunks = await ac.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0, stream=True,
-                                                 extra_body={"ignore_eos": True})
-            return "".join([c.choices[0].text async for c in chunks if c.choices])
-
-        async def together():
-            async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120) as ac:
-                return await asyncio.gather(*(stream(ac, p) for p in prompts))
-
-        assert asyncio.run(together()) == one_by_one
         chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=6, temperature=0.8, seed=3, n=2, logprobs=True)
         assert len(chat.choices) == 2 and all(c.logprobs.content for c in chat.choices)

@@ -18,7 +18,7 @@ from engine.models.config import ModelConfig
 from engine.models.loader import LoadedModel
 from server.app import create_app
 from server.settings import Settings
-from tests.fakes import ServerThread, make_tokenizer
+from tests.fakes import ServerThread, greedy_one_by_one_and_streamed, make_tokenizer
 from tests.tiny import ours_from_hf, tiny_hf
 
 MODEL = "tiny"
@@ -61,19 +61,8 @@ def counters(srv) -> dict[str, float]:
 
 
 def test_sixteen_concurrent_greedy_streams_equal_one_at_a_time(srv, oai):
-    sequential = [oai.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0,
-                                         extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
-
-    async def one(ac: openai.AsyncOpenAI, p: str) -> str:
-        stream = await ac.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0, stream=True,
-                                             extra_body={"ignore_eos": True})
-        return "".join([c.choices[0].text async for c in stream if c.choices])
-
-    async def main():
-        async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120) as ac:
-            return await asyncio.gather(*(one(ac, p) for p in PROMPTS))
-
-    assert asyncio.run(main()) == sequential
+    sequential, together = greedy_one_by_one_and_streamed(srv.url, MODEL, PROMPTS)
+    assert together == sequential
     assert any(sequential)
 
 
