@@ -11,7 +11,8 @@ make the draft's tokens almost never accepted, so this measures costs, not speed
   tree ``--tree`` with the draft, and the tree with the target as its own draft (every token accepted:
   the ceiling of tokens per step), after ``--warmup-s`` of back-to-back prefill forwards, median of
   ``--rounds`` interleaved rounds (the step time drifted 2.8x within one run on an H200:
-  docs/gpu.md).  Per step: milliseconds, the host's share, tokens, the reads the engine declares
+  docs/gpu.md).  Per step: milliseconds, those until ``core.step()`` returns (the rest is device work
+  still queued when it did), tokens, the reads the engine declares
   (``engine.device``) and the synchronizing CUDA calls torch's sync debug mode counts.
 
 Prints tables and writes JSON::
@@ -156,7 +157,7 @@ def engine_run(target, draft, batch: int, prompt_len: int, new_tokens: int, tree
             sync(device)
             t0 = time.perf_counter()
             outs = core.step()
-            host = time.perf_counter() - t0  # until the step returns: what the host spends
+            host = time.perf_counter() - t0  # until the step returns (its own reads of results included)
             sync(device)
             dt = time.perf_counter() - t0
         if device.type == "cuda":
@@ -241,7 +242,7 @@ def main(argv=None) -> None:
     print(f"\nengine steps, greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens (decode only), "
           f"median of {args.rounds} interleaved rounds")
     print_table(runs, [("config", "config", "s"), ("batch", "batch", "d"), ("tree", "tree", "s"),
-                       ("tok_s", "tok/s", ".1f"), ("ms_step", "ms/step", ".2f"), ("host_ms_step", "host ms/step", ".2f"),
+                       ("tok_s", "tok/s", ".1f"), ("ms_step", "ms/step", ".2f"), ("host_ms_step", "ms until return", ".2f"),
                        ("tok_step", "tok/step/seq", ".2f"),
                        ("declared", "declared syncs/step", ".2f"), ("cuda_syncs", "CUDA syncs/step", ".2f"),
                        ("errors", "errors", "d")])

@@ -40,7 +40,10 @@ def _transfer() -> Iterator[None]:
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` (a host tensor) on ``device``; on CUDA the copy does not make the host wait."""
     if device.type == "cuda" and t.device.type == "cpu":
-        return t.contiguous().pin_memory().to(device, non_blocking=True)  # (an expanded view cannot be pinned)
+        # a pinned copy of its own (``pin_memory`` of an already pinned tensor would be the tensor itself,
+        # which the host could change before the copy ran; an expanded view cannot be pinned at all)
+        staging = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return staging.copy_(t).to(device, non_blocking=True)
     return t.to(device, non_blocking=True)  # a no-op on the CPU; the device-check mode counts plain copies
 
 
@@ -55,7 +58,9 @@ def to_device_many(tensors: list[torch.Tensor], device: torch.device) -> list[to
         if out[i] is None:
             groups.setdefault(t.dtype, []).append(i)
     for idx in groups.values():
-        flat = to_device(torch.cat([tensors[i].reshape(-1) for i in idx]), device)
+        staging = torch.empty(sum(tensors[i].numel() for i in idx), dtype=tensors[idx[0]].dtype, pin_memory=True)
+        torch.cat([tensors[i].reshape(-1) for i in idx], out=staging)  # one host copy, straight into pinned memory
+        flat = staging.to(device, non_blocking=True)
         for i, part in zip(idx, flat.split([tensors[i].numel() for i in idx])):
             out[i] = part.view(tensors[i].shape)
     return out  # type: ignore[return-value]

@@ -52,7 +52,9 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)  # the tensor keeps the mapping
+    # private: untouched pages read as the kernel's zero page (a shared mapping would fill them on a read),
+    # and a forked process gets a copy-on-write pool, as with torch.zeros
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)  # kept alive
 
 
 class CacheFullError(RuntimeError):

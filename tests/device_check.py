@@ -13,7 +13,7 @@ tensor.  Then:
   ``cpu``, ``numpy``, ``nonzero``, ``equal``) is a **sync point**, counted by label; so is copying a
   host tensor to the device without ``non_blocking`` (``h2d``: on CUDA a copy from pageable memory
   waits for the device's queue to drain, as torch's sync debug mode reports), and indexing with a
-  0-dim integer device tensor (``index``: torch reads it as a Python int first);
+  0-dim integer or bool device tensor (``tensor-index``: torch reads it on the host first);
   ``engine.device.to_host`` counts once for all the tensors it brings back.
 
 On the CPU ``x.to(model.device)`` is a no-op returning ``x`` itself; the mode returns a marked copy
@@ -124,11 +124,10 @@ class DeviceCheck(TorchFunctionMode):
             return self._to(func, args, kwargs, marked)
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and self.counting:
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
-            if any(is_marked(i) and i.dim() == 0 and not i.is_floating_point() and i.dtype != torch.bool
-                   for i in index):
-                # a 0-dim integer device tensor as an index is read as a Python int first: a sync on CUDA
-                self.syncs["index"] += 1
-                self.sync_stacks.append("index:\n" + "".join(traceback.format_stack(limit=8)[:-1]))
+            if any(is_marked(i) and i.dim() == 0 and not i.is_floating_point() for i in index):
+                # a 0-dim integer or bool device tensor as an index is read on the host first: a sync on CUDA
+                self.syncs["tensor-index"] += 1
+                self.sync_stacks.append("tensor-index:\n" + "".join(traceback.format_stack(limit=8)[:-1]))
         if marked:
             loose = [t for t in inputs if not is_marked(t) and t.numel() > 1]
             if loose:
@@ -145,21 +144,25 @@ class DeviceCheck(TorchFunctionMode):
 
     def _to(self, func, args, kwargs, marked):
         src = args[0]
+        on_device = is_marked(src)  # the source's place, whatever else the call names (``x.to(other)``)
         target = kwargs.get("device")
+        non_blocking = bool(kwargs.get("non_blocking"))
         for a in args[1:]:
             if isinstance(a, (torch.device, str)):
                 target = a
             elif isinstance(a, torch.Tensor):
                 target = a.device if is_marked(a) else None
+            elif isinstance(a, bool):  # ``to(device, dtype, non_blocking)``: the first positional bool
+                non_blocking = non_blocking or a
         to_device = _is_device(target, self.device) or func is torch.Tensor.cuda
-        if to_device and not marked and not kwargs.get("non_blocking") and self.counting:
+        if to_device and not on_device and not non_blocking and self.counting:
             # a host tensor copied to the device the plain way: on CUDA, a copy from pageable memory
             # that makes the host wait for the device's queue (``engine.device.to_device`` does not)
             self.syncs["h2d"] += 1
             self.sync_stacks.append("h2d:\n" + "".join(traceback.format_stack(limit=8)[:-2]))
         out = func(*args, **kwargs)
-        if marked or to_device:
-            if out is src and not marked:
+        if on_device or to_device:
+            if out is src and not on_device:
                 out = out.clone()  # a real transfer makes a new tensor; the host one stays a host tensor
             mark(out)
         return out

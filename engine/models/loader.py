@@ -81,9 +81,10 @@ def load_model(source: str, dtype: str | torch.dtype = "bf16", device: str = "cp
     directory; ``"native"`` keeps its quantized tensors in their blocks (CPU, with the kernels built;
     about 3.5x less weight memory, int8 activations as llama.cpp does: docs/quantized.md).
     ``quantize``: ``"q8_0"`` quantizes a dense model's linears on load (``"none"``: as they are).
-    ``tokenizer_of``: a model already loaded (the target, for a draft) whose tokenizer this model takes
-    when their ``tokenizer.json`` files are the same bytes, instead of loading its own (1.5 s for
-    Qwen2.5's).  Their chat templates may differ: the one a draft carries is never used."""
+    ``tokenizer_of``: a model already loaded (the target, for a draft) whose tokenizer this model takes,
+    instead of loading its own (1.5 s for Qwen2.5's), when the two directories hold the same bytes in
+    every one of ``_TOKENIZER_FILES`` and name the same ``model_type``.  A chat template kept in a file of
+    its own (``chat_template.jinja``) may differ; the engine never formats chats with a draft's."""
     t0 = time.perf_counter()
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
     if gguf_weights not in ("native", "dequantize"):
@@ -119,18 +120,24 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 def _same_tokenizer(other: Optional[LoadedModel], path: Path) -> Any:
-    """``other``'s tokenizer if ``path`` holds a ``tokenizer.json`` and the same bytes as ``other``'s
-    directory in each of :data:`_TOKENIZER_FILES` (or lacks the same ones), else None."""
+    """``other``'s tokenizer if ``path`` holds a ``tokenizer.json``, the same bytes as ``other``'s
+    directory in each of :data:`_TOKENIZER_FILES` (or lacks the same ones) and the same ``model_type``
+    in ``config.json``, else None."""
     if other is None or other.path is None or not (Path(path) / "tokenizer.json").is_file():
         return None
 
     def read(p: Path) -> Optional[bytes]:
         return p.read_bytes() if p.is_file() else None
 
+    def model_type(d: Path) -> Optional[str]:  # AutoTokenizer's choice of class when the files name none
+        return json.loads(read(d / "config.json") or b"{}").get("model_type")
+
     try:
         if any(read(Path(path) / f) != read(Path(other.path) / f) for f in _TOKENIZER_FILES):
             return None
-    except OSError:
+        if model_type(Path(path)) != model_type(Path(other.path)):
+            return None
+    except (OSError, ValueError):
         return None
     log.info("%s: the tokenizer of %s (the same tokenizer files)", Path(path).name, other.source)
     return other.tokenizer

@@ -5,10 +5,10 @@
   difference could flip a near-tie: the tiny random models have none at these prompts);
 * a batch mixing every sampling feature completes under every method, in bf16 and fp32;
 * a step synchronizes with the host only where the engine says it does: torch's sync debug mode
-  reports the synchronizing CUDA calls, and there must be no more of them than the reads the engine
-  declares through ``engine.device`` (one per draft level plus one for verification,
-  ``test_device.py``, and the timings' ``synchronize``).  Before the copies to the device were made
-  non-blocking, a plain decoding step at batch 8 had 17 of them against 3 declared;
+  reports the synchronizing CUDA calls, and each must be the one inside ``engine.device.to_host``,
+  no more of them than the engine's reads (one per draft level plus one for verification,
+  ``test_device.py``).  Before the copies to the device were made non-blocking, a plain decoding
+  step at batch 8 had 17 of them against 3 declared;
 * the server, on the device, answers concurrent streams with the official ``openai`` client.
 
 On a machine without CUDA these tests are skipped with that reason (``-ra`` lists them); the CPU
@@ -89,10 +89,10 @@ def test_greedy_speculation_equals_plain_decoding(pair32, method_name, join_ever
 def sync_report():
     """Counts, while open, the synchronizing CUDA calls (torch's sync debug mode) and the reads the
     engine declares (``engine.device.sync_listeners``)."""
-    counts = {"cuda": 0, "declared": 0}
+    counts = {"to_host": 0, "synchronize": 0}
 
-    def declared(_label: str) -> None:
-        counts["declared"] += 1
+    def declared(label: str) -> None:
+        counts[label] += 1
 
     engine_device.sync_listeners.append(declared)
     torch.cuda.set_sync_debug_mode("warn")
@@ -122,10 +122,12 @@ def test_a_mixed_batch_has_no_hidden_host_syncs(pair32, pair16, method_name, dty
         with sync_report() as (counts, caught):
             step = core.step()
         syncs = [w for w in caught if "synchronizing" in str(w.message)]
-        # torch reports the stream synchronizations of ``to_host``, not the device-wide ones of
-        # ``engine.device.synchronize`` (timings): fewer may be reported than declared, never more
-        if len(syncs) > counts["declared"]:
-            hidden.append((len(syncs), counts["declared"], [f"{w.filename}:{w.lineno}" for w in syncs]))
+        # every reported one must be the stream synchronization inside ``to_host`` (torch attributes it to
+        # torch/cuda/streams.py), at most one per declared read; torch does not report the device-wide
+        # ``synchronize`` of the step timings, which the engine also declares
+        elsewhere = [f"{w.filename}:{w.lineno}" for w in syncs if not w.filename.endswith("torch/cuda/streams.py")]
+        if elsewhere or len(syncs) > counts["to_host"]:
+            hidden.append((len(syncs), counts["to_host"], elsewhere))
         outs += step
     assert not [o.error for o in outs if o.error]
     finished = [o for o in outs if o.finished]

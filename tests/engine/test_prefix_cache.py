@@ -365,6 +365,9 @@ def test_a_cpu_pool_is_zero_and_takes_no_memory_until_touched():
     assert resident_mib() - before < 16
     assert pool.shape == (4, 8192, 4, 1024) and pool.dtype == torch.bfloat16
     pool[1, 5] = 3.0
+    after_write = resident_mib()
+    assert float(pool[2:4].float().sum()) == 0.0  # reading 128 MiB of untouched pages makes nothing resident
+    assert resident_mib() - after_write < 16
     assert float(pool[1, 5].sum()) == 3.0 * 4 * 1024 and float(pool.float().abs().sum()) == 3.0 * 4 * 1024
     empty = zeroed_pool((0, 4), torch.float32, "cpu")
     assert empty.shape == (0, 4)

@@ -96,7 +96,6 @@ def test_a_draft_takes_the_targets_tokenizer_only_when_the_files_are_the_same(tm
     target = load_model(str(tmp_path / "target"), dtype="fp32")
     draft = load_model(str(tmp_path / "draft"), dtype="fp32", tokenizer_of=target)
     assert draft.tokenizer is target.tokenizer
-    assert load_model(str(tmp_path / "draft"), dtype="fp32").tokenizer is not target.tokenizer  # not asked
 
     config = json.loads((tmp_path / "draft" / "tokenizer_config.json").read_text())
     config["model_max_length"] = 77
