@@ -230,7 +230,11 @@ class CostModel:
                 return model
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.warning("cost model: ignoring %s (%s); measuring again", path, e)
+        log.info("cost model: timing forwards of both models (the first start with them here; about 10 s for "
+                 "the default pair on 2 cores)")
+        t0 = time.perf_counter()
         model = measure()
+        log.info("cost model: measured in %.1f s, stored for the next start in %s", time.perf_counter() - t0, path)
         try:
             directory.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")

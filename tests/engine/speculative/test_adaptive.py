@@ -324,6 +324,30 @@ def test_a_catch_up_is_priced_by_its_own_curve():
     assert measured.catch_up_curve is measured.catch_up
 
 
+def test_a_start_that_measures_the_cost_curves_says_so_and_one_that_reads_them_does_not(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("MCSD_CACHE", str(tmp_path / "cache"))
+    files = {name: tmp_path / f"{name}.gguf" for name in ("target", "draft")}
+    for f in files.values():
+        f.write_bytes(b"weights")
+    target = dataclasses.replace(tiny_loaded("llama", seed=0), path=files["target"])
+    draft = dataclasses.replace(tiny_loaded("llama", seed=1, layers=1), path=files["draft"])
+    config = EngineConfig(adaptive=True, tree=(2, 1), max_batch=2)
+
+    def start() -> list[str]:
+        caplog.clear()
+        with caplog.at_level("INFO", logger="engine.speculative.cost_model"):
+            AdaptiveSpeculation.from_config(config, TreeTopology((2, 1)), target, draft,
+                                            target.model.new_cache(2, 64), draft.model.new_cache(2, 64))
+        return [r.getMessage() for r in caplog.records if r.name == "engine.speculative.cost_model"]
+
+    first = start()
+    assert any(m.startswith("cost model: timing forwards") for m in first)
+    assert any(m.startswith("cost model: measured in") and "cost-model" in m for m in first)
+    second = start()
+    assert not any("timing forwards" in m or "measured in" in m for m in second)
+    assert any(m.startswith("cost model: the curves measured at") for m in second)
+
+
 def test_cost_curves_are_stored_and_reused_only_for_the_same_models_and_settings(tmp_path, monkeypatch):
     """A second start with the same model files and settings reads the curves the first one measured;
     other settings, changed files, ``cost_model_cache = false`` or a damaged file measure again;
