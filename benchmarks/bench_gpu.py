@@ -26,7 +26,6 @@ import argparse
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -140,29 +139,16 @@ def engine_run(target, draft, batch: int, prompt_len: int, new_tokens: int, tree
         core.add_request(GenerationRequest(f"r{i}", ids, SamplingParams(max_tokens=new_tokens, temperature=0.0,
                                                                         ignore_eos=True),
                                            SpecOptions(enabled=spec_on)))
-    declared = [0]
-
-    def on_sync(_label: str) -> None:
-        declared[0] += 1
-
     steps, tokens, decode_s, host_s, cuda_syncs, declared_syncs, errors = 0, 0, 0.0, 0.0, 0, 0, []
     prefilled = False
     while core.has_unfinished():
-        declared[0] = 0
-        engine_device.sync_listeners.append(on_sync)
-        if count_syncs and device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("warn")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            sync(device)
+        sync(device)
+        with engine_device.sync_report(cuda=count_syncs) as report:
             t0 = time.perf_counter()
             outs = core.step()
             host = time.perf_counter() - t0  # until the step returns (its own reads of results included)
-            sync(device)
-            dt = time.perf_counter() - t0
-        if device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("default")
-        engine_device.sync_listeners.remove(on_sync)
+        sync(device)
+        dt = time.perf_counter() - t0
         new = sum(len(o.new_token_ids) for o in outs)
         errors += [o.error for o in outs if o.error]
         if not prefilled:  # the first step reads the prompts: left out of the decode figures
@@ -172,8 +158,8 @@ def engine_run(target, draft, batch: int, prompt_len: int, new_tokens: int, tree
         tokens += new
         decode_s += dt
         host_s += host
-        cuda_syncs += sum("synchronizing" in str(w.message) for w in caught)
-        declared_syncs += declared[0]
+        cuda_syncs += len(report.reported)
+        declared_syncs += sum(report.declared.values())
     steps = max(steps, 1)
     decode_s = max(decode_s, 1e-9)
     return dict(batch=batch, steps=steps, tokens=tokens, tok_s=tokens / decode_s, ms_step=decode_s / steps * 1e3,

@@ -16,7 +16,10 @@ through :data:`sync_listeners`.
 
 from __future__ import annotations
 
+import warnings
+from collections import Counter
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
@@ -39,20 +42,17 @@ def _transfer() -> Iterator[None]:
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` (a host tensor) on ``device``; on CUDA the copy does not make the host wait."""
-    if device.type == "cuda" and t.device.type == "cpu":
-        # a pinned copy of its own (``pin_memory`` of an already pinned tensor would be the tensor itself,
-        # which the host could change before the copy ran; an expanded view cannot be pinned at all)
-        staging = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return staging.copy_(t).to(device, non_blocking=True)
-    return t.to(device, non_blocking=True)  # a no-op on the CPU; the device-check mode counts plain copies
+    return to_device_many([t], device)[0]
 
 
 def to_device_many(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Host ``tensors`` on ``device``, as :func:`to_device` would give them one by one, in one copy per
-    dtype on CUDA (packed into one pinned buffer, then split into views of the device copy)."""
+    """Host ``tensors`` on ``device`` (those already there as they are).  On CUDA without making the host
+    wait: one copy per dtype through a pinned staging buffer of its own (``pin_memory`` of an already
+    pinned tensor would be that tensor, which the host could change before the copy ran; an expanded
+    view cannot be pinned at all), split into views of the device copy."""
     if device.type != "cuda":
-        return [to_device(t, device) for t in tensors]
-    out: list[torch.Tensor | None] = [t if t.device.type != "cpu" else None for t in tensors]  # there already
+        return [t.to(device, non_blocking=True) for t in tensors]  # the device-check mode counts plain copies
+    out: list[torch.Tensor | None] = [t if t.device.type != "cpu" else None for t in tensors]
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         if out[i] is None:
@@ -117,3 +117,38 @@ def synchronize(device: torch.device) -> None:
         for listener in sync_listeners:
             listener("synchronize")
         torch.cuda.synchronize(device)
+
+
+@dataclass
+class SyncReport:
+    """What :func:`sync_report` saw: the synchronizations the engine declared, by label (``to_host``,
+    ``synchronize``), and those torch's sync debug mode reported on CUDA (warnings, each with the
+    file and line that made it)."""
+
+    declared: Counter = field(default_factory=Counter)
+    reported: list = field(default_factory=list)
+
+
+@contextmanager
+def sync_report(cuda: bool = True) -> Iterator[SyncReport]:
+    """While open, counts the declared synchronizations (:data:`sync_listeners`) and, with ``cuda`` on a
+    machine that has it, collects every synchronizing CUDA call torch's sync debug mode reports.  For
+    tests and benchmarks: the debug mode is process-wide."""
+    report = SyncReport()
+
+    def declared(label: str) -> None:
+        report.declared[label] += 1
+
+    debug = cuda and torch.cuda.is_available()
+    sync_listeners.append(declared)
+    if debug:
+        torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield report
+            report.reported = [w for w in caught if "synchronizing" in str(w.message)]
+    finally:
+        if debug:
+            torch.cuda.set_sync_debug_mode("default")
+        sync_listeners.remove(declared)

@@ -254,10 +254,11 @@ class KVCache:
                 self._append(s, self._new_block(table[-1] if table else None))
 
     def addresses(self, slots: list[int], start: torch.Tensor, block: int, kv_len: int,
-                  device: torch.device) -> Addresses:
+                  device: torch.device, start_on_device: Optional[torch.Tensor] = None) -> Addresses:
         """Pool rows of a forward writing ``block`` entries at ``start`` ([batch], host) of each slot and
         reading ``kv_len`` entries per slot.  Only the block tables ([batch, blocks], small) cross to the
-        device; the rows are computed there."""
+        device, and ``start`` unless the caller has it there already (``start_on_device``); the rows are
+        computed there."""
         bs = self.block_size
         if len(slots) == 1:
             table = self.tables[slots[0]]
@@ -270,7 +271,7 @@ class KVCache:
         width = min(nb, self.max_blocks)
         tables[:, :width] = self.table[torch.tensor(slots, dtype=torch.long), :width]
         pos = torch.arange(kv_len, device=device)
-        tables, start = to_device_many([tables, start], device)
+        tables, start = to_device_many([tables, start if start_on_device is None else start_on_device], device)
         read = tables[:, pos // bs] * bs + pos % bs  # [batch, kv_len]
         offsets = start[:, None] + torch.arange(block, device=device)
         return Addresses(read.gather(1, offsets), read)

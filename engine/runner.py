@@ -16,8 +16,7 @@ from typing import Sequence as Sequence_
 import torch
 
 from engine.batching import Block, run_blocks
-from engine.device import Pending, finish_all, synchronize
-from engine.device import tensor as device_tensor
+from engine.device import Pending, finish_all, synchronize, tensor as device_tensor
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
 from engine.sequence import Sequence

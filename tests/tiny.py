@@ -36,8 +36,8 @@ def tiny_hf(kind: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: int 
     return model.eval()
 
 
-def ours_from_hf(hf, dtype=torch.float32) -> LlamaModel:
-    return build_model(ModelConfig.from_hf(hf.config), hf.state_dict(), dtype)
+def ours_from_hf(hf, dtype=torch.float32, device: str = "cpu") -> LlamaModel:
+    return build_model(ModelConfig.from_hf(hf.config), hf.state_dict(), dtype, device)
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -65,8 +65,8 @@ def tiny_loaded(kind: str = "llama", seed: int = 0, layers: int = 2, dtype: torc
 
     hf = tiny_hf(kind, seed=seed, layers=layers, **dims)
     cfg = ModelConfig.from_hf(hf.config)
-    model = build_model(cfg, hf.state_dict(), dtype, device)
-    return LoadedModel(model, cfg, tiny_tokenizer(cfg.vocab_size), f"tiny-{kind}-{seed}", path=None)
+    return LoadedModel(ours_from_hf(hf, dtype, device), cfg, tiny_tokenizer(cfg.vocab_size), f"tiny-{kind}-{seed}",
+                       path=None)
 
 
 def save_tiny_pair(root, tokenizer) -> None:

@@ -309,9 +309,9 @@ class LlamaModel(nn.Module):
         kv_len = int(start.max()) + t  # host tensors: no device sync
         dev = self.device
         # only the small per-block mask [batch, block, width] and two [batch] vectors cross to the device
-        at = cache.addresses(slots, start, t, kv_len, dev)
         host = [positions, lens, start] + ([] if block_mask is None else [block_mask])
         positions, lens_d, start_d, *mask_d = to_device_many(host, dev)
+        at = cache.addresses(slots, start, t, kv_len, dev, start_on_device=start_d)
         if packing is not None:  # the layers write and rotate the real rows only
             positions = packing.pack(positions)
             at = Addresses(packing.pack(at.write), at.read, at.view_start, at.write_start)

@@ -17,9 +17,6 @@ suite checks the same code paths with the device-check mode (``tests/engine/test
 
 from __future__ import annotations
 
-import warnings
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
@@ -85,26 +82,6 @@ def test_greedy_speculation_equals_plain_decoding(pair32, method_name, join_ever
         assert sum(c.spec.accepted_tokens for c in spec) > 20  # speculation really ran
 
 
-@contextmanager
-def sync_report():
-    """Counts, while open, the synchronizing CUDA calls (torch's sync debug mode) and the reads the
-    engine declares (``engine.device.sync_listeners``)."""
-    counts = {"to_host": 0, "synchronize": 0}
-
-    def declared(label: str) -> None:
-        counts[label] += 1
-
-    engine_device.sync_listeners.append(declared)
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield counts, caught
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        engine_device.sync_listeners.remove(declared)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("method_name", method_names())
 def test_a_mixed_batch_has_no_hidden_host_syncs(pair32, pair16, method_name, dtype):
@@ -119,9 +96,9 @@ def test_a_mixed_batch_has_no_hidden_host_syncs(pair32, pair16, method_name, dty
                                            SamplingParams(max_tokens=10, **params), SpecOptions()))
     hidden, outs = [], []
     while core.has_unfinished():
-        with sync_report() as (counts, caught):
+        with engine_device.sync_report() as report:
             step = core.step()
-        syncs = [w for w in caught if "synchronizing" in str(w.message)]
+        syncs, counts = report.reported, report.declared
         # every reported one must be the stream synchronization inside ``to_host`` (torch attributes it to
         # torch/cuda/streams.py), at most one per declared read; torch does not report the device-wide
         # ``synchronize`` of the step timings, which the engine also declares
@@ -138,25 +115,14 @@ def test_a_mixed_batch_has_no_hidden_host_syncs(pair32, pair16, method_name, dty
 def test_the_server_serves_concurrent_streams_on_the_device():
     openai = pytest.importorskip("openai")
     from engine.async_engine import AsyncEngine
-    from engine.models.config import ModelConfig
-    from engine.models.llama import build_model
-    from engine.models.loader import LoadedModel
     from server.app import create_app
     from server.settings import Settings
     from tests.fakes import ServerThread, greedy_one_by_one_and_streamed, make_tokenizer
-    from tests.tiny import tiny_hf
+    from tests.server.test_real_server import tiny_loaded as served
 
     tok = make_tokenizer()
-
-    def loaded(seed: int) -> LoadedModel:
-        hf = tiny_hf("qwen2", seed=seed, vocab=len(tok))
-        hf.config.eos_token_id = tok.eos_token_id
-        cfg = ModelConfig.from_hf(hf.config)
-        return LoadedModel(build_model(cfg, hf.state_dict(), torch.float32, "cuda"), cfg, tok, f"tiny-{seed}",
-                           path=Path("."))
-
-    core = EngineCore(loaded(0), loaded(1), EngineConfig(max_batch=4, max_model_len=128, tree=(2, 2)),
-                      model_name="tiny")
+    core = EngineCore(served("qwen2", 0, tok, "cuda"), served("qwen2", 1, tok, "cuda"),
+                      EngineConfig(max_batch=4, max_model_len=128, tree=(2, 2)), model_name="tiny")
     prompts = [f"request {i}: the quick brown fox" for i in range(8)]
     with ServerThread(create_app(Settings(served_model_name="tiny", device="cuda"),
                                  AsyncEngine(core, max_queue=32))) as srv:

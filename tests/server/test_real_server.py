@@ -25,11 +25,11 @@ MODEL = "tiny"
 PROMPTS = [f"request {i}: the quick brown fox" for i in range(16)]
 
 
-def tiny_loaded(kind: str, seed: int, tokenizer) -> LoadedModel:
+def tiny_loaded(kind: str, seed: int, tokenizer, device: str = "cpu") -> LoadedModel:
     hf = tiny_hf(kind, seed=seed, vocab=len(tokenizer))
     hf.config.eos_token_id = tokenizer.eos_token_id
-    return LoadedModel(model=ours_from_hf(hf), config=ModelConfig.from_hf(hf.config), tokenizer=tokenizer,
-                       source=f"tiny-{kind}", path=Path("."))
+    return LoadedModel(model=ours_from_hf(hf, device=device), config=ModelConfig.from_hf(hf.config),
+                       tokenizer=tokenizer, source=f"tiny-{kind}", path=Path("."))
 
 
 @pytest.fixture(scope="module")
