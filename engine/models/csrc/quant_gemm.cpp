@@ -722,41 +722,191 @@ inline void k4_scale_256(const uint8_t* b, const QActsK& a, int64_t m, int64_t s
   }
 }
 
-// Q4_K (kFifth = false) and Q5_K, 256-bit: packed group `w` times activation rows m .. m + C - 1;
-// y[c * ldy + r] for the group's 8 rows r.  Rows 0-3 and 4-7 take turns (h): a register holds 4 rows.
+// The dword layout (256-bit kernels).  The packed form holds 8 bytes of each row in a 64-bit lane, so
+// a 256-bit register of it has 4 rows.  The Q4_K / Q5_K kernels, and Q6_K's for 5-8 rows, rearrange
+// two such registers (rows 0-3, 4-7) into 4 bytes of all 8 rows per register (one shuffle each, shared
+// by every activation row of the pass).  One register of int16 sums then holds a sub-block's products
+// for all 8 rows, so an activation row needs one accumulator where it needed two, and a pass of 8
+// activation rows fits the 16 registers.  Lane i of such a register holds row kDwRows[i]; the integer
+// sums go back to row order once per super-block, before the float work.
+constexpr int kDwRows[8] = {0, 1, 4, 5, 2, 3, 6, 7};
+
+// Rows 0-3 (a) and 4-7 (b), 8 bytes each -> bytes 0-3 (*d0) and 4-7 (*d1) of the 8 rows, dword layout.
+inline void dw_split(__m256i a, __m256i b, __m256i* d0, __m256i* d1) {
+  const __m256 fa = _mm256_castsi256_ps(a), fb = _mm256_castsi256_ps(b);
+  *d0 = _mm256_castps_si256(_mm256_shuffle_ps(fa, fb, 0x88));
+  *d1 = _mm256_castps_si256(_mm256_shuffle_ps(fa, fb, 0xdd));
+}
+
+// pshufb controls: sub-block t's scale of a [row][2] pair of scales (16 bytes, broadcast to both
+// 128-bit lanes) into both int16 of each row's dword lane, zero-extended.
+struct DwScaleCtl {
+  int8_t b[2][32];
+};
+constexpr DwScaleCtl make_dw_scale_ctl() {
+  DwScaleCtl c{};
+  for (int t = 0; t < 2; ++t)
+    for (int k = 0; k < 32; ++k)
+      c.b[t][k] = k % 2 == 0 ? static_cast<int8_t>(2 * kDwRows[k / 4] + t) : static_cast<int8_t>(-128);
+  return c;
+}
+alignas(32) constexpr DwScaleCtl kDwScaleCtl = make_dw_scale_ctl();
+
+// An empty asm that takes v and gives it back: the compiler must have v in a register here, so it
+// cannot regroup a chain of integer adds into a tree that holds every product at once (GCC does, and
+// then spills them).
+inline void keep_in_register(__m256i& v) {
+#if defined(__GNUC__)
+  __asm__("" : "+x"(v));
+#endif
+}
+
+inline __m256i bcast32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Q4_K (kFifth = false) and Q5_K, 256-bit: packed group `w` times activation rows m .. m + C - 1
+// (C = 1..8); y[c * ldy + r] for the group's 8 rows r.  A sub-block at a time: its 8 registers of
+// weights (dword layout) are made once and meet every activation row's 4-byte broadcasts.  An int16
+// lane of a sub-block's sums gathers 4 products per l-block: Q4_K's 4 l-blocks at most 16 * 15 * 127
+// = 30480; Q5_K's quants reach 31, so its sums go to int32 every 2 l-blocks (8 * 31 * 127 = 31496).
+// Against the kernel before it (rows 0-3 and 4-7 in turn, 4 activation rows a pass), in L2 on one
+// thread of the Zen 3 of docs/quantized.md: 1 / 2 / 4 / 8 rows 185 / 119 / 92 / 79 cycles a packed
+// super-block and row, against 209 / 137 / 103 / 96.
 template <int C, bool kFifth>
 void k4_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy, Ahead ahead) {
   constexpr int kBytes = kFifth ? kK5Bytes : kK4Bytes;
+  constexpr int kRun = kFifth ? 2 : 4;  // l-blocks summed as int16 before the madd
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
   __m256 acc[C], accm[C];
   for (int c = 0; c < C; ++c) acc[c] = accm[c] = _mm256_setzero_ps();
   for (int64_t s = 0; s < a.supers; ++s) {
     const uint8_t* b = w + s * kBytes;
     ahead.unit(s, kBytes);
-    __m256i isum[2][C];
-    for (int h = 0; h < 2; ++h) {
-      for (int c = 0; c < C; ++c) isum[h][c] = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        const __m256i pair = _mm256_broadcastsi128_si256(load16(b + kK4Scales + 16 * j));
-        const __m256i slo = scales_256<kU16>(pair, 0, h), shi = scales_256<kU16>(pair, 1, h);
-        __m256i lo[4], hi[4];
-        k4_unpack_256<kFifth>(b, j, h, lo, hi);
-        // A sub-block's 4 registers of maddubs pairs added as int16 (at most 8 * 31 * 127 = 31496), then
-        // one madd against its scales, where there was one per register.
-        for (int c = 0; c < C; ++c) {
-          const int8_t* xq = a.x(m + c, s) + 64 * j;
-          __m256i tlo = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi64x(load64(xq)));
-          __m256i thi = _mm256_maddubs_epi16(hi[0], _mm256_set1_epi64x(load64(xq + 32)));
-          for (int lb = 1; lb < 4; ++lb) {
-            tlo = _mm256_add_epi16(tlo, _mm256_maddubs_epi16(lo[lb], _mm256_set1_epi64x(load64(xq + 8 * lb))));
-            thi = _mm256_add_epi16(thi, _mm256_maddubs_epi16(hi[lb], _mm256_set1_epi64x(load64(xq + 32 + 8 * lb))));
+    const int8_t* xs[C];
+    for (int c = 0; c < C; ++c) xs[c] = a.x(m + c, s);
+    __m256i isum[C];
+    for (int c = 0; c < C; ++c) isum[c] = _mm256_setzero_si256();
+    const auto sub_block = [&](int j, auto nib_c) {
+      constexpr int nib = decltype(nib_c)::value;
+      const int t = 2 * j + nib;
+      const __m256i sc = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(load16(b + kK4Scales + 16 * j)),
+                                             load32b(kDwScaleCtl.b[nib]));
+      for (int r0 = 0; r0 < 4; r0 += kRun) {
+        __m256i t16[C];
+        for (int c = 0; c < C; ++c) t16[c] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int lb = r0; lb < r0 + kRun; ++lb) {
+          const uint8_t* q = b + kK4Qs + 256 * j + 64 * lb;
+          __m256i d[2], h[2];
+          dw_split(load32b(q), load32b(q + 32), &d[0], &d[1]);
+          if (kFifth) dw_split(load32b(b + kK5Qh + 64 * lb), load32b(b + kK5Qh + 64 * lb + 32), &h[0], &h[1]);
+          for (int e = 0; e < 2; ++e) {
+            __m256i u = _mm256_and_si256(nib == 0 ? d[e] : _mm256_srli_epi16(d[e], 4), low4);
+            if (kFifth) u = _mm256_or_si256(u, fifth_256(h[e], t));
+            for (int c = 0; c < C; ++c) {
+              __m256i v = _mm256_add_epi16(t16[c], _mm256_maddubs_epi16(u, bcast32(xs[c] + 32 * t + 8 * lb + 4 * e)));
+              keep_in_register(v);
+              t16[c] = v;
+            }
           }
-          isum[h][c] = _mm256_add_epi32(isum[h][c], _mm256_add_epi32(_mm256_madd_epi16(tlo, slo), _mm256_madd_epi16(thi, shi)));
         }
+        for (int c = 0; c < C; ++c) isum[c] = _mm256_add_epi32(isum[c], _mm256_madd_epi16(t16[c], sc));
       }
+    };
+    for (int j = 0; j < 4; ++j) {
+      sub_block(j, std::integral_constant<int, 0>{});
+      sub_block(j, std::integral_constant<int, 1>{});
     }
-    k4_scale_256<C>(b, a, m, s, isum, acc, accm);
+    const __m256i rows = _mm256_setr_epi32(kDwRows[0], kDwRows[1], kDwRows[2], kDwRows[3], kDwRows[4], kDwRows[5],
+                                           kDwRows[6], kDwRows[7]);  // its own inverse
+    const __m256 d8 = fp16x8(b), dm8 = fp16x8(b + 16);
+    for (int c = 0; c < C; ++c) {
+      const float dx = a.scale(m + c, s);
+      acc[c] = k_scaled(acc[c], _mm256_permutevar8x32_epi32(isum[c], rows), d8, dx);
+      accm[c] = k_scaled(accm[c], scale_dot<4, false>(b + kK4Mins, a.pair_sums(m + c, s)), dm8, dx);
+    }
   }
   for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * ldy, _mm256_sub_ps(acc[c], accm[c]));
+}
+
+// Q6_K in the dword layout, for passes of 5-8 activation rows: the same integers as q6k_group, so the
+// same bits.  Per half hf and run p, 32 weights of the 8 rows under two scales (l-blocks 0-1, 2-3); an
+// l-block's two maddubs go to int16 (4 products of at most 63 * 127: 32004), then to int32 by one madd
+// against its scale.
+struct DwScaleCtlS {
+  int8_t b[2][32];
+};
+constexpr DwScaleCtlS make_dw_scale_ctl_s() {  // the scale byte into the high byte of both int16 (then >> 8)
+  DwScaleCtlS c{};
+  for (int t = 0; t < 2; ++t)
+    for (int k = 0; k < 32; ++k)
+      c.b[t][k] = k % 2 == 1 ? static_cast<int8_t>(2 * kDwRows[k / 4] + t) : static_cast<int8_t>(-128);
+  return c;
+}
+alignas(32) constexpr DwScaleCtlS kDwScaleCtlS = make_dw_scale_ctl_s();
+
+template <int C>
+void q6k_group_dw(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy, Ahead ahead) {
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0f), x30 = _mm256_set1_epi8(0x30);
+  for (int64_t s = 0; s < a.supers; ++s) {
+    const uint8_t* b = w + s * kK6Bytes;
+    ahead.unit(s, kK6Bytes);
+    const int8_t* xs[C];
+    for (int c = 0; c < C; ++c) xs[c] = a.x(m + c, s);
+    __m256i isum[C];
+    for (int c = 0; c < C; ++c) isum[c] = _mm256_setzero_si256();
+    const auto run = [&](int hf, auto p_c) {
+      constexpr int p = decltype(p_c)::value;
+      const __m256i pair = _mm256_broadcastsi128_si256(load16(b + kK6Scales + 16 * (4 * hf + p)));
+      for (int t = 0; t < 2; ++t) {
+        const __m256i sc = _mm256_srai_epi16(_mm256_shuffle_epi8(pair, load32b(kDwScaleCtlS.b[t])), 8);
+        __m256i u[2][2];
+        for (int i = 0; i < 2; ++i) {
+          const uint8_t* unit = b + kK6Runs + 192 * (4 * hf + 2 * t + i);
+          __m256i d[2], h[2];
+          dw_split(load32b(unit + 64 * (p % 2)), load32b(unit + 64 * (p % 2) + 32), &d[0], &d[1]);
+          dw_split(load32b(unit + 128), load32b(unit + 160), &h[0], &h[1]);
+          for (int e = 0; e < 2; ++e) {
+            const __m256i lo = p < 2 ? d[e] : _mm256_srli_epi16(d[e], 4);
+            const __m256i hi = p == 0 ? _mm256_slli_epi16(h[e], 4) : p == 1 ? _mm256_slli_epi16(h[e], 2)
+                                                                   : p == 2 ? h[e] : _mm256_srli_epi16(h[e], 2);
+            u[i][e] = _mm256_or_si256(_mm256_and_si256(lo, low4), _mm256_and_si256(hi, x30));
+          }
+        }
+        for (int c = 0; c < C; ++c) {
+          const int8_t* xq = xs[c] + 128 * hf + 32 * p + 16 * t;
+          __m256i d = isum[c];
+          for (int i = 0; i < 2; ++i) {
+            __m256i t16 = _mm256_maddubs_epi16(u[i][0], bcast32(xq + 8 * i));
+            t16 = _mm256_add_epi16(t16, _mm256_maddubs_epi16(u[i][1], bcast32(xq + 8 * i + 4)));
+            d = _mm256_add_epi32(d, _mm256_madd_epi16(t16, sc));
+            keep_in_register(d);
+          }
+          isum[c] = d;
+        }
+      }
+    };
+    for (int hf = 0; hf < 2; ++hf) {
+      run(hf, std::integral_constant<int, 0>{});
+      run(hf, std::integral_constant<int, 1>{});
+      run(hf, std::integral_constant<int, 2>{});
+      run(hf, std::integral_constant<int, 3>{});
+    }
+    const __m256i rows = _mm256_setr_epi32(kDwRows[0], kDwRows[1], kDwRows[2], kDwRows[3], kDwRows[4], kDwRows[5],
+                                           kDwRows[6], kDwRows[7]);  // its own inverse
+    const __m256 d8 = fp16x8(b);
+    for (int c = 0; c < C; ++c) {
+      const __m256i zero_point = _mm256_slli_epi32(scale_dot<8, true>(b + kK6Scales, a.pair_sums(m + c, s)), 5);
+      const __m256i isum8 = _mm256_sub_epi32(_mm256_permutevar8x32_epi32(isum[c], rows), zero_point);
+      acc[c] = k_scaled(acc[c], isum8, d8, a.scale(m + c, s));
+    }
+  }
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * ldy, acc[c]);
 }
 
 // Q6_K, 256-bit.  Unit (half hf, l-block lb) has run p's weights under scale 8 hf + 2 p + lb / 2.
@@ -1372,7 +1522,8 @@ template <typename Acts>
 using GroupFn = void (*)(const uint8_t*, const Acts&, int64_t, float*, int64_t, Ahead);
 
 // A type's kernels by activation rows per call, indexed by that count: the 256-bit (or portable) ones
-// for 1-4 rows and the 512-bit ones for 1-16 (null: none in this build).  A call runs its rows in
+// for 1-4 rows (1-8 for the k-quants on AVX2, whose dword-layout kernels fit 8 rows' accumulators in
+// the registers) and the 512-bit ones for 1-16 (null: none in this build).  A call runs its rows in
 // passes over each group (packed_linear): all in one pass if they are at most `single`, else passes
 // of `most` rows and one for the rest.  A pass unpacks the weights once for all its rows, so fewer passes cost less,
 // up to the row count where a kernel's accumulators no longer fit in the registers.  The 512-bit
@@ -1382,10 +1533,11 @@ using GroupFn = void (*)(const uint8_t*, const Acts&, int64_t, float*, int64_t, 
 constexpr int kWideMost = 16;
 template <typename Acts>
 struct GroupKernels {
-  GroupFn<Acts> rows[5];
+  GroupFn<Acts> rows[9];  // 1-narrow_most rows
   GroupFn<Acts> wide[kWideMost + 1];
   GroupFn<Acts> vnni[5] = {};  // 256-bit with AVX-VNNI, 1-4 rows (null: none for this type or build)
   int wide_single = kWideMost;  // the most rows of one 512-bit pass
+  int narrow_most = 4;          // the most rows of one 256-bit (or portable) pass
 };
 
 #if defined(MCSD_HAVE_512)
@@ -1394,6 +1546,13 @@ struct GroupKernels {
 #define WIDE(f) {}
 #endif
 #define NARROW(f) {nullptr, f<1>, f<2>, f<3>, f<4>}
+#if defined(__AVX2__) && defined(__FMA__)
+#define NARROW8(f) {nullptr, f<1>, f<2>, f<3>, f<4>, f<5>, f<6>, f<7>, f<8>}
+constexpr int kNarrowK4 = 8;
+#else
+#define NARROW8(f) NARROW(f)
+constexpr int kNarrowK4 = 4;
+#endif
 #if defined(MCSD_HAVE_VNNI256)
 #define VNNI(f) NARROW(f)
 #else
@@ -1403,6 +1562,19 @@ template <int C>
 void q4k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy, Ahead ahead) { k4_group<C, false>(w, a, m, y, ldy, ahead); }
 template <int C>
 void q5k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy, Ahead ahead) { k4_group<C, true>(w, a, m, y, ldy, ahead); }
+// Q6_K on AVX2: passes of up to 4 rows by q6k_group, of 5-8 by q6k_group_dw, whose rearranging of the
+// weights costs more than it saves below 5 rows (gate_up in L2, one thread: 4 rows 144 against 136
+// cycles a packed super-block and row, 8 rows 115 against 123 for two passes of 4).
+template <int C>
+void q6k_group_sel(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy, Ahead ahead) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (C > 4) {
+    q6k_group_dw<C>(w, a, m, y, ldy, ahead);
+    return;
+  }
+#endif
+  q6k_group<C>(w, a, m, y, ldy, ahead);
+}
 #define B32(f, id)                                                                                     \
   template <int C>                                                                                     \
   void f(const uint8_t* w, const QActs32& a, int64_t m, float* y, int64_t ldy, Ahead ahead) { b32_group<C, id>(w, a, m, y, ldy, ahead); }
@@ -1433,9 +1605,9 @@ B32(q8_0_group_vnni, 8)
 #endif
 
 const GroupKernels<QActsK>& k_kernels(int64_t id) {
-  static const GroupKernels<QActsK> q4k{NARROW(q4k_group), WIDE(q4k_group_512), VNNI(q4k_group_vnni)};
-  static const GroupKernels<QActsK> q5k{NARROW(q5k_group), WIDE(q5k_group_512)};
-  static const GroupKernels<QActsK> q6k{NARROW(q6k_group), WIDE(q6k_group_512)};
+  static const GroupKernels<QActsK> q4k{NARROW8(q4k_group), WIDE(q4k_group_512), VNNI(q4k_group_vnni), kWideMost, kNarrowK4};
+  static const GroupKernels<QActsK> q5k{NARROW8(q5k_group), WIDE(q5k_group_512), {}, kWideMost, kNarrowK4};
+  static const GroupKernels<QActsK> q6k{NARROW8(q6k_group_sel), WIDE(q6k_group_512), {}, kWideMost, kNarrowK4};
   return id == 12 ? q4k : id == 13 ? q5k : q6k;
 }
 
@@ -1449,6 +1621,7 @@ const GroupKernels<QActs32>& b32_kernels(int64_t id) {
 #undef VNNI
 #undef WIDE
 #undef NARROW
+#undef NARROW8
 
 // Which kernels run: the 512-bit ones where the CPU has them, else the AVX-VNNI ones where it has
 // those, unless MCSD_CPU_ISA (read once: avx2, or avxvnni to stand in for a CPU without AVX-512) or
@@ -1508,8 +1681,9 @@ void packed_linear(const GroupKernels<Acts>& k, const uint8_t* wp, int64_t G, in
   const Isa isa = g_isa.load(std::memory_order_relaxed);
   const bool wide = isa == Isa::kWide && k.wide[kWideMost] != nullptr;
   const GroupFn<Acts>* rows = wide ? k.wide : isa == Isa::kVnni256 && k.vnni[4] != nullptr ? k.vnni : k.rows;
-  const int64_t most = wide ? 8 : 4;  // activation rows per pass, while more than `single` are left
-  const int64_t single = wide ? k.wide_single : 4;
+    const int64_t narrow = rows == k.rows ? k.narrow_most : 4;
+  const int64_t most = wide ? 8 : narrow;  // activation rows per pass, while more than `single` are left
+  const int64_t single = wide ? k.wide_single : narrow;
   const int64_t N = kPackRows * G;
   // Groups go in chunks of about kChunkBytes, which stay in the core's L2 while every panel of
   // activation rows (in L1) passes over them: each activation byte is then read from L2 once per
