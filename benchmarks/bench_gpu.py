@@ -10,8 +10,9 @@ make the draft's tokens almost never accepted, so this measures costs, not speed
 * **engine**: ``EngineCore`` steps of greedy requests at batch 1 and ``--batch``: plain decoding, the
   tree ``--tree`` with the draft, and the tree with the target as its own draft (every token accepted:
   the ceiling of tokens per step), after ``--warmup-s`` of back-to-back prefill forwards, median of
-  ``--rounds`` interleaved rounds (the step time drifted 2.8x within one run on an H200:
-  docs/gpu.md).  Per step: milliseconds, those until ``core.step()`` returns (the rest is device work
+  ``--rounds`` interleaved rounds after ``--warmup-rounds`` untimed ones (the step time drifted
+  2.8x within one run on an H200, and the first round ran 3-5x slower than the rest on an H100 after
+  the warm-up forwards: docs/gpu.md).  Per step: milliseconds, those until ``core.step()`` returns (the rest is device work
   still queued when it did), tokens, the reads the engine declares
   (``engine.device``) and the synchronizing CUDA calls torch's sync debug mode counts.
 
@@ -140,6 +141,7 @@ def engine_run(target, draft, batch: int, prompt_len: int, new_tokens: int, tree
                                                                         ignore_eos=True),
                                            SpecOptions(enabled=spec_on)))
     steps, tokens, decode_s, host_s, cuda_syncs, declared_syncs, errors = 0, 0, 0.0, 0.0, 0, 0, []
+    step_ms = []
     prefilled = False
     while core.has_unfinished():
         sync(device)
@@ -157,6 +159,7 @@ def engine_run(target, draft, batch: int, prompt_len: int, new_tokens: int, tree
         steps += 1
         tokens += new
         decode_s += dt
+        step_ms.append(dt * 1e3)
         host_s += host
         cuda_syncs += len(report.reported)
         declared_syncs += sum(report.declared.values())
@@ -166,7 +169,7 @@ def engine_run(target, draft, batch: int, prompt_len: int, new_tokens: int, tree
                 host_ms_step=host_s / steps * 1e3,
                 tok_step=tokens / steps / batch, declared=declared_syncs / steps,
                 cuda_syncs=(cuda_syncs / steps) if count_syncs and device.type == "cuda" else None,
-                errors=len(errors))
+                errors=len(errors), step_ms=step_ms)
 
 
 def main(argv=None) -> None:
@@ -186,6 +189,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the engine configurations")
     ap.add_argument("--warmup-s", type=float, default=10.0,
                     help="seconds of back-to-back forwards before the engine runs (GPU clocks up)")
+    ap.add_argument("--warmup-rounds", type=int, default=1,
+                    help="untimed rounds of every engine configuration before the timed ones")
     ap.add_argument("--host-profile", metavar="FILE", help="also write a cProfile of the engine's steps to FILE")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -210,21 +215,26 @@ def main(argv=None) -> None:
                for name, d, spec_on, t in (("plain", draft, False, ()), ("mcsd, draft", draft, True, tree),
                                            ("mcsd, target as draft", target, True, tree))]
     samples: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
-    for rnd in range(args.rounds):  # interleaved, each round in another order: drift hits every config alike
+    warm: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
+    for rnd in range(args.warmup_rounds + args.rounds):  # interleaved, each round in another order
         order = list(range(len(configs)))
         order = order[rnd % len(order):] + order[:rnd % len(order)]
         order = order if rnd % 2 == 0 else order[::-1]
         for i in order:
             batch, name, d, spec_on, t = configs[i]
-            samples[i].append(engine_run(target, d, batch, args.prompt_len, args.new_tokens, t, "mcsd", spec_on, False))
-        print(f"round {rnd + 1}/{args.rounds} done", flush=True)
+            run = engine_run(target, d, batch, args.prompt_len, args.new_tokens, t, "mcsd", spec_on, False)
+            (warm if rnd < args.warmup_rounds else samples)[i].append(run)
+        kind = "warm-up round" if rnd < args.warmup_rounds else "round"
+        print(f"{kind} {rnd + 1}/{args.warmup_rounds + args.rounds} done", flush=True)
     runs = []
     for i, (batch, name, d, spec_on, t) in enumerate(configs):
         s = engine_run(target, d, batch, args.prompt_len, 8, t, "mcsd", spec_on, True)
         med = {k: statistics.median(x[k] for x in samples[i]) for k in ("tok_s", "ms_step", "host_ms_step", "tok_step")}
         runs.append(dict(samples[i][0], **med, config=name, tree=",".join(map(str, t)) or "-",
                          declared=s["declared"], cuda_syncs=s["cuda_syncs"],
-                         tok_s_rounds=[x["tok_s"] for x in samples[i]], errors=sum(x["errors"] for x in samples[i])))
+                         tok_s_rounds=[x["tok_s"] for x in samples[i]], errors=sum(x["errors"] for x in samples[i]),
+                         tok_s_warmup=[x["tok_s"] for x in warm[i]],
+                         step_ms_rounds=[x["step_ms"] for x in warm[i] + samples[i]]))
     print(f"\nengine steps, greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens (decode only), "
           f"median of {args.rounds} interleaved rounds")
     print_table(runs, [("config", "config", "s"), ("batch", "batch", "d"), ("tree", "tree", "s"),
@@ -233,7 +243,11 @@ def main(argv=None) -> None:
                        ("declared", "declared syncs/step", ".2f"), ("cuda_syncs", "CUDA syncs/step", ".2f"),
                        ("errors", "errors", "d")])
     for r in runs:
-        print(f"{r['config']}, batch {r['batch']}: tok/s by round {[round(x, 1) for x in r['tok_s_rounds']]}")
+        print(f"{r['config']}, batch {r['batch']}: tok/s by round {[round(x, 1) for x in r['tok_s_rounds']]}"
+              f" (untimed warm-up: {[round(x, 1) for x in r['tok_s_warmup']]})")
+        for k, ms in enumerate(r["step_ms_rounds"]):  # where in a run the time goes: its first steps, or all
+            print(f"    run {k + 1}: ms a step, first 4 {[round(x, 1) for x in ms[:4]]}, "
+                  f"median {statistics.median(ms):.1f}, last 4 {[round(x, 1) for x in ms[-4:]]}")
     if args.host_profile:
         host_profile(target, draft, args.prompt_len, tree, args.host_profile)
     write_json("gpu.json", dict(machine=info, args=vars(args), forward=curve, engine=runs), args.out)

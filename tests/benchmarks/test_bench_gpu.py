@@ -20,7 +20,8 @@ def test_bench_gpu_runs_on_the_cpu_and_its_figures_add_up(tmp_path, capsys):
     assert {(r["config"], r["batch"]) for r in engine} == {
         (c, b) for c in ("plain", "mcsd, draft", "mcsd, target as draft") for b in (1, 2)}
     for r in engine:
-        assert r["errors"] == 0 and len(r["tok_s_rounds"]) == 2
+        assert r["errors"] == 0 and len(r["tok_s_rounds"]) == 2 and len(r["tok_s_warmup"]) == 1
+        assert len(r["step_ms_rounds"]) == 3 and all(ms and min(ms) > 0 for ms in r["step_ms_rounds"])
         assert r["host_ms_step"] <= r["ms_step"] * 1.001
         assert r["tok_s"] > 0 and r["declared"] >= 1
     plain = [r for r in engine if r["config"] == "plain"]
