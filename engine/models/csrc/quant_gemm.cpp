@@ -832,6 +832,16 @@ void k4_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ld
   for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + c * ldy, _mm256_sub_ps(acc[c], accm[c]));
 }
 
+// Run p's 6-bit Q6_K quants (0..63), a byte each: the low 4 bits from `ql` (the low nibbles for runs 0
+// and 1, the high ones for 2 and 3: runs 0 / 2 and 1 / 3 share their ql bytes) and the high 2 bits from
+// `qh` (bits 2 p, 2 p + 1 of each byte).
+inline __m256i q6k_quants(__m256i ql, __m256i qh, int p) {
+  const __m256i lo = p < 2 ? ql : _mm256_srli_epi16(ql, 4);
+  const __m256i hi = p == 0 ? _mm256_slli_epi16(qh, 4) : p == 1 ? _mm256_slli_epi16(qh, 2)
+                                                      : p == 2 ? qh : _mm256_srli_epi16(qh, 2);
+  return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi8(0x0f)), _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+}
+
 // Q6_K in the dword layout, for passes of 5-8 activation rows: the same integers as q6k_group, so the
 // same bits.  Per half hf and run p, 32 weights of the 8 rows under two scales (l-blocks 0-1, 2-3); an
 // l-block's two maddubs go to int16 (4 products of at most 63 * 127: 32004), then to int32 by one madd
@@ -852,7 +862,6 @@ template <int C>
 void q6k_group_dw(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy, Ahead ahead) {
   __m256 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0f), x30 = _mm256_set1_epi8(0x30);
   for (int64_t s = 0; s < a.supers; ++s) {
     const uint8_t* b = w + s * kK6Bytes;
     ahead.unit(s, kK6Bytes);
@@ -872,10 +881,7 @@ void q6k_group_dw(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_
           dw_split(load32b(unit + 64 * (p % 2)), load32b(unit + 64 * (p % 2) + 32), &d[0], &d[1]);
           dw_split(load32b(unit + 128), load32b(unit + 160), &h[0], &h[1]);
           for (int e = 0; e < 2; ++e) {
-            const __m256i lo = p < 2 ? d[e] : _mm256_srli_epi16(d[e], 4);
-            const __m256i hi = p == 0 ? _mm256_slli_epi16(h[e], 4) : p == 1 ? _mm256_slli_epi16(h[e], 2)
-                                                                   : p == 2 ? h[e] : _mm256_srli_epi16(h[e], 2);
-            u[i][e] = _mm256_or_si256(_mm256_and_si256(lo, low4), _mm256_and_si256(hi, x30));
+            u[i][e] = q6k_quants(d[e], h[e], p);
           }
         }
         for (int c = 0; c < C; ++c) {
@@ -914,7 +920,6 @@ template <int C>
 void q6k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy, Ahead ahead) {
   __m256 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0f), x30 = _mm256_set1_epi8(0x30);
   for (int64_t s = 0; s < a.supers; ++s) {
     const uint8_t* b = w + s * kK6Bytes;
     ahead.unit(s, kK6Bytes);
@@ -928,10 +933,7 @@ void q6k_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t l
             for (int i = 0; i < 2; ++i) {
               const uint8_t* unit = b + kK6Runs + 192 * (4 * hf + 2 * t + i) + 32 * h;
               const __m256i q = load32b(unit + 64 * (p % 2)), qh = load32b(unit + 128);
-              const __m256i lo = p < 2 ? q : _mm256_srli_epi16(q, 4);
-              const __m256i hi = p == 0 ? _mm256_slli_epi16(qh, 4) : p == 1 ? _mm256_slli_epi16(qh, 2)
-                                                                     : p == 2 ? qh : _mm256_srli_epi16(qh, 2);
-              u[i] = _mm256_or_si256(_mm256_and_si256(lo, low4), _mm256_and_si256(hi, x30));
+              u[i] = q6k_quants(q, qh, p);
             }
             const __m256i sp = scales_256<kS16>(_mm256_broadcastsi128_si256(load16(b + kK6Scales + 16 * (4 * hf + p))), t, h);
             // The two l-blocks' maddubs pairs added as int16 (at most 4 * 63 * 127 = 32004), then one madd.
