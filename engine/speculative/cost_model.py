@@ -234,7 +234,7 @@ class CostModel:
                  "the default pair on 2 cores)")
         t0 = time.perf_counter()
         model = measure()
-        log.info("cost model: measured in %.1f s, stored for the next start in %s", time.perf_counter() - t0, path)
+        seconds = time.perf_counter() - t0
         try:
             directory.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -242,8 +242,10 @@ class CostModel:
                                        "target": _curve_json(model.target), "draft": _curve_json(model.draft),
                                        "catch_up": _curve_json(model.catch_up_curve)}))
             tmp.replace(path)
+            log.info("cost model: measured in %.1f s, stored for the next start in %s", seconds, path)
         except OSError as e:
-            log.warning("cost model: could not store the curves in %s (%s)", directory, e)
+            log.warning("cost model: measured in %.1f s, but could not store the curves in %s (%s)", seconds,
+                        directory, e)
         return model
 
     def catch_up_pays(self, lag: int, remaining: int, saving: float) -> bool:

@@ -738,19 +738,35 @@ inline void dw_split(__m256i a, __m256i b, __m256i* d0, __m256i* d1) {
   *d1 = _mm256_castps_si256(_mm256_shuffle_ps(fa, fb, 0xdd));
 }
 
-// pshufb controls: sub-block t's scale of a [row][2] pair of scales (16 bytes, broadcast to both
-// 128-bit lanes) into both int16 of each row's dword lane, zero-extended.
+// pshufb controls that spread sub-block t's scales of a [row][2] pair of scales (16 bytes, broadcast
+// to both 128-bit lanes) over both int16 of each row's dword lane, in layout kU16 or kS16 (as
+// ScaleCtl does for 64-bit lanes).
 struct DwScaleCtl {
-  int8_t b[2][32];
+  int8_t b[2][2][32];  // [layout][t]
 };
 constexpr DwScaleCtl make_dw_scale_ctl() {
   DwScaleCtl c{};
-  for (int t = 0; t < 2; ++t)
-    for (int k = 0; k < 32; ++k)
-      c.b[t][k] = k % 2 == 0 ? static_cast<int8_t>(2 * kDwRows[k / 4] + t) : static_cast<int8_t>(-128);
+  for (int layout = kU16; layout <= kS16; ++layout)
+    for (int t = 0; t < 2; ++t)
+      for (int k = 0; k < 32; ++k)
+        c.b[layout][t][k] = k % 2 == layout ? static_cast<int8_t>(2 * kDwRows[k / 4] + t) : static_cast<int8_t>(-128);
   return c;
 }
 alignas(32) constexpr DwScaleCtl kDwScaleCtl = make_dw_scale_ctl();
+
+// Sub-block t's scales of `pair` (a [row][2] pair, 16 bytes broadcast to both 128-bit lanes), one
+// value in both int16 of each row's dword lane.
+template <int kLayout>
+inline __m256i dw_scales(__m256i pair, int t) {
+  const __m256i v = _mm256_shuffle_epi8(pair, load32b(kDwScaleCtl.b[kLayout][t]));
+  return kLayout == kS16 ? _mm256_srai_epi16(v, 8) : v;
+}
+
+// Dword-layout lanes back in row order (the permutation is its own inverse).
+inline __m256i dw_row_order(__m256i v) {
+  return _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(kDwRows[0], kDwRows[1], kDwRows[2], kDwRows[3],
+                                                          kDwRows[4], kDwRows[5], kDwRows[6], kDwRows[7]));
+}
 
 // An empty asm that takes v and gives it back: the compiler must have v in a register here, so it
 // cannot regroup a chain of integer adds into a tree that holds every product at once (GCC does, and
@@ -792,8 +808,7 @@ void k4_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ld
     const auto sub_block = [&](int j, auto nib_c) {
       constexpr int nib = decltype(nib_c)::value;
       const int t = 2 * j + nib;
-      const __m256i sc = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(load16(b + kK4Scales + 16 * j)),
-                                             load32b(kDwScaleCtl.b[nib]));
+      const __m256i sc = dw_scales<kU16>(_mm256_broadcastsi128_si256(load16(b + kK4Scales + 16 * j)), nib);
       for (int r0 = 0; r0 < 4; r0 += kRun) {
         __m256i t16[C];
         for (int c = 0; c < C; ++c) t16[c] = _mm256_setzero_si256();
@@ -820,12 +835,10 @@ void k4_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ld
       sub_block(j, std::integral_constant<int, 0>{});
       sub_block(j, std::integral_constant<int, 1>{});
     }
-    const __m256i rows = _mm256_setr_epi32(kDwRows[0], kDwRows[1], kDwRows[2], kDwRows[3], kDwRows[4], kDwRows[5],
-                                           kDwRows[6], kDwRows[7]);  // its own inverse
     const __m256 d8 = fp16x8(b), dm8 = fp16x8(b + 16);
     for (int c = 0; c < C; ++c) {
       const float dx = a.scale(m + c, s);
-      acc[c] = k_scaled(acc[c], _mm256_permutevar8x32_epi32(isum[c], rows), d8, dx);
+      acc[c] = k_scaled(acc[c], dw_row_order(isum[c]), d8, dx);
       accm[c] = k_scaled(accm[c], scale_dot<4, false>(b + kK4Mins, a.pair_sums(m + c, s)), dm8, dx);
     }
   }
@@ -846,17 +859,6 @@ inline __m256i q6k_quants(__m256i ql, __m256i qh, int p) {
 // same bits.  Per half hf and run p, 32 weights of the 8 rows under two scales (l-blocks 0-1, 2-3); an
 // l-block's two maddubs go to int16 (4 products of at most 63 * 127: 32004), then to int32 by one madd
 // against its scale.
-struct DwScaleCtlS {
-  int8_t b[2][32];
-};
-constexpr DwScaleCtlS make_dw_scale_ctl_s() {  // the scale byte into the high byte of both int16 (then >> 8)
-  DwScaleCtlS c{};
-  for (int t = 0; t < 2; ++t)
-    for (int k = 0; k < 32; ++k)
-      c.b[t][k] = k % 2 == 1 ? static_cast<int8_t>(2 * kDwRows[k / 4] + t) : static_cast<int8_t>(-128);
-  return c;
-}
-alignas(32) constexpr DwScaleCtlS kDwScaleCtlS = make_dw_scale_ctl_s();
 
 template <int C>
 void q6k_group_dw(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy, Ahead ahead) {
@@ -873,16 +875,14 @@ void q6k_group_dw(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_
       constexpr int p = decltype(p_c)::value;
       const __m256i pair = _mm256_broadcastsi128_si256(load16(b + kK6Scales + 16 * (4 * hf + p)));
       for (int t = 0; t < 2; ++t) {
-        const __m256i sc = _mm256_srai_epi16(_mm256_shuffle_epi8(pair, load32b(kDwScaleCtlS.b[t])), 8);
+        const __m256i sc = dw_scales<kS16>(pair, t);
         __m256i u[2][2];
         for (int i = 0; i < 2; ++i) {
           const uint8_t* unit = b + kK6Runs + 192 * (4 * hf + 2 * t + i);
           __m256i d[2], h[2];
           dw_split(load32b(unit + 64 * (p % 2)), load32b(unit + 64 * (p % 2) + 32), &d[0], &d[1]);
           dw_split(load32b(unit + 128), load32b(unit + 160), &h[0], &h[1]);
-          for (int e = 0; e < 2; ++e) {
-            u[i][e] = q6k_quants(d[e], h[e], p);
-          }
+          for (int e = 0; e < 2; ++e) u[i][e] = q6k_quants(d[e], h[e], p);
         }
         for (int c = 0; c < C; ++c) {
           const int8_t* xq = xs[c] + 128 * hf + 32 * p + 16 * t;
@@ -903,12 +903,10 @@ void q6k_group_dw(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_
       run(hf, std::integral_constant<int, 2>{});
       run(hf, std::integral_constant<int, 3>{});
     }
-    const __m256i rows = _mm256_setr_epi32(kDwRows[0], kDwRows[1], kDwRows[2], kDwRows[3], kDwRows[4], kDwRows[5],
-                                           kDwRows[6], kDwRows[7]);  // its own inverse
     const __m256 d8 = fp16x8(b);
     for (int c = 0; c < C; ++c) {
       const __m256i zero_point = _mm256_slli_epi32(scale_dot<8, true>(b + kK6Scales, a.pair_sums(m + c, s)), 5);
-      const __m256i isum8 = _mm256_sub_epi32(_mm256_permutevar8x32_epi32(isum[c], rows), zero_point);
+      const __m256i isum8 = _mm256_sub_epi32(dw_row_order(isum[c]), zero_point);
       acc[c] = k_scaled(acc[c], isum8, d8, a.scale(m + c, s));
     }
   }
@@ -1683,7 +1681,7 @@ void packed_linear(const GroupKernels<Acts>& k, const uint8_t* wp, int64_t G, in
   const Isa isa = g_isa.load(std::memory_order_relaxed);
   const bool wide = isa == Isa::kWide && k.wide[kWideMost] != nullptr;
   const GroupFn<Acts>* rows = wide ? k.wide : isa == Isa::kVnni256 && k.vnni[4] != nullptr ? k.vnni : k.rows;
-    const int64_t narrow = rows == k.rows ? k.narrow_most : 4;
+  const int64_t narrow = rows == k.rows ? k.narrow_most : 4;
   const int64_t most = wide ? 8 : narrow;  // activation rows per pass, while more than `single` are left
   const int64_t single = wide ? k.wide_single : narrow;
   const int64_t N = kPackRows * G;
