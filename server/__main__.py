@@ -7,6 +7,7 @@ reason is logged and the process exits with status 1.
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import threading
@@ -42,6 +43,11 @@ def build_core(settings: Settings):
     core = EngineCore(target, draft, config, model_name=settings.model_id)
     log.info("engine ready: context %d tokens, tree %s, default method %s, max batch %d", core.max_model_len,
              list(settings.tree) if draft else "none (no draft model)", settings.spec_method, settings.max_batch)
+    # What loading built (a few hundred thousand objects: tokenizer tables, modules, configs) lives as
+    # long as the server: out of the garbage collector's scans from now on.  A full collection over it
+    # took about 175 ms, a stall in every stream whenever one ran.
+    gc.collect()
+    gc.freeze()
     return core
 
 

@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (_CSRC / "bf16_gemm.cpp", _CSRC / "quant_gemm.cpp", _CSRC / "attention.cpp",
-            _CSRC / "layer_ops.cpp")  # one library
+            _CSRC / "layer_ops.cpp", _CSRC / "decoder.cpp")  # one library
 _HEADERS = (_CSRC / "lanes.h",)  # included by the sources: part of the build's hash
 # -ffp-contract=off: no fused multiply-adds but the written ones (the kernels' numerics are spelled
 # out; aarch64 compilers fuse by default).  No -ffast-math.
@@ -224,7 +224,8 @@ def _register_fakes() -> None:
     for name, fn in (("bf16_linear", linear_out), ("f32_linear", linear_out), ("attention", attention_out),
                      ("paged_attention", attention_out), ("quant_linear", quant_linear_out),
                      ("quant_dequantize", quant_dequantize_out), ("rms_norm", same_out),
-                     ("add_rms_norm", add_rms_norm_out), ("rotary", same_out), ("silu_mul", silu_mul_out)):
+                     ("add_rms_norm", add_rms_norm_out), ("rotary", same_out), ("silu_mul", silu_mul_out),
+                     ("decoder_stack", add_rms_norm_out)):
         try:
             torch.library.register_fake(f"mcsd_cpu::{name}", fn)
         except RuntimeError as exc:  # already registered in this process (a reloaded module)
@@ -464,6 +465,11 @@ _ROW_DTYPES = (torch.float32, torch.bfloat16)
 
 def _row_ops(x: torch.Tensor) -> bool:  # called about 170 times a forward: kept cheap
     return x.dtype in _ROW_DTYPES and x.device.type == "cpu" and _row_ops_enabled()
+
+
+def row_ops_apply(dtype: torch.dtype) -> bool:
+    """Whether CPU tensors of ``dtype`` take the layer operations below (else torch's formulation)."""
+    return dtype in _ROW_DTYPES and _row_ops_enabled()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

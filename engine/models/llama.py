@@ -16,6 +16,7 @@ batch-invariant on the CPU, SDPA elsewhere.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -184,6 +185,79 @@ class ForwardContext:
         return keys.transpose(1, 2), values.transpose(1, 2)
 
 
+@functools.cache
+def fused_layers_enabled() -> bool:
+    """``MCSD_FUSED_LAYERS=0`` runs the decoder layers one Python call each (for comparison and tests);
+    otherwise :class:`FusedStack` where it applies."""
+    return os.environ.get("MCSD_FUSED_LAYERS", "").strip().lower() not in ("0", "false", "off", "no")
+
+
+class FusedStack:
+    """Every decoder layer of a forward in one call of ``csrc/decoder.cpp``'s operator.
+
+    It runs the operators of :meth:`DecoderLayer.forward` in the same order with the same arguments,
+    so its result is bitwise the layer loop's; what it saves is the interpreter between them (about a
+    fifth of a one-token forward of a 1.5B model on a 2-core CPU).  It applies on the CPU to a model
+    whose linears are all in GGUF blocks (:class:`~engine.models.qweight.QuantWeight`, or several side
+    by side), with the CPU's layer operations and paged attention; elsewhere the layer loop runs."""
+
+    def __init__(self, model: "LlamaModel", tensors: list[torch.Tensor], meta: list[int]) -> None:
+        self.tensors, self.meta = tensors, meta
+        self.eps = model.cfg.rms_norm_eps
+        self.scale = model.cfg.head_dim ** -0.5
+        self.dtype = model.dtype
+
+    @staticmethod
+    def key(model: "LlamaModel") -> tuple:
+        """What the stack was built from: every layer's modules and weights (identities)."""
+        return tuple(id(w) for layer in model.layers for m in layer._modules.values()
+                     for w in (m, m.weight, getattr(m, "bias", None)))
+
+    @staticmethod
+    def build(model: "LlamaModel") -> Optional["FusedStack"]:
+        """The stack of ``model``'s layers, or None where it does not apply."""
+        from engine.models.gguf_native import StackedWeight
+        from engine.models.qweight import QuantWeight
+
+        dtype = model.dtype
+        if model.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) \
+                or not cpu_kernels.row_ops_apply(dtype) or not hasattr(torch.ops.mcsd_cpu, "decoder_stack"):
+            return None
+        cfg = model.cfg
+        meta = [cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim]
+        tensors: list[torch.Tensor] = []
+        for layer in model.layers:
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w.dtype != dtype or not w.is_contiguous() for w in norms):
+                return None
+            tensors += norms
+            bias = layer.qkv_proj.bias
+            if bias is not None and (bias.dtype != dtype or bias.device.type != "cpu"):
+                return None
+            meta.append(int(bias is not None))
+            tensors += [] if bias is None else [bias]
+            for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                w = lin.weight
+                parts = w.parts if isinstance(w, StackedWeight) else [w]
+                if not all(isinstance(p, QuantWeight) for p in parts):
+                    return None
+                meta.append(len(parts))
+                for p in parts:
+                    data, kind = p.kernel_args()
+                    meta += [kind, p.k, p.shape[0]]
+                    tensors.append(data)
+        return FusedStack(model, tensors, meta)
+
+    def applies(self, ctx: ForwardContext) -> bool:
+        return ctx.cos.dtype == self.dtype and ctx.cos.stride(-1) == 1 and ctx.sin.stride(-1) == 1
+
+    def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        pk, at = ctx.packing, ctx.at
+        return torch.ops.mcsd_cpu.decoder_stack(
+            x, self.tensors, self.meta, self.eps, ctx.cos, ctx.sin, ctx.cache.k, ctx.cache.v, at.write, at.read,
+            ctx.lens, ctx.start, ctx.block_mask, self.scale, None if pk is None else pk.counts)
+
+
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [batch, rows, vocab] float32, rows = selected block positions
@@ -290,11 +364,30 @@ class LlamaModel(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The decoder stack: [batch, block] token ids -> final-norm hidden states [batch, block, hidden],
         writing the block's keys and values into the cache.  Device work only (no host reads), so it
-        compiles as one graph (``torch.compile(fullgraph=True)``: tests/engine/models/test_compile.py)."""
+        compiles as one graph (``torch.compile(fullgraph=True)``: tests/engine/models/test_compile.py).
+        Eager on the CPU with weights in GGUF blocks, the layers run as one operator call
+        (:class:`FusedStack`), bitwise the same."""
         x, delta = self.embed_tokens(input_ids), None
-        for i, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, i, ctx)
+        stack = self._fused_stack(ctx)
+        if stack is not None:
+            x, delta = stack(x, ctx)
+        else:
+            for i, layer in enumerate(self.layers):
+                x, delta = layer(x, delta, i, ctx)
         return self.norm(x) if delta is None else self.norm.add(x, delta)[1]
+
+    def _fused_stack(self, ctx: ForwardContext) -> Optional["FusedStack"]:
+        """The layers as one operator call, where it applies to this model and this forward; built at
+        the first forward and again whenever a layer's modules or weights were replaced since."""
+        if not ctx.paged or torch.compiler.is_compiling() or not fused_layers_enabled():
+            return None
+        key = FusedStack.key(self)
+        cached = self.__dict__.get("_fused")
+        if cached is None or cached[0] != key:
+            cached = (key, FusedStack.build(self))
+            self.__dict__["_fused"] = cached
+        stack = cached[1]
+        return stack if stack is not None and stack.applies(ctx) else None
 
     def _context(self, cache: KVCache, slots: list[int], positions: torch.Tensor,
                  block_mask: Optional[torch.Tensor], packing: Optional[Packing] = None) -> ForwardContext:

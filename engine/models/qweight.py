@@ -106,15 +106,20 @@ class QuantWeight:
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x @ W.T + bias`` in fp32, returned in ``x``'s dtype; ``x`` [..., K].  One operator call (and
         a copy of the real columns where the last group of a packed weight is padded)."""
+        data, kernel_type = self.kernel_args()
         if not self.packed:
-            return torch.ops.mcsd_cpu.quant_linear(x, self.data, self.type_id, self.k, bias)
-        kernel_type = self.type_id | _PACKED_FLAG
+            return torch.ops.mcsd_cpu.quant_linear(x, data, kernel_type, self.k, bias)
         pad = -self.n % _PACK_ROWS
         if pad == 0:
-            return torch.ops.mcsd_cpu.quant_linear(x, self.data, kernel_type, self.k, bias)
+            return torch.ops.mcsd_cpu.quant_linear(x, data, kernel_type, self.k, bias)
         if bias is not None:  # added in fp32 by the kernel, as for whole groups
             bias = torch.cat([bias, bias.new_zeros(pad)])
-        return torch.ops.mcsd_cpu.quant_linear(x, self.data, kernel_type, self.k, bias)[..., :self.n].contiguous()
+        return torch.ops.mcsd_cpu.quant_linear(x, data, kernel_type, self.k, bias)[..., :self.n].contiguous()
+
+    def kernel_args(self) -> tuple[torch.Tensor, int]:
+        """What ``quant_linear`` takes for this weight: its data and type (the GGML type, flagged when
+        packed; a packed weight's product has its padding rows too, up to a whole group)."""
+        return self.data, self.type_id | _PACKED_FLAG if self.packed else self.type_id
 
     def rows(self, index: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The GGUF bytes of all rows, or of the rows ``index`` (1-D), ``uint8 [len, row_bytes]``."""
