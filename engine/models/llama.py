@@ -16,6 +16,7 @@ batch-invariant on the CPU, SDPA elsewhere.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -209,9 +210,9 @@ class FusedStack:
 
     @staticmethod
     def key(model: "LlamaModel") -> tuple:
-        """What the stack was built from: every layer's modules and weights (identities)."""
-        return tuple(id(w) for layer in model.layers for m in layer._modules.values()
-                     for w in (m, m.weight, getattr(m, "bias", None)))
+        """What the stack was built from: every layer's modules (identities; checked every forward, so
+        kept cheap).  Code that replaces a weight inside a module after a forward replaces the module."""
+        return tuple(map(id, itertools.chain.from_iterable(layer._modules.values() for layer in model.layers)))
 
     @staticmethod
     def build(model: "LlamaModel") -> Optional["FusedStack"]:
