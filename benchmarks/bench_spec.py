@@ -136,6 +136,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--gguf-weights", default="native", choices=["native", "dequantize"],
+                    help="GGUF models in their own blocks (the server's preset) or dequantized to --dtype")
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS,
                     help="';'-separated, see parse_configs: plain, chain:W, tree:W, tree+maxgram:W, adaptive:W[:heads], "
@@ -146,7 +148,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    target, draft = load_model(args.model, dtype=args.dtype), load_model(args.draft, dtype=args.dtype)
+    target = load_model(args.model, dtype=args.dtype, gguf_weights=args.gguf_weights)
+    draft = load_model(args.draft, dtype=args.dtype, gguf_weights=args.gguf_weights)
     configs = parse_configs(args.configs)
     hf_t = hf_d = None
     if any(c["kind"].startswith("hf-") for c in configs):

@@ -307,7 +307,8 @@ def machine_identity(device: torch.device) -> dict:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    switches = {k: os.environ.get(k) for k in ("MCSD_CPU_KERNELS", "MCSD_INVARIANT_ATTENTION", "MCSD_CPU_ISA")}
+    switches = {k: os.environ.get(k) for k in ("MCSD_CPU_KERNELS", "MCSD_INVARIANT_ATTENTION", "MCSD_CPU_ISA",
+                                               "MCSD_FUSED_LAYERS")}
     return {"cpu": hashlib.blake2b(cpu.encode(), digest_size=8).hexdigest(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "kernels": cpu_kernels.build_name(), "switches": switches, "gpu": gpu}
 

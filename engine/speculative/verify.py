@@ -394,6 +394,8 @@ class LosslessRule:
 
     def start(self, seqs: list[SeqView], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
         dev = logits.device
+        if self.plain_step(seqs, trees):
+            return self._start_plain(seqs, trees, logits)
         batch, raw, x, st, params = target_rows(seqs, trees, logits, self.vocab_size)
         uniforms = None
         if not st.all_greedy:
@@ -404,3 +406,40 @@ class LosslessRule:
         return pending.then(lambda outcome: [
             SeqStepResult(s, res, t, lps, raw[i, : 1 + t.num_nodes])
             for i, (s, t, res, lps) in enumerate(zip(seqs, trees, outcome.results, outcome.logprobs))])
+
+    @staticmethod
+    def plain_step(seqs: list[SeqView], trees: list[DraftTree]) -> bool:
+        """Whether the step is plain decoding that :meth:`_start_plain` decides: every tree empty, no
+        logprobs asked for."""
+        return all(not t.num_nodes for t in trees) and all(s.request.sampling.logprobs is None for s in seqs)
+
+    def _start_plain(self, seqs: list[SeqView], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
+        """Plain decoding (every tree empty, no logprobs): what :func:`start_verify` decides for empty
+        trees, the same token from the same uniform, without the tree machinery around it (which cost
+        more than the decision: 2.0 ms a step against 0.8 at T=0.7 over a 152k vocabulary).  Greedy rows
+        take the first argmax of the processed logits; sampled rows draw from ``finish_probs`` with the
+        one uniform their generator gives an empty tree (``draw_tables``)."""
+        dev, v, b = logits.device, self.vocab_size, len(seqs)
+        params = [s.request.sampling for s in seqs]
+        raw = logits[:, :1, :v]  # [B, 1, V]
+        st = SamplingTensors.from_params(params, v, device=dev)
+        x = raw[:, 0]
+        if st.any_bias or st.any_penalty:
+            counts, prompt = batch_histories(seqs, trees, 1, v, dev) if st.any_penalty else (None, None)
+            x = process_logits(x, st, counts, prompt)
+        best = x.max(dim=-1).indices if st.any_greedy else None  # [B] the first argmax, as start_verify's
+        if st.all_greedy:
+            tokens = best
+        else:
+            u = torch.zeros(b, dtype=torch.float32)
+            for i, (seq, p) in enumerate(zip(seqs, params)):
+                if not p.greedy:
+                    u[i] = torch.rand(1, generator=seq.generator, dtype=torch.float32)[0]
+            tokens = sample_from_probs(finish_probs(x, st), to_device(u, dev))
+            if best is not None:
+                tokens = torch.where(st.greedy, best, tokens)
+
+        def unpack(host: list[torch.Tensor]) -> list[SeqStepResult]:
+            return [SeqStepResult(s, VerifyResult([], [tok], True, 0, [0]), t, None, raw[i])
+                    for i, (s, t, tok) in enumerate(zip(seqs, trees, host[0].tolist()))]
+        return Pending([tokens], unpack)

@@ -203,3 +203,43 @@ def test_batched_target_init_matches_the_walk(seed: int) -> None:
         assert (res.accepted, res.tokens, res.final_row, res.rows) == \
             (want.accepted, want.tokens, want.final_row, want.rows), f"sequence {b}"
         assert got_cands == cands, f"sequence {b}"
+
+
+def test_plain_steps_take_the_short_path_to_the_same_tokens(monkeypatch) -> None:
+    """Plain decoding's verification (``LosslessRule._start_plain``) draws exactly the tokens the general
+    rule draws for empty trees, from the same uniforms, in a batch mixing greedy and seeded sampled
+    requests with top-k / top-p / min-p, penalties and a logit bias, joining at different steps."""
+    from engine.core import EngineCore
+    from engine.config import EngineConfig
+    from engine.request import GenerationRequest, SpecOptions
+    from engine.speculative.verify import LosslessRule
+    from tests.tiny import tiny_loaded
+
+    target = tiny_loaded("llama", seed=0)
+    common = dict(max_tokens=12, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, **common),
+              SamplingParams(temperature=0.8, seed=1, **common),
+              SamplingParams(temperature=1.0, top_p=0.9, top_k=20, presence_penalty=0.5, seed=2, **common),
+              SamplingParams(temperature=1.2, min_p=0.05, repetition_penalty=1.3, logit_bias={7: 5.0}, seed=3,
+                             **common),
+              SamplingParams(temperature=0.0, frequency_penalty=0.7, **common)]
+    calls = []
+
+    def run(short: bool) -> list[list[int]]:
+        monkeypatch.setattr(LosslessRule, "plain_step", staticmethod(
+            lambda seqs, trees: calls.append(short) is None and short and all(not t.num_nodes for t in trees)))
+        core = EngineCore(target, None, EngineConfig.from_settings(max_batch=4, max_model_len=64, tree=()))
+        out: dict[str, list[int]] = {}
+        for step in range(200):
+            if step < len(params):  # one request joins per step; the fifth waits for a free slot
+                core.add_request(GenerationRequest(f"r{step}", [3 + step, 5, 7], params[step], SpecOptions()))
+            for o in core.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if step >= len(params) and not core.has_unfinished():
+                break
+        return [out[f"r{i}"] for i in range(len(params))]
+
+    general = run(False)
+    short = run(True)
+    assert short == general and all(len(t) == 12 for t in short)
+    assert True in calls and False in calls
