@@ -444,3 +444,45 @@ def test_maxgram_length_chooser_prices_sequences_without_a_match_as_one_row(mode
         assert tokens == n - matched  # and the root's token: no draft tree, so nothing more
     base, _ = run_engine(target, None, [repeating] + distinct, tree=(), max_tokens=8, ignore_eos=True)
     assert [o.tokens for o in outs] == [o.tokens for o in base]
+
+
+def test_max_gram_rows_beside_the_draft_stay_while_their_measured_rate_pays_a_row():
+    """In plans where the draft model drafts too, Max-Gram's root branches and tail stay while the rate
+    measured for such rows (``MixedRows``, per mode) beats what a verification row costs in tokens at the
+    step's chosen seconds per token; below it they go, and the evidence fades so that they come back."""
+    from types import SimpleNamespace
+
+    from engine.config import EngineConfig
+    from engine.speculative.cost_model import CostCurve, LiveCurve
+    from engine.speculative.maxgram import LengthChooser, MaxGramDrafter, MaxGramShare
+    from engine.speculative.methods import DraftPlan
+    from engine.speculative.planner import Planner
+    from engine.speculative.tree import TreeTopology
+
+    topo = TreeTopology((2, 1))
+    curve = LiveCurve(CostCurve((1.0, 8.0), (0.050, 0.120)))  # 10 ms a row
+    policy = SimpleNamespace(chooser=SimpleNamespace(per_token=0.040))  # a row costs 0.25 tokens
+    planner = Planner(EngineConfig.from_settings(tree=(2, 1)), topo, MaxGramDrafter(), policy,
+                      LengthChooser(curve, 8))
+    seq = SimpleNamespace(request=SimpleNamespace(sampling=SimpleNamespace(greedy=False)))
+    mg = MaxGramShare(length=4, branches=1, tail=2)
+    mixed = DraftPlan("mcsd+maxgram", topo.subtree((2, 1)), {"maxgram": mg})
+    alone = DraftPlan("mcsd+maxgram", topo.subtree(()), {"maxgram": mg})
+
+    def rows_kept() -> tuple[int, int]:
+        out = planner._price_mixed_rows([seq, seq], [mixed, alone])
+        return out[0].share("maxgram").rows, out[1].share("maxgram").rows
+
+    assert rows_kept() == (6, 6)  # the prior (0.3) pays a row at 0.25 tokens
+    planner.mixed.observe(False, 100, 10)  # 10% accepted beside the draft
+    assert rows_kept() == (0, 6)  # the draft's plan loses them; Max-Gram alone is the length chooser's
+    planner.mixed.observe(True, 100, 60)  # greedy rows are a mode of their own
+    seq.request.sampling.greedy = True
+    assert rows_kept() == (6, 6)
+    seq.request.sampling.greedy = False
+    for _ in range(400):  # plans keep coming; the low rate measured long ago fades back to the prior
+        planner._price_mixed_rows([seq], [mixed])
+    assert rows_kept() == (6, 6)
+    policy.chooser.per_token = float("inf")  # a budget of plain decoding: nothing to price
+    planner.mixed.observe(False, 1000, 0)
+    assert rows_kept() == (6, 6)
