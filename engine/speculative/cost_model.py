@@ -119,22 +119,13 @@ class LiveCurve:
     ``measured / prior(n)`` is a decayed mean, shrunk by ``weight`` pseudo-observations to the ratio over
     all sizes (itself shrunk to 1); between and beyond the sizes seen, the ratio is interpolated and held
     at the ends.  The curve read is ``prior * ratio``, made non-decreasing.  An observation more than
-    ``CLIP`` times its price is clipped (a stall of the machine, not the step's cost).
-
-    A size's evidence decays by ``decay`` at each observation of that size, and by ``global_decay`` at
-    every observation: the sizes a batch rarely runs (the steps that speculate, among many that do not)
-    keep what they measured for about ``1 / (1 - global_decay)`` steps.  With one decay for all, a size
-    seen once in twenty steps was shrunk to the overall ratio, which the common size sets: at four
-    streams and T=0.7, 6 rows measured 140 ms (1.34x the prior) and were priced 124 (1.19x, the 4-row
-    steps' ratio), so Max-Gram's 2-row proposals looked like a gain and cost 10% a token."""
+    ``CLIP`` times its price is clipped (a stall of the machine, not the step's cost)."""
 
     CLIP = 3.0
 
-    def __init__(self, prior: CostCurve, decay: float = 0.98, weight: float = 3.0,
-                 global_decay: float = 0.999) -> None:
+    def __init__(self, prior: CostCurve, decay: float = 0.98, weight: float = 3.0) -> None:
         self.prior = prior
         self.decay = decay
-        self.global_decay = global_decay
         self.weight = weight
         self._ratio_sum: dict[int, float] = {}  # decayed sums of measured / prior, by rows
         self._count: dict[int, float] = {}
@@ -148,9 +139,8 @@ class LiveCurve:
         if price <= 0:
             return
         for n in list(self._count):
-            d = self.decay * self.global_decay if n == rows else self.global_decay
-            self._count[n] *= d
-            self._ratio_sum[n] *= d
+            self._count[n] *= self.decay
+            self._ratio_sum[n] *= self.decay
             if self._count[n] < 1e-3:
                 del self._count[n], self._ratio_sum[n]
         ratio = min(seconds / price, self.CLIP * max(self.overall(), 1.0))
