@@ -206,7 +206,6 @@ class FusedStack:
         self.tensors, self.meta = tensors, meta
         self.eps = model.cfg.rms_norm_eps
         self.scale = model.cfg.head_dim ** -0.5
-        self.dtype = model.dtype
 
     @staticmethod
     def key(model: "LlamaModel") -> tuple:
@@ -221,8 +220,7 @@ class FusedStack:
         from engine.models.qweight import QuantWeight
 
         dtype = model.dtype
-        if model.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) \
-                or not cpu_kernels.row_ops_apply(dtype) or not hasattr(torch.ops.mcsd_cpu, "decoder_stack"):
+        if model.device.type != "cpu" or not cpu_kernels.row_ops_apply(dtype):  # (the operator is in their library)
             return None
         cfg = model.cfg
         meta = [cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim]
@@ -233,7 +231,7 @@ class FusedStack:
                 return None
             tensors += norms
             bias = layer.qkv_proj.bias
-            if bias is not None and (bias.dtype != dtype or bias.device.type != "cpu"):
+            if bias is not None and bias.dtype != dtype:
                 return None
             meta.append(int(bias is not None))
             tensors += [] if bias is None else [bias]
@@ -250,7 +248,8 @@ class FusedStack:
         return FusedStack(model, tensors, meta)
 
     def applies(self, ctx: ForwardContext) -> bool:
-        return ctx.cos.dtype == self.dtype and ctx.cos.stride(-1) == 1 and ctx.sin.stride(-1) == 1
+        """Whether the layer loop would take the rotary operator too (cpu_kernels.rotary's condition)."""
+        return ctx.cos.stride(-1) == 1 and ctx.sin.stride(-1) == 1
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         pk, at = ctx.packing, ctx.at
@@ -276,6 +275,7 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope: Optional[RotaryTables] = None
+        self._fused: Optional[tuple[tuple, Optional[FusedStack]]] = None  # (FusedStack.key, the stack)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -383,11 +383,9 @@ class LlamaModel(nn.Module):
         if not ctx.paged or torch.compiler.is_compiling() or not fused_layers_enabled():
             return None
         key = FusedStack.key(self)
-        cached = self.__dict__.get("_fused")
-        if cached is None or cached[0] != key:
-            cached = (key, FusedStack.build(self))
-            self.__dict__["_fused"] = cached
-        stack = cached[1]
+        if self._fused is None or self._fused[0] != key:
+            self._fused = (key, FusedStack.build(self))
+        stack = self._fused[1]
         return stack if stack is not None and stack.applies(ctx) else None
 
     def _context(self, cache: KVCache, slots: list[int], positions: torch.Tensor,

@@ -40,7 +40,9 @@ import torch
 from engine.device import tensor as device_tensor
 from engine.device import Pending, to_device, to_host
 from engine.request import TokenLogprob
-from engine.sampler import SamplingTensors, finish_probs, process_logits, raw_logprobs, sample_from_probs
+from engine.sampler import (
+    SamplingTensors, draw_uniforms, finish_probs, process_logits, raw_logprobs, sample_from_probs,
+)
 from engine.speculative.draft_tree import DEAD, SAMPLED, DraftTree
 from engine.speculative.history import batch_histories
 from engine.speculative.methods import LOSSLESS_RULE
@@ -357,9 +359,14 @@ def build_rules(config: "EngineConfig", vocab_size: int) -> dict[str, VerifyRule
 def target_rows(seqs: list[SeqView], trees: list[DraftTree], logits: torch.Tensor, vocab_size: int):
     """The batch's trees as tensors, the raw logits of their rows [B, R, V], the processed ones (logit
     bias, and penalties with each row's own path) and the rows' sampling parameters."""
-    dev, v = logits.device, vocab_size
-    batch = TreeBatch.build(trees, v, dev)
-    b, r = len(seqs), batch.num_rows
+    batch = TreeBatch.build(trees, vocab_size, logits.device)
+    return (batch, *processed_rows(seqs, trees, logits, batch.num_rows, vocab_size))
+
+
+def processed_rows(seqs: list[SeqView], trees: list[DraftTree], logits: torch.Tensor, r: int, vocab_size: int):
+    """The raw logits of the trees' first ``r`` block rows [B, r, V], the processed ones and the rows'
+    sampling parameters (:func:`target_rows` without the trees as tensors)."""
+    dev, v, b = logits.device, vocab_size, len(seqs)
     raw = logits[:, :r, :v]
     params = [s.request.sampling for s in seqs]
     st = SamplingTensors.from_params(params, v, [i for i in range(b) for _ in range(r)], device=dev)
@@ -367,7 +374,7 @@ def target_rows(seqs: list[SeqView], trees: list[DraftTree], logits: torch.Tenso
     if st.any_bias or st.any_penalty:
         counts, prompt = batch_histories(seqs, trees, r, v, dev) if st.any_penalty else (None, None)
         x = process_logits(raw.reshape(b * r, v), st, counts, prompt).view(b, r, v)
-    return batch, raw, x, st, params
+    return raw, x, st, params
 
 
 def path_logprobs(logits: torch.Tensor, result: VerifyResult, k: int) -> list[TokenLogprob]:
@@ -419,23 +426,16 @@ class LosslessRule:
         more than the decision: 2.0 ms a step against 0.8 at T=0.7 over a 152k vocabulary).  Greedy rows
         take the first argmax of the processed logits; sampled rows draw from ``finish_probs`` with the
         one uniform their generator gives an empty tree (``draw_tables``)."""
-        dev, v, b = logits.device, self.vocab_size, len(seqs)
-        params = [s.request.sampling for s in seqs]
-        raw = logits[:, :1, :v]  # [B, 1, V]
-        st = SamplingTensors.from_params(params, v, device=dev)
-        x = raw[:, 0]
-        if st.any_bias or st.any_penalty:
-            counts, prompt = batch_histories(seqs, trees, 1, v, dev) if st.any_penalty else (None, None)
-            x = process_logits(x, st, counts, prompt)
+        dev = logits.device
+        raw, x, st, params = processed_rows(seqs, trees, logits, 1, self.vocab_size)  # [B, 1, V]
+        x = x[:, 0]
         best = x.max(dim=-1).indices if st.any_greedy else None  # [B] the first argmax, as start_verify's
         if st.all_greedy:
             tokens = best
         else:
-            u = torch.zeros(b, dtype=torch.float32)
-            for i, (seq, p) in enumerate(zip(seqs, params)):
-                if not p.greedy:
-                    u[i] = torch.rand(1, generator=seq.generator, dtype=torch.float32)[0]
-            tokens = sample_from_probs(finish_probs(x, st), to_device(u, dev))
+            gens = [None if p.greedy else s.generator for s, p in zip(seqs, params)]
+            u = draw_uniforms(gens, [0 if p.greedy else 1 for p in params], device=dev)[:, 0]
+            tokens = sample_from_probs(finish_probs(x, st), u)
             if best is not None:
                 tokens = torch.where(st.greedy, best, tokens)
 
