@@ -259,6 +259,25 @@ def test_undrafted_depths_inherit_the_rate_one_level_up():
     stale[1:] = 0.6  # the old prior for depths never drafted
     assert chooser.choose([(1, stale)], plain=0) == (1,)
 
+def test_budget_prices_the_next_catch_up_of_an_accepted_deepest_node():
+    """The deepest level is never run through the draft, so when one of its nodes is accepted the next
+    step's catch-up reads two tokens (it and the root): a chain of depth 1 at acceptance 0.4 costs the
+    verification (1 s), plus a draft forward over 1.4 rows on average (0.3 s a row), for 1.4 tokens:
+    more than plain decoding's 1 s a token.  Priced at one row, it looked like a saving."""
+    cost = CostModel(CostCurve((1.0, 1000.0), (1.0, 1.0)), CostCurve((1.0, 1000.0), (0.3, 300.0)))
+    chain = BudgetChooser(TreeTopology((1,)), cost, 1, 1)
+    assert chain.choose([(1, torch.full((1, 1), 0.4))], plain=0) == ()  # (1 + 0.3 * 1.4) / 1.4 > 1
+    assert chain.choose([(1, torch.full((1, 1), 0.5))], plain=0) == (1,)
+    assert chain.per_token == pytest.approx((1.0 + 0.3 * 1.5) / 1.5)
+    assert chain.saving == pytest.approx(1.0 - (1.0 + 0.3 * 1.5) / 1.5)
+    # two levels at 0.1 s a draft row: the first level runs (its one node a sequence), and the catch-up
+    # reads the depth-2 node when both are accepted (0.8 * 0.8); two sequences share each forward
+    cheap = CostModel(cost.target, CostCurve((1.0, 1000.0), (0.1, 100.0)))
+    deep = BudgetChooser(TreeTopology((1, 1)), cheap, 2, 2)
+    assert deep.choose([(2, torch.full((2, 1), 0.8))], plain=0) == (1, 1)
+    assert deep.per_token == pytest.approx((1.0 + 0.1 * (2 + 2 * 0.64) + 0.1 * 2) / (2 * (1 + 0.8 + 0.64)))
+
+
 def test_cost_curve_fit_and_interpolation():
     c = CostCurve.fit([(1, 1.0), (10, 2.0), (10, 4.2), (10, 1.9), (20, 1.5), (30, 3.0)])
     assert c.tokens == (1.0, 10.0, 20.0, 30.0)
@@ -644,8 +663,8 @@ def test_the_budget_is_planned_for_the_sequences_that_draft():
     others plus one plain row (a draft level no longer looks shared by it), and its decision holds for
     the step."""
     topo = TreeTopology((2, 1, 1))
-    # a draft forward of T tokens costs 0.05 + T/100 s, verification 0.1 s + 1 ms a row
-    cost = CostModel(CostCurve((1.0, 1000.0), (0.1, 1.1)), CostCurve((1.0, 1000.0), (0.06, 10.05)))
+    # a draft forward of T tokens costs 0.04 + T/200 s, verification 0.1 s + 1 ms a row
+    cost = CostModel(CostCurve((1.0, 1000.0), (0.1, 1.1)), CostCurve((1.0, 1000.0), (0.045, 5.04)))
     policy = AdaptiveSpeculation(topo, cost=cost)
     n = 2 * policy.EXPLORE_NODES
     policy.calibrators[True].update(torch.ones(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
