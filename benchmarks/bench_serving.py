@@ -16,7 +16,8 @@ sends ``"speculative": {"enabled": true}``, ``nospec`` ``{"enabled": false}``, `
 sends ``--requests-per-level`` streaming chat completions (default 2*C).  Request i of a level uses prompt
 ``i mod len(prompts)`` of the prompts file, taken round-robin over the id prefixes (``HumanEval/...``,
 ``sharegpt/...``) so that any first k requests mix the prompt kinds; both modes of a level send the same
-prompts.  The modes are interleaved level by level in ABBA order (spec, nospec at C=1; nospec, spec at C=2;
+prompts, so a server this script starts runs with ``--no-prefix-cache`` unless its flags say otherwise
+(the second mode would otherwise find every prompt cached, and win on TTFT).  The modes are interleaved level by level in ABBA order (spec, nospec at C=1; nospec, spec at C=2;
 ...) so slow drift of the machine does not favour one mode.  ``--warmup`` requests per mode run first and are
 not measured.
 
@@ -662,6 +663,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             base_url = args.url.rstrip("/")
         else:
             extra = list(args.server_extra) + (["--api-key", args.api_key] if args.api_key else [])
+            if not any(a in ("--prefix-cache", "--no-prefix-cache") for a in extra):
+                # both modes send the same prompts to one server: with its prefix cache the second mode
+                # of a level would find every prompt cached (measured: TTFT p50 90-116 ms against 300-416
+                # for the first mode at one stream), so each mode prefills its own
+                extra.append("--no-prefix-cache")
             server = ServerProcess(args.python, args.config, extra, args.server_log, args.grace)
             log_path = server.log_path
             report["server"].update(config=args.config, command=server.cmd, log=str(log_path))
