@@ -257,18 +257,9 @@ class CostModel:
     def catch_up_curve(self) -> CostCurve:
         return self.catch_up if self.catch_up is not None else self.draft
 
-    def draft_seconds(self, batch: int, widths: tuple[int, ...], lag: float = 0.0) -> float:
-        """The draft forwards of a step where ``batch`` sequences draft ``widths``: the catch-up forward
-        over their roots and ``lag`` more tokens, plus one forward per non-final tree level (the deepest
-        level never runs).  ``lag``: the accepted nodes of the deepest level the draft never ran, which
-        the next catch-up reads besides the root (:meth:`BudgetChooser.choose` passes their expected
-        number)."""
-        if not widths or batch == 0:
-            return 0.0
-        return self.draft(batch + lag) + self.level_seconds(batch, widths)
-
     def level_seconds(self, batch: int, widths: tuple[int, ...]) -> float:
-        """The forwards of the non-final tree levels alone."""
+        """The draft forwards of the non-final levels of ``batch`` trees of ``widths`` (the deepest level
+        never runs); a step also runs the catch-up forward (:meth:`BudgetChooser.choose`)."""
         sizes = [count_nodes(widths[: d + 1]) - count_nodes(widths[:d]) for d in range(len(widths) - 1)]
         return sum(self.draft(batch * s) for s in sizes)
 
@@ -463,6 +454,9 @@ class BudgetChooser:
         return (self.cost.draft(draft_tokens) + verify) / self._per_token
 
     def _draft_costs(self, batch: int, lag: list[float]) -> list[float]:
+        """Per candidate, the draft forwards of a step where ``batch`` sequences draft it: the catch-up
+        forward over their roots and ``lag`` more tokens (the accepted nodes of the deepest level, which
+        the draft never ran), plus the level forwards."""
         if batch not in self._level_seconds:
             self._level_seconds[batch] = [self.cost.level_seconds(batch, w) for w in self.candidates]
         return [self.cost.draft(batch + x) + levels if w else 0.0
