@@ -17,8 +17,9 @@ sends ``--requests-per-level`` streaming chat completions (default 2*C).  Reques
 ``i mod len(prompts)`` of the prompts file, taken round-robin over the id prefixes (``HumanEval/...``,
 ``sharegpt/...``) so that any first k requests mix the prompt kinds; both modes of a level send the same
 prompts, so a server this script starts runs with ``--no-prefix-cache`` unless its flags say otherwise
-(the second mode would otherwise find every prompt cached, and win on TTFT).  The modes are interleaved level by level in ABBA order (spec, nospec at C=1; nospec, spec at C=2;
-...) so slow drift of the machine does not favour one mode.  ``--warmup`` requests per mode run first and are
+(the second mode would otherwise find every prompt cached, and win on TTFT).  The modes are interleaved
+level by level in ABBA order (spec, nospec at C=1; nospec, spec at C=2; ...) so slow drift of the
+machine does not favour one mode.  ``--warmup`` requests per mode run first and are
 not measured.
 
 Token timing (exact, no tokenizer on the client): requests ask for ``logprobs: true``, so every SSE content

@@ -389,10 +389,6 @@ class BudgetChooser:
         self.saving = 0.0  # seconds per emitted token the last choice saves over plain decoding
         self._per_token = math.inf  # seconds per emitted token of the last choice (inf: plain decoding)
 
-    def expected_accepted(self, rates: torch.Tensor) -> torch.Tensor:
-        """rates: [depths, ranks] P(accepted | parent reached) -> [candidates] expected accepted tokens."""
-        return self.member @ self.reach(rates)
-
     def reach(self, rates: torch.Tensor) -> torch.Tensor:
         """rates: [depths, ranks] -> [nodes] the probability that each node of the topology is accepted."""
         topo = self.topology
@@ -421,7 +417,7 @@ class BudgetChooser:
         lag = 0.0
         for n, rates in spec_counts:
             reach = self.reach(rates)
-            tokens = tokens + n * (1.0 + self.member @ reach)  # [candidates]
+            tokens = tokens + n * (1.0 + self.member @ reach)  # [candidates]: 1 + expected accepted
             # An accepted node of the deepest level was never run through the draft: the next step's
             # catch-up reads it besides the root (measured at T=0.7, one stream, depth 1: the step's
             # drafting took 26.4 ms, where one row of the draft is 21.3 and two 26.1).
