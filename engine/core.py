@@ -16,6 +16,7 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.device import tensor as device_tensor
+from engine.grammar import Grammars
 from engine.models import cpu_kernels
 from engine.models.loader import LoadedModel
 from engine.models.qweight import QuantLinear, quantized_copy
@@ -82,6 +83,8 @@ class EngineCore:
         self.eos_token_ids = set(target.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
+        # structured outputs: the server compiles each request's grammar with this (off the event loop)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._stats: list[StepStats] = []
 
     def _new_cache(self, model: LoadedModel, max_len: int) -> KVCache:
@@ -123,6 +126,9 @@ class EngineCore:
         m = method(req.spec.method)
         if req.spec.enabled and m.lossy_note and self.runner.proposer:
             seq.spec.note = m.lossy_note
+        if req.grammar is not None and req.spec.enabled and not m.grammar:
+            req.spec.enabled = False  # the server's default method cannot verify under a grammar
+            seq.spec.note = f"speculation is off: method {req.spec.method!r} does not verify under a grammar"
         if req.spec.enabled and req.spec.adaptive and not isinstance(self.policy, AdaptiveSpeculation):
             seq.spec.note = "adaptive speculation is off on this server (start it with --adaptive); the tree is fixed"
         if not self.runner.proposer and req.spec.enabled and m.needs_draft:
@@ -158,6 +164,10 @@ class EngineCore:
         if req.spec.method is not None and not method(req.spec.method).penalties and req.sampling.needs_history:
             raise RequestRejected(f"speculative.method {req.spec.method!r} does not support presence/frequency/"
                                   "repetition penalties", "speculative.method")
+        if req.grammar is not None and req.spec.method is not None and req.spec.enabled \
+                and not method(req.spec.method).grammar:
+            raise RequestRejected(f"speculative.method {req.spec.method!r} is lossy and does not support structured "
+                                  "outputs (response_format, tools); use a lossless method", "speculative.method")
         if req.spec.tree is not None and req.spec.enabled:
             try:
                 self.topology.subtree(req.spec.tree)
@@ -263,8 +273,13 @@ class EngineCore:
 
     def _postprocess(self, res: SeqStepResult, stats: StepStats) -> RequestOutput:
         seq, result = res.seq, res.result
-        update = seq.stream.feed(result.tokens)
-        new = result.tokens[: update.consumed]
+        tokens = result.tokens
+        if seq.grammar is not None:  # the grammar advances by what is output; its end ends the request
+            tokens = tokens[: seq.grammar.commit(tokens)]
+        update = seq.stream.feed(tokens)
+        if seq.grammar is not None and seq.grammar.terminated and not update.finished:
+            update = replace(update, text=update.text + seq.stream.end(), finished=True, finish_reason="stop")
+        new = tokens[: update.consumed]
         seq.tokens.extend(new)
         if seq.output_counts is not None and new:
             dev = seq.output_counts.device

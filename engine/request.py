@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from engine.grammar import CompiledGrammar
 from engine.speculative.methods import check_method
 
 #: a temperature at or below this is treated as greedy (argmax) decoding
@@ -131,6 +132,7 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecOptions = field(default_factory=SpecOptions)
+    grammar: Optional[CompiledGrammar] = None  # structured output: what the output must match (engine.grammar)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from engine.grammar import GrammarState
 from engine.request import GenerationRequest, SpecUsage, TokenLogprob
 from engine.sampler import SamplingTensors, make_generator
 from engine.stop import TextStream
@@ -48,13 +49,15 @@ class Sequence:
     prompt_mask: Optional[torch.Tensor] = None  # [vocab] bool, only with a repetition penalty
     sampling_tensors: Optional[SamplingTensors] = None  # one-row packing of the request's params
     init_candidates: Optional[list[int]] = None  # target-initialised (lossy) mode: the next step's candidate roots
+    grammar: Optional[GrammarState] = None  # structured output: the grammar's state after the committed tokens
     speculation_error: Optional[str] = None  # its speculation failed (the error): it decodes plainly from then on
 
     @classmethod
     def create(cls, request: GenerationRequest, stream: TextStream) -> "Sequence":
         ids = list(request.prompt_token_ids)
         return cls(request=request, stream=stream, generator=make_generator(request.sampling.seed),
-                   tokens=ids, num_prompt=len(ids))
+                   tokens=ids, num_prompt=len(ids),
+                   grammar=GrammarState(request.grammar) if request.grammar is not None else None)
 
     @property
     def request_id(self) -> str:

@@ -198,6 +198,14 @@ class TextStream:
         self.text += emitted
         return StreamUpdate(emitted, consumed, self.finished, self.finish_reason, self.stop_reason)
 
+    def end(self) -> str:
+        """Finishes the stream with ``"stop"`` (its grammar is complete); returns the withheld text."""
+        if self.finished:
+            return ""
+        rest = self._finish("stop", None)
+        self.text += rest
+        return rest
+
     def _step(self, tok: int) -> str:
         self.num_tokens += 1
         if self.checker.is_stop_token(tok):

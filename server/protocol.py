@@ -2,9 +2,12 @@
 
 Requests are validated strictly (``"max_tokens": "5"`` is a type error, as with OpenAI) but
 unknown fields are ignored, like OpenAI does.  Fields that would *change the meaning* of a request
-but that we cannot honour (``suffix``, ``tools``, structured ``response_format``) are rejected with a
+but that we cannot honour (``suffix``, ``tools``) are rejected with a
 clear message instead of being silently dropped; the JSON schema says so, and says which fields
 depend on which (``stream_options`` needs ``stream``, ``top_logprobs`` needs ``logprobs``).
+
+Structured outputs: ``response_format`` (``json_object``, ``json_schema``) on both endpoints, and the
+``structured_outputs`` extension (``json``, ``regex``, ``grammar``, ``choice``, as vLLM's).
 
 Extensions: the request field ``speculative`` (per-request speculation settings) and
 ``usage.speculative`` (per-request speculation statistics); ``repetition_penalty``, ``top_k``,
@@ -16,12 +19,14 @@ The ``to_sampling_params`` / ``to_spec_options`` methods translate into the engi
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from engine.grammar import EBNF, JSON, JSON_OBJECT_SCHEMA, REGEX, GrammarSpec
 from engine.request import SamplingParams, SpecOptions
 from engine.speculative.methods import method_names
 
@@ -235,8 +240,83 @@ class _SamplingFields(_Request):
         return (self.speculative or SpeculativeOptions(enabled=default_enabled)).to_spec_options()
 
 
+# ---------------------------------------------------------------------------- structured outputs
+class JsonSchemaFormat(_Request):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _check_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise FieldError("response_format.json_schema", 'response_format of type "json_schema" needs a '
+                                                            '"json_schema" object with a "name" and a "schema"')
+        return self
+
+    def grammar(self) -> Optional[GrammarSpec]:
+        if self.type == "json_object":
+            return GrammarSpec(JSON, JSON_OBJECT_SCHEMA, "response_format")
+        if self.type == "json_schema":
+            schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
+            return GrammarSpec.json_schema(schema, "response_format.json_schema.schema")
+        return None
+
+
+class StructuredOutputs(_Request):
+    """The ``structured_outputs`` extension (as vLLM's): exactly one of a JSON schema, a regular
+    expression, an EBNF grammar (xgrammar's dialect, GBNF-like) or a list of choices."""
+
+    json_: Optional[Any] = Field(None, alias="json", json_schema_extra={"anyOf": [
+        {"type": "object"}, {"type": "string"}, {"type": "null"}]})
+    regex: Optional[Annotated[str, Field(min_length=1)]] = None
+    grammar: Optional[Annotated[str, Field(min_length=1)]] = None
+    choice: Optional[Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]] = None
+
+    def spec(self) -> GrammarSpec:
+        given = [k for k in ("json_", "regex", "grammar", "choice") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise FieldError("structured_outputs", "structured_outputs takes exactly one of json, regex, grammar "
+                                                   "and choice")
+        if self.json_ is not None:
+            if not isinstance(self.json_, (dict, str)):
+                raise FieldError("structured_outputs.json", "structured_outputs.json must be a JSON schema (an "
+                                                            "object, or a string holding one)")
+            return GrammarSpec.json_schema(self.json_, "structured_outputs.json")
+        if self.regex is not None:
+            return GrammarSpec(REGEX, self.regex, "structured_outputs.regex")
+        if self.grammar is not None:
+            return GrammarSpec(EBNF, self.grammar, "structured_outputs.grammar")
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+        return GrammarSpec(EBNF, f"root ::= {alternatives}", "structured_outputs.choice")
+
+
+class _ConstrainedFields(_Request):
+    """``response_format`` and the ``structured_outputs`` extension, on both endpoints."""
+
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+
+    def grammar_spec(self) -> Optional[GrammarSpec]:
+        """What the output must match (None: free text)."""
+        fmt = self.response_format.grammar() if self.response_format is not None else None
+        extra = self.structured_outputs.spec() if self.structured_outputs is not None else None
+        if fmt is not None and extra is not None:
+            raise FieldError("structured_outputs", "give either response_format or structured_outputs, not both")
+        return fmt or extra
+
+
 # ---------------------------------------------------------------------------- completions
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingFields, _ConstrainedFields):
     model_config = ConfigDict(json_schema_extra={"allOf": [
         _STREAM_OPTIONS_RULE, _MJSD_HAS_NO_PENALTIES, _never_with("logprobs", {"echo": {"const": True}})]})
 
@@ -314,7 +394,7 @@ class ChatMessage(_Request):
         raise ValueError("content must be a string or a list of text content parts")
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, _ConstrainedFields):
     model_config = ConfigDict(json_schema_extra={"allOf": [
         _STREAM_OPTIONS_RULE, _MJSD_HAS_NO_PENALTIES, _only_when("top_logprobs", {"logprobs": {"const": True}})]})
 
@@ -325,9 +405,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[Any]] = Field(None, description="Not supported: only null or an empty list.",
                                        json_schema_extra={"anyOf": [{"type": "array", "maxItems": 0},
                                                                     {"type": "null"}]})
-    response_format: Optional[dict[str, Any]] = Field(
-        None, description='Only {"type": "text"} (the default) is supported.',
-        json_schema_extra={"anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}}, {"type": "null"}]})
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -335,8 +412,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.tools:
             raise FieldError("tools", "tools are not supported by this server")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise FieldError("response_format", "response_format other than text is not supported by this server")
         return self
 
     def requested_max_tokens(self) -> Optional[int]:

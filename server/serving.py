@@ -21,12 +21,14 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.async_engine import AsyncEngine, EngineErrorOutput, RequestGroup
+from engine.grammar import CompiledGrammar, GrammarError
 from engine.request import GenerationRequest, RequestOutput, RequestRejected, SpecUsage, TokenLogprob
 from server.errors import APIError, bad_request
 from server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprobs, ChatLogprobToken, ChatResponseMessage, CompletionChoice, CompletionChunk,
-    CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails, SpecUsageInfo,
+    CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, FieldError, PromptTokensDetails,
+    SpecUsageInfo,
     TopLogprob, UsageInfo,
 )
 from server.settings import Settings
@@ -34,6 +36,7 @@ from server.sse import sse_response
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 PROMPT_WORKERS = 2  # threads that tokenize and render chat templates
+GRAMMAR_WORKERS = 2  # threads that compile structured-output grammars (cached per schema)
 MAX_CHARS_PER_TOKEN = 32  # no tokenizer makes longer tokens in practice; a cheap bound before tokenizing
 
 
@@ -124,6 +127,8 @@ class OpenAIServing:
         # prompt would freeze every stream and /health); bounded, so a burst queues instead of
         # spawning threads
         self._prompt_pool = ThreadPoolExecutor(max_workers=PROMPT_WORKERS, thread_name_prefix="tokenize")
+        # grammars compile apart from tokenization, so a slow schema does not hold up other prompts
+        self._grammar_pool = ThreadPoolExecutor(max_workers=GRAMMAR_WORKERS, thread_name_prefix="grammar")
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, fn, *args)
@@ -199,7 +204,25 @@ class OpenAIServing:
                               code="context_length_exceeded")
         return requested
 
-    def build_requests(self, call_id: str, body, prompts: list[Prompt], budgets: list[int]) -> list[GenerationRequest]:
+    async def compile_grammar(self, body) -> Optional[CompiledGrammar]:
+        """The request's structured-output grammar, compiled (and cached) in a worker thread; a 400
+        naming the field when it cannot be compiled."""
+        try:
+            spec = body.grammar_spec()
+        except FieldError as exc:
+            raise bad_request(str(exc), param=exc.param) from None
+        if spec is None:
+            return None
+        grammars = getattr(self.engine.core, "grammars", None)
+        if grammars is None:
+            raise bad_request("This engine does not support structured outputs.", param=spec.param)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._grammar_pool, grammars.compile, spec)
+        except GrammarError as exc:
+            raise bad_request(str(exc), param=exc.param, code="invalid_grammar") from None
+
+    def build_requests(self, call_id: str, body, prompts: list[Prompt], budgets: list[int],
+                       grammar: Optional[CompiledGrammar] = None) -> list[GenerationRequest]:
         per_prompt = body.candidates
         total = len(prompts) * per_prompt
         if total > self.engine.max_queue:
@@ -209,7 +232,7 @@ class OpenAIServing:
         try:
             reqs = [GenerationRequest(f"{call_id}-{p * per_prompt + i}", prompt.token_ids,
                                       body.to_sampling_params(budgets[p], i),
-                                      body.to_spec_options(self.settings.spec_enabled))
+                                      body.to_spec_options(self.settings.spec_enabled), grammar)
                     for p, prompt in enumerate(prompts) for i in range(per_prompt)]
         except ValueError as exc:  # the engine contract's own checks
             raise bad_request(str(exc), param=str(exc).split(" ")[0]) from None
@@ -261,8 +284,9 @@ class OpenAIServing:
         default = self.settings.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
         budgets = [self.max_tokens_for(p, body.max_tokens, default, "prompt", "max_tokens")
                    for p in prompts]
+        grammar = await self.compile_grammar(body)
         call_id = f"cmpl-{uuid.uuid4().hex}"
-        reqs = self.build_requests(call_id, body, prompts, budgets)
+        reqs = self.build_requests(call_id, body, prompts, budgets, grammar)
         choices = [Choice(i, len(prompts[i // body.candidates].token_ids)) for i in range(len(reqs))]
         group = self.engine.submit(reqs)
         fmt = LogprobFormatter(self.tokenizer)
@@ -320,8 +344,9 @@ class OpenAIServing:
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         budget = self.max_tokens_for(prompt, body.requested_max_tokens(), self.settings.default_max_tokens,
                                      "messages", max_param)
+        grammar = await self.compile_grammar(body)
         call_id = f"chatcmpl-{uuid.uuid4().hex}"
-        reqs = self.build_requests(call_id, body, [prompt], [budget])
+        reqs = self.build_requests(call_id, body, [prompt], [budget], grammar)
         choices = [Choice(i, len(prompt.token_ids)) for i in range(len(reqs))]
         group = self.engine.submit(reqs)
         fmt = LogprobFormatter(self.tokenizer)

@@ -20,17 +20,21 @@ class Collected:
 
 
 def run_engine(target, draft, prompts, tree=(4, 2, 2), max_batch=4, spec=None, join_every=0, config=None,
-               policy=None, **sampling):
+               policy=None, grammar=None, **sampling):
     """Runs ``prompts`` (lists of ids) to completion; ``join_every=k`` adds one request every k steps
     instead of all at once (continuous batching).  ``spec``: one SpecOptions for every request, or a list
     of one per prompt.  ``config``: extra EngineConfig fields; ``policy``: a speculation policy
-    overriding the config's."""
+    overriding the config's; ``grammar``: a ``GrammarSpec`` every request's output must match (compiled by
+    the engine's ``Grammars``), or a list of one (or None) per prompt."""
     config = EngineConfig.from_settings(max_batch=max_batch, max_model_len=256, tree=tree, **(config or {}))
     core = EngineCore(target, draft, config, policy=policy)
     sampling.setdefault("max_tokens", 24)
     sampling.setdefault("temperature", 0.0)
     specs = spec if isinstance(spec, list) else [spec or SpecOptions()] * len(prompts)
-    reqs = [GenerationRequest(f"r{i}", list(p), SamplingParams(**sampling), specs[i]) for i, p in enumerate(prompts)]
+    grammars = grammar if isinstance(grammar, list) else [grammar] * len(prompts)
+    reqs = [GenerationRequest(f"r{i}", list(p), SamplingParams(**sampling), specs[i],
+                              core.grammars.compile(grammars[i]) if grammars[i] is not None else None)
+            for i, p in enumerate(prompts)]
     out = {r.request_id: Collected() for r in reqs}
     pending = list(reqs)
     steps = 0

@@ -37,15 +37,19 @@ from typing import Callable
 import torch
 
 import engine.speculative.walk as verify
+from engine.grammar import apply_mask
 from engine.models.vocab import OutputVocab
 from engine.request import GenerationRequest, SamplingParams
 from engine.sampler import SamplingTensors, compute_probs
 from engine.sequence import Sequence
 from engine.speculative.cascade import review_guess
+from engine.speculative.constrained import GRAMMAR_DRAFTER, ForcedShare, GrammarDrafter, mask_rows
 from engine.speculative.draft_tree import CASCADE, DEAD, SAMPLED, DraftTree
 from engine.speculative.maxgram import BigramTable, MaxGramDrafter
+from engine.speculative.methods import DraftPlan
 from engine.speculative.target_init import draw_candidates, verify_target_init
 from engine.speculative.tree import TreeTopology
+from tests.grammar_toy import allowed_mask, toy_grammar
 from tests.toy import random_table
 
 VOCAB = 6
@@ -75,6 +79,8 @@ class Law:
     k: int = 1  # target-initialised candidates
     sabotage: str = ""  # see :func:`planted`
     contexts: tuple[tuple[int, ...], ...] = CONTEXTS
+    grammar: bool = False  # the toy grammar (tests/grammar_toy.py) constrains the output: the law is the masked target's
+    forced: int = 2  # under the grammar: forced tokens a step drafts at most (engine.speculative.constrained)
 
 
 # ----------------------------------------------------------------------------------- enumeration
@@ -148,35 +154,47 @@ def enumerate_law(step: Callable[[Replay], tuple], last_draw_emitted: bool = Tru
 # ----------------------------------------------------------------------------------- the models
 @lru_cache(maxsize=None)
 def _probs(which: str, ctx: tuple[int, ...], temperature: float, top_p: float,
-           cut: tuple[int, ...]) -> torch.Tensor:
-    """The processed next-token law of the target or the draft after ``ctx``, float64."""
+           cut: tuple[int, ...], grammar: str = "") -> torch.Tensor:
+    """The processed next-token law of the target or the draft after ``ctx``, float64.  ``grammar``:
+    "masked" applies the toy grammar's mask to the logits as the engine does (the target's with
+    ``apply_mask``, the draft's with ``mask_rows``), before temperature and top-p; "late" masks the
+    finished law instead (a planted bug)."""
     table = TARGET_TABLE if which == "target" else DRAFT_TABLE
     prev = ctx[-2] if len(ctx) >= 2 else VOCAB
     logits = table[ctx[-1], prev].clamp_min(1e-30).log()[None].float()
     if cut:
         logits = OutputVocab(cut, VOCAB).restrict(logits)
+    allowed = allowed_mask(ctx[-1])[None]
+    if grammar == "masked":
+        logits = apply_mask(logits, allowed) if which == "target" else mask_rows(logits, allowed)
     st = SamplingTensors.from_params([SamplingParams(temperature=temperature, top_p=top_p)], VOCAB)
     p = compute_probs(logits, st)[0].double()
+    if grammar == "late":
+        p = p * allowed[0]
     return p / p.sum()
 
 
 def target(law: Law, ctx: tuple[int, ...]) -> torch.Tensor:
-    return _probs("target", tuple(ctx), law.temperature, law.top_p, ())
+    mode = ("late" if law.sabotage == "mask_after_top_p" else "masked") if law.grammar else ""
+    return _probs("target", tuple(ctx), law.temperature, law.top_p, (), mode)
 
 
 def draft(law: Law, ctx: tuple[int, ...]) -> torch.Tensor:
-    return _probs("draft", tuple(ctx), law.temperature, law.top_p, law.draft_vocab)
+    mode = "masked" if law.grammar and law.sabotage != "draft_unmasked" else ""
+    return _probs("draft", tuple(ctx), law.temperature, law.top_p, law.draft_vocab, mode)
 
 
 def target_joint(law: Law, ctx: tuple[int, ...], length: int) -> dict[tuple[int, ...], float]:
     """``p(s | ctx)`` for every ``s`` in ``V^length``."""
     out = {}
-    for s in itertools.product(range(VOCAB), repeat=length):
-        pr, c = 1.0, list(ctx)
-        for x in s:
-            pr *= float(target(law, tuple(c))[x])
-            c.append(x)
-        out[s] = pr
+    stack: list[tuple[tuple[int, ...], float]] = [((), 1.0)]
+    while stack:  # depth first over prefixes of positive probability (a grammar zeroes most)
+        s, pr = stack.pop()
+        if len(s) == length:
+            out[s] = pr
+            continue
+        p = target(law, tuple(ctx) + s).tolist()
+        stack.extend((s + (x,), pr * px) for x, px in enumerate(p) if px > 0 or not law.grammar)
     return out
 
 
@@ -265,7 +283,10 @@ class LazyTree:
         (level-major) and the law of each row's sampled children."""
         levels = self.drafted_depth(len(self.law.widths))
         sub = TreeTopology(self.law.widths).subtree(self.law.widths[:levels])
-        toks = [self.token(i) for i in range(sub.num_nodes)]
+        toks: list[int] = []
+        for i in range(sub.num_nodes):  # nothing is drawn below a dead node (a grammar leaves few tokens)
+            p = self.parent[i]
+            toks.append(DEAD if p >= 0 and toks[p] == DEAD else self.token(i))
         rows = {p + 1 for i, p in enumerate(self.parent[: sub.num_nodes]) if toks[i] != DEAD}
         return DraftTree(sub, toks, q={row: self.q(row) for row in rows})
 
@@ -289,8 +310,19 @@ class _Lookup:
         return self.get(i)
 
 
-def seq_for(ctx: tuple[int, ...]) -> Sequence:
-    return Sequence.create(GenerationRequest("exact", list(ctx), SamplingParams(max_tokens=8)), stream=None)
+def seq_for(ctx: tuple[int, ...], grammar: bool = False) -> Sequence:
+    """The engine's sequence for ``ctx`` (under the toy grammar, starting after ``ctx``'s last token)."""
+    request = GenerationRequest("exact", list(ctx), SamplingParams(max_tokens=8),
+                                grammar=toy_grammar(ctx[-1]) if grammar else None)
+    return Sequence.create(request, stream=None)
+
+
+def constrain(law: Law, seq: Sequence, tree: DraftTree) -> None:
+    """Under the grammar, what the engine does to a drafted tree before verification: the grammar
+    drafter prunes the nodes the grammar forbids and appends the tokens it forces."""
+    if law.grammar:
+        plan = DraftPlan(law.method, tree.sub, {GRAMMAR_DRAFTER: ForcedShare(room=8)})
+        GrammarDrafter(law.forced).propose([seq], [plan], [tree])
 
 
 def maxgram(law: Law) -> MaxGramDrafter:
@@ -313,7 +345,7 @@ def step_law(law: Law, ctx: tuple[int, ...]) -> tuple[dict[tuple, float], int]:
         return enumerate_law(step), len(law.widths) + 1
 
     def step(coins: Replay) -> tuple:  # eager trees: the draft model's (if any), then Max-Gram's
-        seq, mg = seq_for(ctx), maxgram(law)
+        seq, mg = seq_for(ctx, law.grammar), maxgram(law)
         if law.method == "cascade":
             tree = DraftTree(TreeTopology((1,)).subtree(()), [])
             chain, chain_q = _cascade_chain(law, ctx, seq, mg, coins)
@@ -325,6 +357,7 @@ def step_law(law: Law, ctx: tuple[int, ...]) -> tuple[dict[tuple, float], int]:
         else:  # mcsd+maxgram
             tree = LazyTree(law, ctx, coins).eager()
             mg.extend_tree(seq, tree, law.tail, law.maxgram_len, law.maxgram_branches)
+        constrain(law, seq, tree)
 
         def row_ctx(row: int) -> tuple[int, ...]:
             return ctx + (tuple(tree.path_to(row - 1)) if row > 0 else ())
@@ -332,7 +365,7 @@ def step_law(law: Law, ctx: tuple[int, ...]) -> tuple[dict[tuple, float], int]:
                                     tree.events(), coins, law.without_replacement)
         return tuple(res.tokens)
     return enumerate_law(step), max(len(law.widths), law.cascade_depth if law.method == "cascade" else 0,
-                                    law.maxgram_len) + law.tail + 1
+                                    law.maxgram_len) + law.tail + 1 + (law.forced if law.grammar else 0)
 
 
 def _cascade_chain(law: Law, ctx, seq, mg, coins) -> tuple[list[int], list[torch.Tensor]]:
@@ -404,7 +437,8 @@ def planted(name: str):
             verify.onehot_residual = lambda p, x: p
         elif name == "residual_skipped":  # after a rejected draft child the next sibling meets p, not norm((p-q)+)
             verify.residual = lambda p, q: p
-        elif name not in ("", "replacement_mismatch"):  # the mismatch is applied in step_law
+        elif name not in ("", "replacement_mismatch", "mask_after_top_p", "draft_unmasked"):  # applied in step_law
+            # and in target() / draft()
             raise ValueError(name)
         yield
     finally:
@@ -430,6 +464,21 @@ def lossless_laws() -> list[Law]:
         # the draft's output layer cut to tokens 0, 1, 3, 5: q(2) = q(4) = 0
         Law("tree-2x2-draft-vocab-cut-T0.6", (2, 2), temperature=0.6, draft_vocab=(0, 1, 3, 5)),
         Law("target-init-k1", (1, 1), method="target-init", k=1),
+        *grammar_laws(),
+    ]
+
+
+def grammar_laws() -> list[Law]:
+    """Under the toy grammar (tests/grammar_toy.py: masked rows, pruned one-hot proposals, forced drafts):
+    the law is the masked target's for every tree shape and drafter mix."""
+    return [
+        Law("grammar-tree-2x2", (2, 2), grammar=True),
+        Law("grammar-tree-3x1-with-replacement-T0.6", (3, 1), without_replacement=False, temperature=0.6, grammar=True),
+        Law("grammar-tree-3x2-top_p", (3, 2), top_p=0.7, grammar=True),
+        Law("grammar-tree-2x2-draft-vocab-cut", (2, 2), draft_vocab=(0, 1, 3, 5), grammar=True),
+        Law("grammar-maxgram-with-bigrams", method="maxgram", grammar=True),
+        Law("grammar-tree-2x1+maxgram-merged-T0.6", (2, 1), method="mcsd+maxgram", temperature=0.6, grammar=True),
+        Law("grammar-cascade-maxgram-draft-target", method="cascade", grammar=True),
     ]
 
 
@@ -440,6 +489,10 @@ def planted_laws() -> list[Law]:
         Law("residual skipped after a rejected draft child", (2, 2), sabotage="residual_skipped"),
         Law("with-replacement siblings verified as without", (3, 1), without_replacement=False,
             sabotage="replacement_mismatch"),
+        Law("grammar mask applied after top-p", (2, 1), method="mcsd+maxgram", top_p=0.7, grammar=True,
+            sabotage="mask_after_top_p"),
+        Law("grammar: draft sampled unmasked, forbidden nodes pruned", (2, 1), method="mcsd+maxgram", grammar=True,
+            sabotage="draft_unmasked"),
     ]
 
 

@@ -17,6 +17,7 @@ from scipy import stats
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.grammar import REGEX, GrammarSpec, GrammarState, Grammars, apply_mask, unpack
 from engine.models.loader import LoadedModel
 from engine.models.vocab import save_token_ranking
 from engine.request import GenerationRequest, SamplingParams, SpecOptions
@@ -44,6 +45,7 @@ class Case:
     stop: str = ""  # drafting stops early: "random" (RandomStop) or "calibrated" (the engine's adaptive policy)
     method: str = "mcsd"  # engine.speculative.methods
     bigram: tuple[tuple[int, int], ...] = ()  # Max-Gram's bigram table (token -> successor)
+    grammar: str = ""  # a regular expression over the toy tokens ("w1".."w5") the output must match (xgrammar)
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
 
@@ -58,19 +60,32 @@ def params(case: Case, seed: int) -> SamplingParams:
 
 
 def exact_joint(case: Case) -> dict[tuple[int, ...], float]:
-    """Target joint of the NEW_TOKENS generated tokens, by enumeration."""
+    """Target joint of the NEW_TOKENS generated tokens, by enumeration; under ``case.grammar`` the
+    masked target's (each position's logits masked by what the grammar allows after the tokens before
+    it, before temperature and top-p)."""
     table = random_table(VOCAB, 0)
     st = SamplingTensors.from_params([params(case, 0)], VOCAB)
-    cond = compute_probs(table.clamp_min(1e-30).log().view(-1, VOCAB), st.repeat_rows(VOCAB * (VOCAB + 1)))
-    cond = cond.view(VOCAB, VOCAB + 1, VOCAB).double()  # [cur, prev, next]
+    logits = table.clamp_min(1e-30).log()  # [cur, prev, next]
+    state = grammar_state(case)
     joint = {}
     for seq in itertools.product(range(VOCAB), repeat=NEW_TOKENS):
         ctx, pr = list(PROMPT), 1.0
-        for x in seq:
-            pr *= float(cond[ctx[-1], ctx[-2], x])
+        for i, x in enumerate(seq):
+            row = logits[ctx[-1], ctx[-2]][None]
+            if state is not None:
+                row = apply_mask(row, unpack(state.masks([list(seq[:i])]).bitmask, VOCAB))
+            pr *= float(compute_probs(row, st)[0].double()[x])
             ctx.append(x)
         joint[seq] = pr
     return joint
+
+
+def grammar_state(case: Case):
+    """A fresh state of the case's grammar (None without one), compiled as the engine compiles it."""
+    if not case.grammar:
+        return None
+    grammars = Grammars(tiny_tokenizer(VOCAB), VOCAB, [0])
+    return GrammarState(grammars.compile(GrammarSpec(REGEX, case.grammar)))
 
 
 class RandomStop(SpecPolicy):
@@ -105,6 +120,9 @@ def apply_sabotage(name: str) -> None:
             rows = [0] + [1 + i for i in result.accepted]
             return rows + [rows[-1]] if result.bonus else rows  # an extra entry stands for the bonus
         runner.kept_block_rows = broken_kept
+    elif name == "draft_unmasked":  # the draft samples from its unmasked q; forbidden nodes are pruned
+        import engine.speculative.proposer as proposer
+        proposer.mask_rows = lambda x, allowed: x
     elif name:
         raise ValueError(name)
 
@@ -130,9 +148,10 @@ def _worker(args) -> Counter:
                                             target_init_depth=2, **cut)
         core = EngineCore(target, draft, config, policy=stop_policy(case, seed=lo))
         core.planner.maxgram.bigram = BigramTable(dict(case.bigram)) if case.bigram else None
+        grammar = core.grammars.compile(GrammarSpec(REGEX, case.grammar)) if case.grammar else None
         for i in range(n):
             core.add_request(GenerationRequest(f"r{lo + i}", PROMPT, params(case, seed=lo + i),
-                                               SpecOptions(method=case.method)))
+                                               SpecOptions(method=case.method), grammar))
         outs: dict[str, list[int]] = {}
         while core.has_unfinished():
             for o in core.step():

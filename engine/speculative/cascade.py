@@ -35,6 +35,7 @@ from engine.device import tensor as device_tensor
 from engine.device import to_device, to_host
 from engine.sampler import SamplingTensors, compute_probs, sample_from_probs
 from engine.speculative.drafter import DrafterContext, register
+from engine.speculative.constrained import mask_rows, path_masks
 from engine.speculative.methods import DraftPlan, Method, PlanInput, register_method
 from engine.speculative.draft_tree import CASCADE, SAMPLED, DraftTree
 from engine.speculative.maxgram import MAXGRAM_DRAFTER, MaxGramDrafter, MaxGramSettings, MaxGramShare
@@ -155,6 +156,9 @@ class CascadeProposer:
         chain's own tokens, as the target's rows will)."""
         rows = self.draft._pad_vocab(rows[: len(guess) + 1]).float()
         seq, params = c.seq, c.seq.request.sampling
+        if seq.grammar is not None:  # the chain's tokens are drawn from the masked q (speculative.constrained)
+            paths = [c.tokens + guess[:i] for i in range(rows.shape[0])]
+            rows = mask_rows(rows, path_masks(seq.grammar, paths, self.draft.vocab_size, rows.device))
         st = SamplingTensors.from_params([params], self.draft.vocab_size, [0] * rows.shape[0], device=rows.device)
         counts = prompt = None
         if params.needs_history:

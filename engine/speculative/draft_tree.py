@@ -32,12 +32,15 @@ prefix) are one event: a deterministic proposal repeated carries no new informat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from engine.speculative.features import NodeFeatures
 from engine.speculative.tree import SubTree
+
+if TYPE_CHECKING:
+    from engine.grammar import Masks
 
 #: a draft child slot that could not be filled (its parent's ``q`` had fewer tokens than the width)
 DEAD = -1
@@ -65,6 +68,7 @@ class DraftTree:
     # the draft model's usual layout: the first ``level_offsets[drafted_levels]`` nodes, in order
     draft_index: Optional[list[int]] = None
     joint_logq: Optional[list[float]] = None  # MJSD (lossy): log q of each chain token; verified by joint likelihood
+    grammar_masks: Optional["Masks"] = None  # structured output: each row's allowed tokens (speculative.constrained)
 
     def cut(self, sub: SubTree) -> None:
         """Stop at ``sub``, a prefix of this tree's subtree (its first ``sub.num_nodes`` nodes).
@@ -72,6 +76,7 @@ class DraftTree:
         assert not self.extra_parent, "cut a tree before appending nodes to it"
         self.sub = sub
         self.tokens = self.tokens[: sub.num_nodes]
+        self.grammar_masks = None
 
     # ------------------------------------------------------------------ shape
     @property
@@ -140,6 +145,7 @@ class DraftTree:
         with the same token; returns the chain's node indices.  ``kind=SAMPLED`` chains carry the law
         each token was drawn from (``q[j]`` for ``tokens[j]``), stored at its parent's row."""
         nodes, children = [], self._children_by_token()
+        self.grammar_masks = None  # new rows
         for j, tok in enumerate(tokens):
             row = parent + 1
             node = children.get((parent, tok))

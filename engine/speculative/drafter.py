@@ -58,6 +58,8 @@ class DrafterContext:
 class Drafter(Protocol):
     name: str  # the registry key (methods name their drafters by it)
     stage: int  # drafters run in increasing stage order within a step
+    # a drafter whose class sets ``every_method = True`` grows the trees of every method (the grammar's
+    # forced tokens, ``constrained``): its limits count in every method's
 
     @classmethod
     def limits(cls, config: EngineConfig, topology: TreeTopology) -> tuple[int, int]:
@@ -101,9 +103,10 @@ def limits(config: EngineConfig, topology: TreeTopology) -> tuple[int, int]:
     root, and the most draft-cache entries one sequence may append in a step (a method's drafters
     add up: they grow the same tree)."""
     _load_builtin()
+    always = tuple(name for name, cls in _REGISTRY.items() if getattr(cls, "every_method", False))
     rows = entries = 0
     for m in methods():
-        r, e = zip(*(_REGISTRY[name].limits(config, topology) for name in m.drafters))
+        r, e = zip(*(_REGISTRY[name].limits(config, topology) for name in dict.fromkeys(m.drafters + always)))
         rows, entries = max(rows, sum(r)), max(entries, sum(e))
     return rows, entries
 

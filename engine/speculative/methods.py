@@ -102,6 +102,7 @@ class Method:
     rule: str = LOSSLESS_RULE  # the verification rule (engine.speculative.verify.register_rule)
     lossy_note: Optional[str] = None  # a lossy method's note on every response (None: lossless)
     penalties: bool = True  # supports presence / frequency / repetition penalties
+    grammar: bool = True  # verifies under a grammar (structured outputs: the masked target's law)
     order: int = 100  # where it is listed among the methods (the settings' choices, errors, docs)
 
 

@@ -257,5 +257,5 @@ def plan_mjsd(p: PlanInput) -> DraftPlan:
                                             else 0})
 
 
-register_method(Method(MJSD_METHOD, (MJSD_DRAFTER,), plan_mjsd, lossy_note=MJSD_NOTE, penalties=False,
+register_method(Method(MJSD_METHOD, (MJSD_DRAFTER,), plan_mjsd, lossy_note=MJSD_NOTE, penalties=False, grammar=False,
                        rule=JOINT_RULE, order=50))

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Optional
 
 from engine.config import EngineConfig
 from engine.speculative.adaptive import SpecPolicy, StepBudget
+from engine.speculative.constrained import GRAMMAR_DRAFTER, ForcedShare
 from engine.speculative.cost_model import LiveCurve, measure_curve
 from engine.speculative.draft_tree import DEAD, DRAFT_MODEL
 from engine.speculative.maxgram import (
@@ -81,6 +82,7 @@ class Planner:
         plans = [self._trust(seq, self._plan(seq, step)) for seq in seqs]
         plans = self._cap_maxgram(seqs, plans, step)
         plans = self._price_mixed_rows(seqs, plans)
+        plans = [self._forced(seq, p) for seq, p in zip(seqs, plans)]
         # the step's budget travels with the plans: the proposer hands it back to the policy per level
         return plans if step is None else [replace(p, step=step) for p in plans]
 
@@ -110,6 +112,16 @@ class Planner:
     def verify(self) -> Optional[LiveCurve]:
         """The measured price of verification rows both choosers read (None when not load-aware)."""
         return None if self.lengths is None else self.lengths.curve
+
+    @staticmethod
+    def _forced(seq: SeqView, plan: DraftPlan) -> DraftPlan:
+        """A constrained sequence that speculates may draft the tokens its grammar forces, as deep as
+        its room (``constrained.GrammarDrafter``)."""
+        spec = seq.request.spec
+        if seq.grammar is None or not spec.enabled or seq.speculation_error is not None:
+            return plan
+        room = seq.remaining - 1 if spec.max_depth is None else min(seq.remaining - 1, spec.max_depth)
+        return plan.with_share(GRAMMAR_DRAFTER, ForcedShare(room)) if room > 0 else plan
 
     def _trust(self, seq: SeqView, plan: DraftPlan) -> DraftPlan:
         """Max-Gram alone for this step when the context ends in a long suffix match; the choice reads

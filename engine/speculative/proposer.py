@@ -29,6 +29,7 @@ from engine.sampler import (
     SamplingTensors, draw_uniforms, finish_probs, process_logits, sample_from_probs, sample_k_distinct,
 )
 from engine.speculative.adaptive import SpecPolicy, StepBudget
+from engine.speculative.constrained import mask_rows, path_masks, tree_row_paths
 from engine.speculative.features import ParentStats, level_features, parent_stats
 from engine.speculative.history import RowHistory
 from engine.speculative.drafter import DrafterContext, register
@@ -148,13 +149,15 @@ class DraftModelProposer:
         st = SamplingTensors.from_params([s.request.sampling for s in seqs], self.vocab_size, row_seq, device=dev)
         counts, prompt = self._histories(seqs, trees, parent_rows, dev)
         x = process_logits(x, st, counts, prompt)
+        x = self._constrain(seqs, trees, parent_rows, x)
         widths = [t.sub.widths[d - 1] for t in trees]
         chosen = torch.full((x.shape[0], max(widths)), DEAD, dtype=torch.long, device=dev)
         greedy = [seqs[j].request.sampling.greedy for j in row_seq]  # host-side: no read of st.greedy
         g_rows = [r for r in range(len(row_seq)) if greedy[r]]
         if g_rows:
             at = device_tensor(g_rows, dev)
-            chosen[at, : max(widths)] = x[at].topk(max(widths), dim=-1).indices
+            best = x[at].topk(max(widths), dim=-1)  # a token the grammar forbids (-inf) is no child
+            chosen[at, : max(widths)] = torch.where(torch.isfinite(best.values), best.indices, DEAD)
         s_rows = [r for r in range(len(row_seq)) if not greedy[r]]
         first = [0] * len(trees)  # first row of each sequence
         for r in range(len(row_seq) - 1, -1, -1):
@@ -182,6 +185,22 @@ class DraftModelProposer:
             stats = ParentStats(host[1], host[2] if full else None, host[3] if full else None)
             hidden = host[4:] if full else [None] * len(trees)
             self._record_features(trees, d, parent_rows, first, hidden, stats)
+
+    def _constrain(self, seqs: list[SeqView], trees: list[DraftTree], parent_rows: list[list[int]],
+                   x: torch.Tensor) -> torch.Tensor:
+        """The level's draft rows masked by each constrained sequence's grammar after the row's path
+        (``constrained.mask_rows``), so its children are drawn from the masked ``q``."""
+        if all(s.grammar is None for s in seqs):
+            return x
+        parts, at = [], 0
+        for s, t, rows in zip(seqs, trees, parent_rows):
+            part = x[at: at + len(rows)]
+            at += len(rows)
+            if s.grammar is not None:
+                allowed = path_masks(s.grammar, tree_row_paths(t, rows), self.vocab_size, x.device)
+                part = mask_rows(part, allowed)
+            parts.append(part)
+        return torch.cat(parts)
 
     def _record_features(self, trees: list[DraftTree], d: int, parent_rows: list[list[int]], first: list[int],
                          hidden: list[Optional[torch.Tensor]], stats: ParentStats) -> None:

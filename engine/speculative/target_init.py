@@ -107,7 +107,7 @@ def plan_target_init(p: PlanInput) -> DraftPlan:
 
 
 register_method(Method(TARGET_INIT_METHOD, (TARGET_INIT_SHARE,), plan_target_init, lossy_note=TARGET_INIT_NOTE,
-                       rule=TARGET_INIT_RULE, order=60))
+                       rule=TARGET_INIT_RULE, grammar=False, order=60))
 
 
 def verify_target_init(accept: Callable[[int, int], bool], tokens: list[int],

@@ -39,10 +39,12 @@ import torch
 
 from engine.device import tensor as device_tensor
 from engine.device import Pending, to_device, to_host
+from engine.grammar import apply_mask
 from engine.request import TokenLogprob
 from engine.sampler import (
     SamplingTensors, draw_uniforms, finish_probs, process_logits, raw_logprobs, sample_from_probs,
 )
+from engine.speculative.constrained import allowed_rows
 from engine.speculative.draft_tree import DEAD, SAMPLED, DraftTree
 from engine.speculative.history import batch_histories
 from engine.speculative.methods import LOSSLESS_RULE
@@ -364,16 +366,18 @@ def target_rows(seqs: list[SeqView], trees: list[DraftTree], logits: torch.Tenso
 
 
 def processed_rows(seqs: list[SeqView], trees: list[DraftTree], logits: torch.Tensor, r: int, vocab_size: int):
-    """The raw logits of the trees' first ``r`` block rows [B, r, V], the processed ones and the rows'
-    sampling parameters (:func:`target_rows` without the trees as tensors)."""
+    """The raw logits of the trees' first ``r`` block rows [B, r, V], the processed ones (the grammar's
+    mask, logit bias, penalties) and the rows' sampling parameters (:func:`target_rows` without the
+    trees as tensors)."""
     dev, v, b = logits.device, vocab_size, len(seqs)
     raw = logits[:, :r, :v]
     params = [s.request.sampling for s in seqs]
     st = SamplingTensors.from_params(params, v, [i for i in range(b) for _ in range(r)], device=dev)
-    x = raw
+    allowed = allowed_rows(seqs, trees, r, v, dev)  # structured output: the grammar's mask, before all else
+    x = raw if allowed is None else apply_mask(raw, allowed)
     if st.any_bias or st.any_penalty:
         counts, prompt = batch_histories(seqs, trees, r, v, dev) if st.any_penalty else (None, None)
-        x = process_logits(raw.reshape(b * r, v), st, counts, prompt).view(b, r, v)
+        x = process_logits(x.reshape(b * r, v), st, counts, prompt).view(b, r, v)
     return raw, x, st, params
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
+    from engine.grammar import GrammarState
     from engine.request import GenerationRequest
     from engine.sampler import SamplingTensors
 
@@ -33,6 +34,7 @@ class SeqView(Protocol):
     prompt_mask: Optional[torch.Tensor]  # [vocab] tokens of the prompt (repetition penalty), or None
     sampling_tensors: Optional["SamplingTensors"]  # the request's parameters packed as one row
     init_candidates: Optional[list[int]]  # target-initialised mode: this step's candidate roots
+    grammar: Optional["GrammarState"]  # structured output: the grammar's state after the committed tokens, or None
     speculation_error: Optional[str]  # set when its speculation failed: it decodes plainly from then on
 
     @property

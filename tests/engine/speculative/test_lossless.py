@@ -6,8 +6,8 @@
    more; the lossy target-initialised mode's bias is computed the same way.
 2. **End to end** (``tests/lossless.py``): one chi-square case per drafting method through the real
    engine (draft and target caches, masks, position ids, the adaptive policy), 30,000 seeded runs each,
-   and the two planted engine bugs the exact law cannot see (position ids off by one, the bonus token
-   cached) are caught there.
+   two of them under a grammar (xgrammar), and the planted engine bugs the exact law cannot see
+   (position ids off by one, the bonus token cached, the draft's rows left unmasked) are caught there.
 """
 
 import pytest
@@ -66,6 +66,7 @@ def test_target_initialised_candidates_are_biased(k):
 
 # ------------------------------------------------------------------------------------ end to end
 RUNS = 30_000
+GRAMMAR = r"(w1|w2|w4)w3(w2|w4|w5)(w1|w2|w3|w4|w5)+"  # never complete within the 3 tokens generated
 E2E = [
     Case("mcsd-tree-3x2-calibrated-stop-T0.6", (3, 2), temperature=0.6, stop="calibrated", runs=RUNS),
     Case("maxgram-with-bigrams", (1,), method="maxgram", bigram=BIGRAMS, runs=RUNS),
@@ -73,12 +74,19 @@ E2E = [
     Case("cascade-maxgram-draft-target", (1,), method="cascade", bigram=BIGRAMS, runs=RUNS),
     # the lossy target-initialised mode with a single candidate is exactly speculative sampling
     Case("target-init-k1", (1,), method="target-init-lossy", runs=RUNS, extra={"target_init_k": 1}),
+    # under a grammar (xgrammar, a regex over the toy tokens): the masked target's law; the second token is
+    # forced (a free draft), Max-Gram's guesses and the draft's rows are masked or pruned
+    Case("grammar-mcsd+maxgram-tree-3x2-T0.6-top_p", (3, 2), method="mcsd+maxgram", temperature=0.6, top_p=0.9,
+         bigram=BIGRAMS, grammar=GRAMMAR, runs=RUNS),
+    Case("grammar-cascade", (1,), method="cascade", bigram=BIGRAMS, grammar=GRAMMAR, runs=RUNS),
 ]
 ALPHA = 1e-3 / len(E2E)  # Bonferroni
 
 SABOTAGED = [
     Case("position ids off by one", (2, 2), runs=RUNS, sabotage="positions_off_by_one"),
     Case("bonus token cached", (1,), runs=RUNS, sabotage="bonus_cached"),
+    Case("grammar: draft sampled unmasked, forbidden nodes pruned", (3, 2), grammar=GRAMMAR, runs=RUNS,
+         sabotage="draft_unmasked"),
 ]
 
 
