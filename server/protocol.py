@@ -28,7 +28,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from engine.grammar import EBNF, JSON, JSON_OBJECT_SCHEMA, REGEX, GrammarSpec
 from engine.request import SamplingParams, SpecOptions
-from engine.speculative.methods import method_names
+from engine.speculative.methods import method_names, methods
 
 MAX_STOP = 16  # OpenAI allows 4; be lenient
 MAX_STOP_CHARS = 1024  # per stop string (matching holds back at most this much text)
@@ -253,6 +253,10 @@ class JsonSchemaFormat(_Request):
 class ResponseFormat(_Request):
     """OpenAI's ``response_format``: free text, any JSON object, or JSON matching a schema."""
 
+    model_config = ConfigDict(json_schema_extra={"if": {"properties": {"type": {"const": "json_schema"}}},
+                                                 "then": {"required": ["json_schema"],
+                                                          "properties": {"json_schema": {"type": "object"}}}})
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
 
@@ -272,9 +276,21 @@ class ResponseFormat(_Request):
         return None
 
 
+def _exactly_one(schema: dict[str, Any]) -> None:
+    """The JSON schema of an object that takes exactly one of its (non-null) fields."""
+    for prop in schema["properties"].values():
+        alternatives = [a for a in prop.pop("anyOf", []) if a.get("type") != "null"]
+        if alternatives:
+            prop["anyOf"] = alternatives
+        prop.pop("default", None)
+    schema.update(minProperties=1, maxProperties=1)
+
+
 class StructuredOutputs(_Request):
     """The ``structured_outputs`` extension (as vLLM's): exactly one of a JSON schema, a regular
     expression, an EBNF grammar (xgrammar's dialect, GBNF-like) or a list of choices."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_exactly_one)
 
     json_: Optional[Any] = Field(None, alias="json", json_schema_extra={"anyOf": [
         {"type": "object"}, {"type": "string"}, {"type": "null"}]})
@@ -283,8 +299,8 @@ class StructuredOutputs(_Request):
     choice: Optional[Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]] = None
 
     def spec(self) -> GrammarSpec:
-        given = [k for k in ("json_", "regex", "grammar", "choice") if getattr(self, k) is not None]
-        if len(given) != 1:
+        given = self.model_fields_set  # a field sent as null counts: the object holds one constraint
+        if len(given) != 1 or getattr(self, next(iter(given))) is None:
             raise FieldError("structured_outputs", "structured_outputs takes exactly one of json, regex, grammar "
                                                    "and choice")
         if self.json_ is not None:
@@ -298,6 +314,16 @@ class StructuredOutputs(_Request):
             return GrammarSpec(EBNF, self.grammar, "structured_outputs.grammar")
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
         return GrammarSpec(EBNF, f"root ::= {alternatives}", "structured_outputs.choice")
+
+
+_JSON_FORMAT = {"type": "object", "properties": {"type": {"enum": ["json_object", "json_schema"]}}, "required": ["type"]}
+_ONE_CONSTRAINT = _never_with("structured_outputs", {"response_format": _JSON_FORMAT})
+_LOSSY_HAS_NO_GRAMMAR = {  # the engine verifies a grammar's masked law with the lossless rule only
+    "if": {"properties": {"speculative": {"type": "object", "required": ["method"], "properties": {
+        "method": {"enum": [m.name for m in methods() if not m.grammar]}, "enabled": {"const": True}}}},
+        "required": ["speculative"]},
+    "then": {"properties": {"structured_outputs": {"type": "null"},
+                            "response_format": {"not": _JSON_FORMAT}}}}
 
 
 class _ConstrainedFields(_Request):
@@ -318,7 +344,8 @@ class _ConstrainedFields(_Request):
 # ---------------------------------------------------------------------------- completions
 class CompletionRequest(_SamplingFields, _ConstrainedFields):
     model_config = ConfigDict(json_schema_extra={"allOf": [
-        _STREAM_OPTIONS_RULE, _MJSD_HAS_NO_PENALTIES, _never_with("logprobs", {"echo": {"const": True}})]})
+        _STREAM_OPTIONS_RULE, _MJSD_HAS_NO_PENALTIES, _never_with("logprobs", {"echo": {"const": True}}),
+        _ONE_CONSTRAINT, _LOSSY_HAS_NO_GRAMMAR]})
 
     # validated by _check_prompt (clear messages); the schema says what that accepts
     prompt: Any = Field(..., json_schema_extra={"anyOf": [
@@ -396,7 +423,8 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields, _ConstrainedFields):
     model_config = ConfigDict(json_schema_extra={"allOf": [
-        _STREAM_OPTIONS_RULE, _MJSD_HAS_NO_PENALTIES, _only_when("top_logprobs", {"logprobs": {"const": True}})]})
+        _STREAM_OPTIONS_RULE, _MJSD_HAS_NO_PENALTIES, _only_when("top_logprobs", {"logprobs": {"const": True}}),
+        _ONE_CONSTRAINT, _LOSSY_HAS_NO_GRAMMAR]})
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Optional[Annotated[int, Field(ge=1), INTEGRAL]] = None

@@ -3,7 +3,8 @@
 ``positive_data_acceptance`` fails any 400 to a request its generator took from the schema.  A few
 refusals depend on the served model and configuration, which no JSON schema states: the context
 length (prompt tokens plus ``max_tokens``), the vocabulary (token ids in a prompt or ``logit_bias``),
-the draft tree (``speculative.tree``) and the queue (``len(prompt) * n`` completions at once).  This
+the draft tree (``speculative.tree``), the queue (``len(prompt) * n`` completions at once), and
+whether a structured output's schema, regex or grammar compiles.  This
 check is that one minus those refusals, recognised by their error ``code``; every other 400 to a
 schema-valid request still fails.
 """
@@ -13,7 +14,8 @@ from __future__ import annotations
 import schemathesis
 
 MODEL_LIMITS = {"context_length_exceeded", "token_id_out_of_range", "speculation_does_not_fit",
-                "too_many_completions"}
+                "too_many_completions",
+                "invalid_grammar"}  # whether a schema, regex or grammar compiles: no JSON schema can say
 
 
 @schemathesis.check
