@@ -30,8 +30,8 @@ from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
-#: the kinds of grammar a request may name
-JSON, REGEX, EBNF = "json", "regex", "ebnf"
+#: the kinds of grammar a request may name (a structural tag: xgrammar's, as JSON; tool calls use it)
+JSON, REGEX, EBNF, STRUCTURAL_TAG = "json", "regex", "ebnf", "structural_tag"
 #: ``response_format: json_object`` compiles this schema (xgrammar's built-in JSON grammar also allows arrays)
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 #: the longest grammar source a request may send (a schema, a regex or an EBNF text), in characters
@@ -259,6 +259,8 @@ class Grammars:
                 compiled = compiler.compile_regex(spec.source)
             elif spec.kind == EBNF:
                 compiled = compiler.compile_grammar(spec.source)
+            elif spec.kind == STRUCTURAL_TAG:
+                compiled = compiler.compile_structural_tag(spec.source)
             else:
                 raise GrammarError(f"unknown grammar kind {spec.kind!r}", spec.param)
         except GrammarError:
@@ -275,7 +277,7 @@ class Grammars:
         return out
 
 
-_NAMES = {JSON: "JSON schema", REGEX: "regular expression", EBNF: "grammar"}
+_NAMES = {JSON: "JSON schema", REGEX: "regular expression", EBNF: "grammar", STRUCTURAL_TAG: "tool-call grammar"}
 
 
 def _short(exc: Exception) -> str:

@@ -86,8 +86,8 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
     param = getattr(cause, "param", None) or _param_path(loc)
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
-    code = "missing_required_parameter" if kind == "missing" else (
-        "invalid_type" if kind.endswith("_type") else "invalid_value")
+    code = getattr(cause, "code", None) or ("missing_required_parameter" if kind == "missing" else (
+        "invalid_type" if kind.endswith("_type") else "invalid_value"))
     where = f"'{param}'" if param else "the request"
     message = f"Missing required parameter {where}." if kind == "missing" else f"Invalid value for {where}: {msg}"
     return bad_request(message + more, param=param, code=code)

@@ -22,13 +22,14 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from engine.grammar import EBNF, JSON, JSON_OBJECT_SCHEMA, REGEX, GrammarSpec
 from engine.request import SamplingParams, SpecOptions
 from engine.speculative.methods import method_names, methods
+from server.tools import decode_arguments, tool_grammar
 
 MAX_STOP = 16  # OpenAI allows 4; be lenient
 MAX_STOP_CHARS = 1024  # per stop string (matching holds back at most this much text)
@@ -49,11 +50,12 @@ NonNegInt = Annotated[int, Field(ge=0), INTEGRAL]
 
 class FieldError(ValueError):
     """A cross-field check that failed; ``param`` names the field to blame in the error object
-    (pydantic reports model-level errors without a location)."""
+    (pydantic reports model-level errors without a location), ``code`` the kind of refusal when it
+    is one no JSON schema can state (a value that must name another field's value)."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: Optional[str] = None) -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 class _Request(BaseModel):
@@ -326,6 +328,16 @@ _LOSSY_HAS_NO_GRAMMAR = {  # the engine verifies a grammar's masked law with the
                             "response_format": {"not": _JSON_FORMAT}}}}
 
 
+_FORCED_TOOL = {"anyOf": [{"const": "required"}, {"type": "object"}]}  # tool_choice required or named
+_TOOL_RULES = [
+    {"if": {"properties": {"tool_choice": _FORCED_TOOL}, "required": ["tool_choice"]},
+     "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1},
+                                                   "structured_outputs": {"type": "null"},
+                                                   "response_format": {"not": _JSON_FORMAT}}}},
+    {**_LOSSY_HAS_NO_GRAMMAR, "then": {"properties": {"tool_choice": {"not": _FORCED_TOOL}}}},
+]
+
+
 class _ConstrainedFields(_Request):
     """``response_format`` and the ``structured_outputs`` extension, on both endpoints."""
 
@@ -402,11 +414,64 @@ class CompletionRequest(_SamplingFields, _ConstrainedFields):
         return self.logprobs
 
 
+# ---------------------------------------------------------------------------- tools
+TOOL_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments (an object)
+    strict: Optional[bool] = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(_Request):
+    name: str
+    arguments: Any = None  # a JSON string (as OpenAI sends it) or an object
+
+
+class ToolCallInput(_Request):
+    """A call in an assistant message of the history."""
+
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 # ---------------------------------------------------------------------------- chat
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Any] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallInput]] = None  # an assistant's calls
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates read it (a call's arguments decoded from their JSON string)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": decode_arguments(c.function.arguments)}}
+                for c in self.tool_calls]
+        return out
 
     @field_validator("content", mode="before")
     @classmethod
@@ -424,22 +489,29 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_SamplingFields, _ConstrainedFields):
     model_config = ConfigDict(json_schema_extra={"allOf": [
         _STREAM_OPTIONS_RULE, _MJSD_HAS_NO_PENALTIES, _only_when("top_logprobs", {"logprobs": {"const": True}}),
-        _ONE_CONSTRAINT, _LOSSY_HAS_NO_GRAMMAR]})
+        _ONE_CONSTRAINT, _LOSSY_HAS_NO_GRAMMAR, *_TOOL_RULES]})
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Optional[Annotated[int, Field(ge=1), INTEGRAL]] = None
     logprobs: bool = False
     top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL]] = None
-    tools: Optional[list[Any]] = Field(None, description="Not supported: only null or an empty list.",
-                                       json_schema_extra={"anyOf": [{"type": "array", "maxItems": 0},
-                                                                    {"type": "null"}]})
+    tools: Optional[Annotated[list[ToolDefinition], Field(max_length=128)]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
-        if self.tools:
-            raise FieldError("tools", "tools are not supported by this server")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise FieldError("tools", "tool names must be unique", "duplicate_tool_name")
+        if self.tool_choice in ("required",) or isinstance(self.tool_choice, NamedToolChoice):
+            if not names:
+                raise FieldError("tool_choice", "tool_choice names a tool but tools is empty")
+            if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+                raise FieldError("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not "
+                                                "one of the tools", "unknown_tool")
         return self
 
     def requested_max_tokens(self) -> Optional[int]:
@@ -448,9 +520,32 @@ class ChatCompletionRequest(_SamplingFields, _ConstrainedFields):
     def top_logprobs_count(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content or "", **({"name": m.name} if m.name else {})}
-                for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
+
+    @property
+    def tool_mode(self) -> Optional[str]:
+        """How the tools are used: None (no tools, or ``tool_choice`` none: not rendered, nothing
+        parsed), ``auto``, ``required`` or ``named``."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return "named" if isinstance(self.tool_choice, NamedToolChoice) else (self.tool_choice or "auto")
+
+    def template_tools(self) -> Optional[list[dict[str, Any]]]:
+        """The tools for the chat template (None when they are not rendered)."""
+        if self.tool_mode is None:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def grammar_spec(self) -> Optional[GrammarSpec]:
+        spec = super().grammar_spec()
+        if self.tool_mode not in ("required", "named"):
+            return spec
+        if spec is not None:
+            raise FieldError("tool_choice", "a required or named tool_choice cannot be combined with "
+                                            "response_format or structured_outputs")
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        return tool_grammar(self.template_tools(), choice, self.parallel_tool_calls)
 
 
 # ---------------------------------------------------------------------------- responses
@@ -511,9 +606,28 @@ class ChatLogprobs(_Response):
     content: list[ChatLogprobToken] = Field(default_factory=list)
 
 
+class FunctionCall(_Response):
+    name: Optional[str] = None
+    arguments: str = ""
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(_Response):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str = ""
+    content: Optional[str] = ""
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(_Response):
@@ -535,6 +649,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = None
 
 
 class ChatChunkChoice(_Response):

@@ -12,6 +12,7 @@ race the collection against a disconnect watcher.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -27,11 +28,13 @@ from server.errors import APIError, bad_request
 from server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprobs, ChatLogprobToken, ChatResponseMessage, CompletionChoice, CompletionChunk,
-    CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, FieldError, PromptTokensDetails,
-    SpecUsageInfo,
-    TopLogprob, UsageInfo,
+    CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, FieldError, FunctionCall,
+    PromptTokensDetails, SpecUsageInfo, ToolCall, ToolCallDelta, TopLogprob, UsageInfo,
 )
 from server.settings import Settings
+from server.tools import Event as ToolEvent
+from server.tools import ToolCallParser, template_supports_tools
+from server.tools import parse as parse_tool_calls
 from server.sse import sse_response
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
@@ -176,9 +179,13 @@ class OpenAIServing:
         if not getattr(tok, "chat_template", None):
             raise bad_request("This model has no chat template; use /v1/completions.", param="messages")
         messages = body.template_messages()
-        self.check_size(sum(len(m["content"]) for m in messages), "messages")
+        tools = body.template_tools()
+        self.check_size(sum(len(m["content"]) for m in messages) + len(json.dumps(tools or [])), "messages")
+        if tools and not template_supports_tools(tok):
+            raise bad_request("This model's chat template does not render tools.", param="tools",
+                              code="tools_not_supported")
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # noqa: BLE001 - jinja errors (e.g. roles must alternate) are user errors
             raise bad_request(f"The messages cannot be rendered with the model's chat template: {exc}",
                               param="messages") from None
@@ -210,7 +217,7 @@ class OpenAIServing:
         try:
             spec = body.grammar_spec()
         except FieldError as exc:
-            raise bad_request(str(exc), param=exc.param) from None
+            raise bad_request(str(exc), param=exc.param, code=exc.code) from None
         if spec is None:
             return None
         grammars = getattr(self.engine.core, "grammars", None)
@@ -356,9 +363,22 @@ class OpenAIServing:
             return Response(status_code=499)
         return ChatCompletionResponse(
             id=call_id, model=self.settings.model_id, usage=make_usage([prompt], choices),
-            choices=[ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                finish_reason=c.finish_reason,
-                                logprobs=fmt.chat(c.logprobs) if body.logprobs else None) for c in choices])
+            choices=[ChatChoice(index=c.index, message=message, finish_reason=finish,
+                                logprobs=fmt.chat(c.logprobs) if body.logprobs else None)
+                     for c in choices for message, finish in [self._chat_message(body, c)]])
+
+    @staticmethod
+    def _chat_message(body: ChatCompletionRequest, c: Choice) -> tuple[ChatResponseMessage, Optional[str]]:
+        """A choice's message, its tool calls parsed out when the request has tools, and its finish reason
+        (``tool_calls`` when it called a tool, but for a named tool_choice: ``stop``, as OpenAI)."""
+        if body.tool_mode is None:
+            return ChatResponseMessage(content=c.text), c.finish_reason
+        content, calls = parse_tool_calls(c.text)
+        if not calls:
+            return ChatResponseMessage(content=content), c.finish_reason
+        message = ChatResponseMessage(content=content.strip() or None, tool_calls=[
+            ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments)) for call in calls])
+        return message, tool_finish(body, c.finish_reason)
 
     async def _chat_chunks(self, call_id, body, prompts, choices, group, fmt):
         def chunk(index: int, delta: DeltaMessage, finish: Optional[str] = None, lp=None) -> ChatCompletionChunk:
@@ -367,16 +387,51 @@ class OpenAIServing:
 
         for c in choices:
             yield chunk(c.index, DeltaMessage(role="assistant", content=""))
+        parsers = [ToolCallParser() for _ in choices] if body.tool_mode is not None else None
         async for index, out in self.outputs(group):
             choices[index].add(out)
-            if out.new_text or out.logprobs:
-                lp = fmt.chat(out.logprobs or []) if body.logprobs else None
-                yield chunk(index, DeltaMessage(content=out.new_text), lp=lp)
+            lp = fmt.chat(out.logprobs or []) if body.logprobs and out.logprobs else None
+            if parsers is None:
+                if out.new_text or out.logprobs:
+                    yield chunk(index, DeltaMessage(content=out.new_text), lp=lp)
+            else:  # content and tool-call deltas, as the parser finds them (a partial tag is held back)
+                events = parsers[index].feed(out.new_text) if out.new_text else []
+                deltas = tool_deltas(events + (parsers[index].finish() if out.finished else []))
+                if out.logprobs and not deltas:
+                    deltas = [DeltaMessage(content="")]
+                for n, delta in enumerate(deltas):
+                    yield chunk(index, delta, lp=lp if n == 0 else None)
             if out.finished:
-                yield chunk(index, DeltaMessage(), finish=out.finish_reason)
+                finish = out.finish_reason
+                if parsers is not None and parsers[index].calls:
+                    finish = tool_finish(body, finish)
+                yield chunk(index, DeltaMessage(), finish=finish)
         if body.include_usage:
             yield ChatCompletionChunk(id=call_id, model=self.settings.model_id, choices=[],
                                       usage=make_usage(prompts, choices))
+
+
+def tool_finish(body: ChatCompletionRequest, reason: Optional[str]) -> Optional[str]:
+    """The finish reason of a choice that called a tool: ``tool_calls``, but ``stop`` for a named
+    tool_choice (as OpenAI); a length cut stays ``length``."""
+    if reason != "stop":
+        return reason
+    return "stop" if body.tool_mode == "named" else "tool_calls"
+
+
+def tool_deltas(events: list[ToolEvent]) -> list[DeltaMessage]:
+    """Stream deltas of parsed text: content, a call's start (its id, type and name, empty arguments),
+    then its argument fragments."""
+    out = []
+    for e in events:
+        if e.kind == "content":
+            out.append(DeltaMessage(content=e.text))
+        elif e.kind == "call":
+            out.append(DeltaMessage(tool_calls=[ToolCallDelta(index=e.index, id=e.call.id, type="function",
+                                                              function=FunctionCall(name=e.call.name))]))
+        else:
+            out.append(DeltaMessage(tool_calls=[ToolCallDelta(index=e.index, function=FunctionCall(arguments=e.text))]))
+    return out
 
 
 class LogprobFormatter:

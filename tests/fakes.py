@@ -29,6 +29,25 @@ CHAT_TEMPLATE = (
 CORPUS = ["hello world", "the quick brown fox jumps over the lazy dog", "once upon a time"] * 10
 
 
+# a Hermes-style template that renders tools, assistant tool calls and tool results (as Qwen2.5's does)
+TOOL_TEMPLATE = (
+    "{% if tools %}<|system|>You may call: {% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_tool_tokenizer() -> PreTrainedTokenizerFast:
+    """:func:`make_tokenizer` with the tool template and ``<tool_call>`` / ``</tool_call>`` as added
+    (not special) tokens, as Qwen2.5 has them."""
+    tok = make_tokenizer().__class__(tokenizer_object=make_tokenizer().backend_tokenizer, eos_token="<|eos|>")
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    tok.chat_template = TOOL_TEMPLATE
+    return tok
+
+
 @lru_cache(maxsize=1)
 def make_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level BPE with a chat template: any text encodes, a few common words are one token."""
@@ -66,8 +85,8 @@ class FakeCore:
     """
 
     def __init__(self, max_batch: int = 4, max_model_len: int = 256, depth: int = 3,
-                 step_delay: float = 0.0, model_name: str = "fake-model") -> None:
-        self.tokenizer = make_tokenizer()
+                 step_delay: float = 0.0, model_name: str = "fake-model", tokenizer=None) -> None:
+        self.tokenizer = tokenizer or make_tokenizer()
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_batch = max_batch

@@ -4,7 +4,9 @@
 refusals depend on the served model and configuration, which no JSON schema states: the context
 length (prompt tokens plus ``max_tokens``), the vocabulary (token ids in a prompt or ``logit_bias``),
 the draft tree (``speculative.tree``), the queue (``len(prompt) * n`` completions at once), and
-whether a structured output's schema, regex or grammar compiles.  This
+whether a structured output's schema, regex or grammar compiles, whether the chat template renders
+tools, and the rules a JSON schema cannot state between values (a named ``tool_choice`` must be one
+of the ``tools``, whose names must differ).  This
 check is that one minus those refusals, recognised by their error ``code``; every other 400 to a
 schema-valid request still fails.
 """
@@ -15,7 +17,9 @@ import schemathesis
 
 MODEL_LIMITS = {"context_length_exceeded", "token_id_out_of_range", "speculation_does_not_fit",
                 "too_many_completions",
-                "invalid_grammar"}  # whether a schema, regex or grammar compiles: no JSON schema can say
+                "invalid_grammar",  # whether a schema, regex or grammar compiles: no JSON schema can say
+                "tools_not_supported",  # the served model's chat template renders no tools
+                "unknown_tool", "duplicate_tool_name"}  # a value that must (not) name another's: neither
 
 
 @schemathesis.check

@@ -147,7 +147,8 @@ def test_integral_floats_are_integers_as_in_json_schema():
     assert api_error(CompletionRequest, {"prompt": "x", "n": 1.5}).param == "n"
     assert api_error(CompletionRequest, {"prompt": "x", "n": "1"}).param == "n"
     assert api_error(CompletionRequest, {"prompt": [1.5]}).param == "prompt"
-    assert api_error(ChatCompletionRequest, {"messages": MSG, "tools": [{"type": "function"}]}).param == "tools"
+    assert api_error(ChatCompletionRequest, {"messages": MSG, "tools": [{"type": "function"}]}).param \
+        == "tools[0].function"  # a function tool needs its function
     assert chat(response_format={"type": "text"}).grammar_spec() is None
     assert chat(response_format={"type": "json_object"}).grammar_spec().kind == "json"
     assert api_error(ChatCompletionRequest, {"messages": MSG, "response_format": {"type": "xml"}}).param \
