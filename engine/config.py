@@ -57,6 +57,11 @@ class EngineConfig:
     cost_model_cache: bool = setting(True, "load_aware: reuse the cost curves an earlier start measured on this "
                                      "machine for the same models, kernels and settings ($MCSD_CACHE/cost-model); "
                                      "off: measure at every start (and store the new curves)")
+    # structured outputs (engine.grammar)
+    grammar_whitespace: str = setting("compact", "JSON under a schema: 'compact' writes Python's separators "
+                                      "(', ' and ': ', no other blanks), so keys and separators are forced and "
+                                      "drafted for free; 'flexible' allows up to 8 blanks in a row anywhere "
+                                      "(pretty-printed output)", choices=("compact", "flexible"))
     # speculation methods (engine.speculative.methods); each drafter's own knobs are its settings section
     spec_method: str = setting("mcsd", "drafter for requests that do not say", choices=method_names)
     drafters: Mapping[str, "DrafterSettings"] = field(

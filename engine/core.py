@@ -84,7 +84,7 @@ class EngineCore:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
         # structured outputs: the server compiles each request's grammar with this (off the event loop)
-        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids, cfg.grammar_whitespace)
         self._stats: list[StepStats] = []
 
     def _new_cache(self, model: LoadedModel, max_len: int) -> KVCache:

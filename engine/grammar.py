@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ JSON, REGEX, EBNF, STRUCTURAL_TAG = "json", "regex", "ebnf", "structural_tag"
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 #: the longest grammar source a request may send (a schema, a regex or an EBNF text), in characters
 MAX_SOURCE_CHARS = 65536
-#: blanks the JSON grammars allow in a row, so a constrained request cannot run to max_tokens on blanks
+#: blanks the flexible JSON layout allows in a row, so a constrained request cannot run to max_tokens on blanks
 MAX_WHITESPACE = 8
 
 
@@ -59,7 +59,7 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: Any, param: str = "response_format") -> "GrammarSpec":
-        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+        text = schema if isinstance(schema, str) else json.dumps(schema)  # key order is the output's order
         return cls(JSON, text, param)
 
 
@@ -82,6 +82,7 @@ class CompiledGrammar:
     spec: GrammarSpec
     compiled: Any  # the engine's compiled grammar (xgrammar.CompiledGrammar), or a toy's factory
     vocab_size: int
+    encode: Optional[Callable[[str], list[int]]] = None  # the tokenizer: a forced string's tokens
 
     def new_matcher(self) -> Matcher:
         if callable(self.compiled):
@@ -176,8 +177,13 @@ class GrammarState:
         return out
 
     def forced(self, path: Sequence[int], limit: int) -> list[int]:
-        """Up to ``limit`` tokens the grammar forces after ``path`` (each the only one allowed where it
-        stands); [] when the path is not allowed or nothing is forced.  A forced stop token ends it."""
+        """Up to ``limit`` tokens the grammar forces after ``path``; [] when the path is not allowed or
+        nothing is forced.  Two kinds: a token that is the only one allowed where it stands (a stop
+        token among them, which ends the run), and the tokens of a *forced string* (the text every
+        continuation starts with, ``find_jump_forward_string``) as the tokenizer writes it: a string
+        can be tokenized several ways, so no single token is forced there, but the tokenizer's own
+        way is the one the model almost always takes.  Either kind is only ever a draft: verification
+        decides, so the output law does not depend on it."""
         ok, n = self._advance(path)
         out: list[int] = []
         if ok:
@@ -185,12 +191,25 @@ class GrammarState:
             while len(out) < limit and not self.matcher.is_terminated():
                 self.matcher.fill_next_token_bitmask(row, 0)
                 tok = single_token(row[0], self.vocab_size)
-                if tok is None or not self.matcher.accept_token(tok):
+                run = [tok] if tok is not None else self._forced_string_tokens()
+                taken = 0
+                for t in run[: limit - len(out)]:
+                    if not self.matcher.accept_token(t):
+                        break
+                    out.append(t)
+                    taken += 1
+                if not taken:
                     break
-                out.append(tok)
         if n + len(out):
             self.matcher.rollback(n + len(out))
         return out
+
+    def _forced_string_tokens(self) -> list[int]:
+        jump = getattr(self.matcher, "find_jump_forward_string", None)
+        if jump is None or self.grammar.encode is None:
+            return []
+        text = jump()
+        return self.grammar.encode(text) if text else []
 
     def _advance(self, path: Sequence[int]) -> tuple[bool, int]:
         """Accepts ``path`` as far as the grammar allows: (all of it accepted, tokens accepted)."""
@@ -219,9 +238,11 @@ class Grammars:
     """Compiles :class:`GrammarSpec` objects for one tokenizer, each spec once (a bounded cache).
     Thread-safe: the server compiles in worker threads while the engine runs."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], cache_size: int = 256) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], whitespace: str = "compact",
+                 cache_size: int = 256) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.whitespace = whitespace  # JSON: "compact" (Python's separators) or "flexible" (bounded blanks)
         self.stop_token_ids = sorted(set(int(t) for t in stop_token_ids))
         self.cache_size = cache_size
         self._compiler = None
@@ -239,6 +260,15 @@ class Grammars:
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
             return self._compiler
 
+    def json_layout(self) -> dict[str, Any]:
+        """How JSON is laid out (xgrammar's options): compact, or blanks allowed but bounded."""
+        if self.whitespace == "compact":
+            return dict(any_whitespace=False, separators=(", ", ": "))
+        return dict(any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """The compiled grammar of ``spec`` (cached); :class:`GrammarError` naming ``spec.param`` if it
         cannot be compiled."""
@@ -253,8 +283,7 @@ class Grammars:
         try:
             if spec.kind == JSON:
                 json.loads(spec.source)
-                compiled = compiler.compile_json_schema(spec.source, any_whitespace=True,
-                                                        max_whitespace_cnt=MAX_WHITESPACE)
+                compiled = compiler.compile_json_schema(spec.source, **self.json_layout())
             elif spec.kind == REGEX:
                 compiled = compiler.compile_regex(spec.source)
             elif spec.kind == EBNF:
@@ -269,7 +298,7 @@ class Grammars:
             raise GrammarError(f"the JSON schema is not valid JSON: {exc}", spec.param) from None
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / its own errors
             raise GrammarError(f"the {_NAMES[spec.kind]} cannot be compiled: {_short(exc)}", spec.param) from None
-        out = CompiledGrammar(spec, compiled, self.vocab_size)
+        out = CompiledGrammar(spec, compiled, self.vocab_size, self.encode)
         with self._lock:
             if len(self._cache) >= self.cache_size:
                 self._cache.pop(next(iter(self._cache)))

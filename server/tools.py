@@ -68,7 +68,7 @@ def tool_grammar(tools: list[dict[str, Any]], choice: Any, parallel: bool) -> Op
         param = "tools"
     else:
         return None
-    return GrammarSpec(STRUCTURAL_TAG, json.dumps({"type": "structural_tag", "format": fmt}, sort_keys=True), param)
+    return GrammarSpec(STRUCTURAL_TAG, json.dumps({"type": "structural_tag", "format": fmt}), param)
 
 
 def new_call_id() -> str:
