@@ -13,9 +13,11 @@ Modes (greedy throughout, one request at a time; tokens/s is decode speed, (toke
 delta), so the prompt's prefill does not count):
 
 * ``ours spec off`` / ``ours spec on``: our server with the default preset, speculation off / on per
-  request;
+  request (for tools, with ``tool_choice`` ``auto`` and ``required``);
 * ``ours spec on, no forced``: a second server with ``--grammar-forced 0`` (no forced-token drafts);
-* ``ours free spec on``: the JSON prompts without ``response_format`` (what the grammar costs);
+* ``ours free spec on``: the JSON prompts without ``response_format`` (other outputs: what users see);
+* ``ours any-text grammar spec on``: the same, under a grammar that allows every text, so the outputs
+  are the free ones and the difference is the cost of the grammar machinery alone;
 * ``llama``: ``llama-server --jinja`` on the target GGUF (``bench_peer.py`` builds it).
 
 Both our servers run with ``--no-prefix-cache``, and llama-server's requests send ``cache_prompt:
@@ -50,6 +52,7 @@ from benchmarks.harness import machine, print_table, write_json  # noqa: E402
 BFCL_VERSION = "2026.3.23"
 CATEGORIES = ("simple_python", "multiple", "parallel")
 SYSTEM = "You are a helpful assistant."
+ANY_TEXT = r"[\s\S]*"  # a grammar that allows every text: the free outputs again, through the mask machinery
 
 
 # ------------------------------------------------------------------------------------------ schemas
@@ -250,11 +253,20 @@ def tools_of(case: dict) -> list[dict]:
 # ------------------------------------------------------------------------------------------ requests
 async def one(client, model: str, messages, extra: dict, max_tokens: int, **kw) -> dict:
     """One streamed greedy request: text, tool calls (reassembled from deltas), tokens, timings, usage."""
+    import openai
+
+    def create():
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}, extra_body=extra,
+                                              **kw)
+
     t0 = time.perf_counter()
     first, text, calls, usage, finish = None, "", {}, None, None
-    stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                                  temperature=0, stream=True, stream_options={"include_usage": True},
-                                                  extra_body=extra, **kw)
+    try:
+        stream = await create()
+    except openai.APIConnectionError:  # a pooled connection the server closed while idle: once more, anew
+        t0 = time.perf_counter()
+        stream = await create()
     async for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
@@ -361,8 +373,10 @@ async def drive(args, servers: dict[str, Server], items: list[dict], cases: list
     json_rows, tool_rows, raw = [], [], {}
     ours = client(servers["ours"])
     off, on = {"speculative": {"enabled": False}}, {"speculative": {"enabled": True}}
+    anything = [(m, {}) for m in free_prompts]
     plan = [("ours spec off", ours, json_prompts, off, True), ("ours spec on", ours, json_prompts, on, True),
-            ("ours free spec on", ours, free_prompts, on, False)]
+            ("ours free spec on", ours, free_prompts, on, False),
+            ("ours any-text grammar spec on", ours, anything, {**on, "structured_outputs": {"regex": ANY_TEXT}}, False)]
     if "ours no forced" in servers:
         plan.append(("ours spec on, no forced", client(servers["ours no forced"]), json_prompts, on, True))
     if "llama" in servers:
@@ -372,13 +386,15 @@ async def drive(args, servers: dict[str, Server], items: list[dict], cases: list
         json_rows.append(json_row(label, items, raw[label], constrained))
     same = sum(a["text"] == b["text"] for a, b in zip(raw["ours spec off"], raw["ours spec on"]))
     json_rows[1]["same_as_spec_off"] = same
+    json_rows[3]["same_as_free"] = sum(a["text"] == b["text"] for a, b in
+                                       zip(raw["ours free spec on"], raw["ours any-text grammar spec on"]))
     heavy = [i for i, it in enumerate(items) if it["key_heavy"]]
     for row in json_rows:
         rs = [raw[row["mode"]][i] for i in heavy]
         row["key_heavy_decode_tok_s"] = rates(rs)["decode_tok_s"] if rs else None
     if cases:
         tool_plan = [("ours auto spec off", ours, off, "auto"), ("ours auto spec on", ours, on, "auto"),
-                     ("ours required spec on", ours, on, "required")]
+                     ("ours required spec off", ours, off, "required"), ("ours required spec on", ours, on, "required")]
         if "llama" in servers:
             tool_plan += [("llama auto", client(servers["llama"]), {"cache_prompt": False}, "auto"),
                           ("llama required", client(servers["llama"]), {"cache_prompt": False}, "required")]
@@ -386,9 +402,9 @@ async def drive(args, servers: dict[str, Server], items: list[dict], cases: list
             raw[label] = await run_mode(c, "model", tool_prompts, extra, args.tool_max_tokens, label,
                                         tool_choice=choice)
             tool_rows.append(bfcl_row(label, cases, raw[label], check))
-        same = sum(a["calls"] == b["calls"] and a["text"] == b["text"]
-                   for a, b in zip(raw["ours auto spec off"], raw["ours auto spec on"]))
-        tool_rows[1]["same_as_spec_off"] = same
+        for k, mode in ((1, "auto"), (3, "required")):
+            tool_rows[k]["same_as_spec_off"] = sum(a["calls"] == b["calls"] and a["text"] == b["text"] for a, b in
+                                                   zip(raw[f"ours {mode} spec off"], raw[f"ours {mode} spec on"]))
     return json_rows, tool_rows, raw
 
 
@@ -435,7 +451,8 @@ def main(argv=None) -> int:
     print(f"\nJSON schemas ({len(items)}, {sum(it['key_heavy'] for it in items)} key-heavy), greedy, one at a time")
     print_table(json_rows, [("mode", "mode", "s"), ("finished", "finished", "d"), ("valid", "valid", "d"),
                             ("decode_tok_s", "decode tok/s", ".1f"), ("key_heavy_decode_tok_s", "key-heavy tok/s", ".1f"),
-                            ("acceptance", "acceptance", ".2f"), ("same_as_spec_off", "same as spec off", "d")])
+                            ("acceptance", "acceptance", ".2f"), ("same_as_spec_off", "same as spec off", "d"),
+                            ("same_as_free", "same as free", "d")])
     if tool_rows:
         print(f"\nBFCL ({', '.join(CATEGORIES)}; {args.bfcl} each), greedy")
         print_table(tool_rows, [("mode", "mode", "s"), ("parse_rate", "parsed", ".2f"), ("accuracy", "accuracy", ".2f"),
