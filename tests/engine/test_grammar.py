@@ -12,8 +12,6 @@ import torch
 
 from engine.grammar import EBNF, JSON, REGEX, GrammarError, Grammars, GrammarSpec, GrammarState, single_token, unpack
 from engine.request import GenerationRequest, RequestRejected, SamplingParams, SpecOptions
-from engine.speculative.draft_tree import DraftTree
-from engine.speculative.tree import TreeTopology
 from tests.engine_utils import run_engine
 from tests.grammar_toy import ToyMatcher, toy_state
 from tests.tiny import VOCAB, tiny_tokenizer

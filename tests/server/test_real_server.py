@@ -4,6 +4,7 @@ byte-level tokenizer, a real uvicorn, the official ``openai`` client."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -32,20 +33,31 @@ def tiny_loaded(kind: str, seed: int, tokenizer, device: str = "cpu") -> LoadedM
                        tokenizer=tokenizer, source=f"tiny-{kind}", path=Path("."))
 
 
-@pytest.fixture(scope="module")
-def srv():
-    tok = make_tokenizer()
-    core = EngineCore(tiny_loaded("qwen2", 0, tok), tiny_loaded("qwen2", 1, tok),
-                      EngineConfig(max_batch=4, max_model_len=128, tree=(2, 2), load_aware=False),
+@contextmanager
+def tiny_server(tokenizer, max_model_len: int = 128):
+    """A real uvicorn serving the real engine on a tiny random target and draft over ``tokenizer``
+    (``s.core`` is the engine core)."""
+    core = EngineCore(tiny_loaded("qwen2", 0, tokenizer), tiny_loaded("qwen2", 1, tokenizer),
+                      EngineConfig(max_batch=4, max_model_len=max_model_len, tree=(2, 2), load_aware=False),
                       model_name=MODEL)
     with ServerThread(create_app(Settings(served_model_name=MODEL), AsyncEngine(core, max_queue=32))) as s:
         s.core = core
         yield s
 
 
+def client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def srv():
+    with tiny_server(make_tokenizer()) as s:
+        yield s
+
+
 @pytest.fixture(scope="module")
 def oai(srv):
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    return client(srv)
 
 
 def errors(srv) -> float:

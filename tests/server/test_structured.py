@@ -11,13 +11,8 @@ import jsonschema
 import openai
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from server.app import create_app
-from server.settings import Settings
-from tests.fakes import ServerThread, make_tokenizer
-from tests.server.test_real_server import errors, tiny_loaded
+from tests.fakes import make_tokenizer
+from tests.server.test_real_server import client, errors, tiny_server
 
 MODEL = "tiny"
 MSG = [{"role": "user", "content": "Describe the fox as JSON."}]
@@ -38,16 +33,13 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "fox", "schema": SCHEMA
 
 @pytest.fixture(scope="module")
 def srv():
-    tok = make_tokenizer()
-    core = EngineCore(tiny_loaded("qwen2", 0, tok), tiny_loaded("qwen2", 1, tok),
-                      EngineConfig(max_batch=4, max_model_len=512, tree=(2, 2), load_aware=False), model_name=MODEL)
-    with ServerThread(create_app(Settings(served_model_name=MODEL), AsyncEngine(core, max_queue=32))) as s:
+    with tiny_server(make_tokenizer(), max_model_len=512) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def oai(srv):
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    return client(srv)
 
 
 def chat(oai, spec: bool = True, **kw):

@@ -13,14 +13,12 @@ import openai
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.core import EngineCore
 from server.app import create_app
 from server.protocol import ChatCompletionRequest
 from server.settings import Settings
 from server.tools import ToolCallParser, parse
 from tests.fakes import FakeCore, ServerThread, make_tokenizer, make_tool_tokenizer
-from tests.server.test_real_server import tiny_loaded
+from tests.server.test_real_server import client, tiny_server
 
 MODEL = "tiny"
 MSG = [{"role": "user", "content": "What is 2 + 3, and the weather in Paris?"}]
@@ -77,16 +75,13 @@ def test_history_arguments_are_decoded_for_the_template():
 # ------------------------------------------------------------------------------ the real engine
 @pytest.fixture(scope="module")
 def srv():
-    tok = make_tool_tokenizer()
-    core = EngineCore(tiny_loaded("qwen2", 0, tok), tiny_loaded("qwen2", 1, tok),
-                      EngineConfig(max_batch=4, max_model_len=512, tree=(2, 2), load_aware=False), model_name=MODEL)
-    with ServerThread(create_app(Settings(served_model_name=MODEL), AsyncEngine(core, max_queue=32))) as s:
+    with tiny_server(make_tool_tokenizer(), max_model_len=512) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def oai(srv):
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    return client(srv)
 
 
 def call(oai, **kw):
