@@ -10,15 +10,16 @@ the *committed* output tokens.  Everything a step decides under a grammar goes t
   them before logit bias, penalties, temperature, top-k/p and min-p, so the law it reproduces is
   the masked target's; the draft model masks its own rows the same way, so sampled drafts come from
   the masked ``q`` that verification is told about.
-* :meth:`GrammarState.forced`: the tokens the grammar forces after a path (only one allowed at each
-  position), which the ``grammar`` drafter (``engine.speculative.forced``) adds to the tree as
-  drafts that cost no draft forward, verified like any node.
+* :meth:`GrammarState.forced`: the tokens the grammar forces after a path (a single allowed token, or
+  a forced string's tokens), which the ``grammar`` drafter (``engine.speculative.constrained``) adds
+  to the tree as drafts that cost no draft forward, verified like any node.
 * :meth:`GrammarState.commit`: after verification, the accepted tokens advance the matcher.
 
-The grammar engine is xgrammar (``GrammarMatcher``: accept, rollback, bitmask fill).  It was chosen
-over llguidance by measurement on Qwen2.5's 151,936-token vocabulary (``docs/structured.md``).  The
-matcher interface is all this module uses of it, so the tests drive the same code with a toy matcher
-over a small vocabulary (``tests/grammar_toy.py``).
+The grammar engine is xgrammar (``GrammarMatcher``: accept, rollback, bitmask fill), for its
+structural tags (the tool-call format) and forced strings; llguidance measured faster per mask and
+per compile, but the masks cost about 1 ms of a 25-40 ms step either way (``docs/structured.md``).
+The matcher interface is all this module uses of it, so the tests drive the same code with a toy
+matcher over a small vocabulary (``tests/grammar_toy.py``).
 """
 
 from __future__ import annotations
@@ -164,17 +165,14 @@ class GrammarState:
             valid.append(ok)
         return Masks(bitmask, valid)
 
-    def tree_masks(self, tokens: Sequence[int], parents: Sequence[int], dead: int = -1) -> Masks:
+    def tree_masks(self, tokens: Sequence[int], parents: Sequence[int]) -> Masks:
         """:meth:`masks` for a tree's block rows: row 0 is the root (the committed state), row ``i + 1``
-        node ``i`` (``parents[i]``: its parent node, -1 the root).  A ``dead`` node is not allowed."""
+        node ``i`` (``parents[i]``: its parent node, -1 the root).  A dead node (a negative token) and
+        everything below it is not allowed."""
         paths: list[list[int]] = [[]]
         for tok, p in zip(tokens, parents):
             paths.append(paths[p + 1] + [tok])
-        out = self.masks([[] if any(t == dead for t in path) else path for path in paths])
-        for i, path in enumerate(paths[1:]):
-            if any(t == dead for t in path):
-                out.valid[i + 1] = False
-        return out
+        return self.masks(paths)
 
     def forced(self, path: Sequence[int], limit: int) -> list[int]:
         """Up to ``limit`` tokens the grammar forces after ``path``; [] when the path is not allowed or

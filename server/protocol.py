@@ -2,7 +2,7 @@
 
 Requests are validated strictly (``"max_tokens": "5"`` is a type error, as with OpenAI) but
 unknown fields are ignored, like OpenAI does.  Fields that would *change the meaning* of a request
-but that we cannot honour (``suffix``, ``tools``) are rejected with a
+but that we cannot honour (``suffix``) are rejected with a
 clear message instead of being silently dropped; the JSON schema says so, and says which fields
 depend on which (``stream_options`` needs ``stream``, ``top_logprobs`` needs ``logprobs``).
 
@@ -506,7 +506,7 @@ class ChatCompletionRequest(_SamplingFields, _ConstrainedFields):
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise FieldError("tools", "tool names must be unique", "duplicate_tool_name")
-        if self.tool_choice in ("required",) or isinstance(self.tool_choice, NamedToolChoice):
+        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
             if not names:
                 raise FieldError("tool_choice", "tool_choice names a tool but tools is empty")
             if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:

@@ -54,7 +54,7 @@ class ForcedShare:
 def tree_masks(seq: SeqView, tree: DraftTree) -> Masks:
     """The allowed tokens at every block row of ``seq``'s tree (row 0 the root), cached in the tree."""
     if tree.grammar_masks is None or tree.grammar_masks.bitmask.shape[0] != 1 + tree.num_nodes:
-        tree.grammar_masks = seq.grammar.tree_masks(tree.tokens, tree.parents(), DEAD)
+        tree.grammar_masks = seq.grammar.tree_masks(tree.tokens, tree.parents())
     return tree.grammar_masks
 
 
@@ -132,12 +132,16 @@ class GrammarDrafter:
                 tree.tokens[i] = DEAD
 
     def _extend(self, seq: SeqView, tree: DraftTree, room: int) -> None:
-        """Appends the run the grammar forces below the deepest live leaf (the root if none)."""
+        """Appends the run the grammar forces below the deepest live leaf (the root if none), and its
+        rows' masks to the tree's, so verification fills no row twice."""
         leaves = tree.leaves()
         leaf = leaves[0] if leaves else -1
         depth = tree.depths()[leaf] if leaf >= 0 else 0
         path = tree.path_to(leaf)
         forced = seq.grammar.forced(path, min(self.limit, room - depth))
-        if forced:
-            tree.add_path(leaf, forced, GRAMMAR_DRAFTER)
-            tree.grammar_masks = None  # new rows: filled again when verification asks
+        if not forced:
+            return
+        before = tree_masks(seq, tree)
+        tree.add_path(leaf, forced, GRAMMAR_DRAFTER)  # a leaf has no live child: every token is a new node
+        run = seq.grammar.masks([path + forced[: k + 1] for k in range(len(forced))])
+        tree.grammar_masks = Masks(torch.cat([before.bitmask, run.bitmask]), before.valid + run.valid)

@@ -114,13 +114,18 @@ class Planner:
         return None if self.lengths is None else self.lengths.curve
 
     @staticmethod
-    def _forced(seq: SeqView, plan: DraftPlan) -> DraftPlan:
+    def _room(seq: SeqView) -> int:
+        """Tokens the sequence may draft this step beyond the next one: what remains, and its max_depth."""
+        room, cap = seq.remaining - 1, seq.request.spec.max_depth
+        return room if cap is None else min(room, cap)
+
+    def _forced(self, seq: SeqView, plan: DraftPlan) -> DraftPlan:
         """A constrained sequence that speculates may draft the tokens its grammar forces, as deep as
         its room (``constrained.GrammarDrafter``)."""
         spec = seq.request.spec
         if seq.grammar is None or not spec.enabled or seq.speculation_error is not None:
             return plan
-        room = seq.remaining - 1 if spec.max_depth is None else min(seq.remaining - 1, spec.max_depth)
+        room = self._room(seq)
         return plan.with_share(GRAMMAR_DRAFTER, ForcedShare(room)) if room > 0 else plan
 
     def _trust(self, seq: SeqView, plan: DraftPlan) -> DraftPlan:
@@ -222,9 +227,7 @@ class Planner:
                 and not self.policy.catch_up_pays(seq, step):
             budget = ()  # the draft lags too far behind for this request to gain from catching up (or
             # this is its first token, which never waits for the draft to read the prompt)
-        room = seq.remaining - 1
-        if spec.max_depth is not None:
-            room = min(room, spec.max_depth)
+        room = self._room(seq)
         if not spec.enabled or seq.speculation_error is not None:
             return DraftPlan(spec.method or cfg.spec_method, empty)
         m = method(spec.method)
