@@ -12,7 +12,7 @@ make the draft's tokens almost never accepted, so this measures costs, not speed
   the ceiling of tokens per step), after ``--warmup-s`` of back-to-back prefill forwards, median of
   ``--rounds`` interleaved rounds after ``--warmup-rounds`` untimed ones (the step time drifted
   2.8x within one run on an H200, and the first round ran 3-5x slower than the rest on an H100 after
-  the warm-up forwards: docs/gpu.md).  Per step: milliseconds, those until ``core.step()`` returns (the rest is device work
+  the warm-up forwards: docs/log/2026-11.md).  Per step: milliseconds, those until ``core.step()`` returns (the rest is device work
   still queued when it did), tokens, the reads the engine declares
   (``engine.device``) and the synchronizing CUDA calls torch's sync debug mode counts.
 

@@ -45,7 +45,7 @@ SYSTEM_HEAD = ("You are a careful coding agent. You have these tools: read_file(
 def sharegpt_conversations(count: int, turns: int, max_chars: int) -> list[list[str]]:
     """The human turns (``turns`` of them, each at most ``max_chars``) of the first ``count`` English
     ShareGPT conversations that have enough of them."""
-    from engine.data import iter_json_array, looks_english
+    from tools.prompts import iter_json_array, looks_english
     from engine.models.fetch import fetch_dataset
 
     out = []

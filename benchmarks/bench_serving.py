@@ -78,7 +78,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.data import Prompt, interleave_sources, load_prompts_file  # noqa: E402  (no torch import: the client stays light)
+from tools.prompts import Prompt, interleave_sources, load_prompts_file  # noqa: E402  (no torch import: the client stays light)
 
 DEFAULT_PROMPTS = ROOT / "benchmarks" / "prompts" / "bench.json"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "serving.json"
@@ -666,8 +666,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             extra = list(args.server_extra) + (["--api-key", args.api_key] if args.api_key else [])
             if not any(a in ("--prefix-cache", "--no-prefix-cache") for a in extra):
                 # both modes send the same prompts to one server: with its prefix cache the second mode
-                # of a level would find every prompt cached (measured: TTFT p50 90-116 ms against 300-416
-                # for the first mode at one stream), so each mode prefills its own
+                # of a level would find every prompt cached (its TTFT a fraction of the first mode's), so
+                # each mode prefills its own
                 extra.append("--no-prefix-cache")
             server = ServerProcess(args.python, args.config, extra, args.server_log, args.grace)
             log_path = server.log_path

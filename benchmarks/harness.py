@@ -14,7 +14,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.data import interleave_sources, load_prompts_file
+from tools.prompts import interleave_sources, load_prompts_file
 from engine.request import GenerationRequest, SamplingParams, SpecOptions
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -17,7 +17,7 @@ import json
 import random
 from pathlib import Path
 
-from engine.data import Prompt, load_humaneval, load_prompts_file, load_sharegpt_first_turns
+from tools.prompts import Prompt, load_humaneval, load_prompts_file, load_sharegpt_first_turns
 from engine.models.fetch import fetch_dataset
 
 SEED = 20240601

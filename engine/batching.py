@@ -10,7 +10,7 @@ import torch
 
 from engine.device import to_device
 from engine.kv_cache import KVCache
-from engine.models.llama import ForwardOutput, LlamaModel
+from engine.models.model import ForwardOutput, Model
 from engine.models.vocab import OutputVocab
 
 
@@ -30,7 +30,7 @@ class Block:
     mask: Optional[torch.Tensor] = None
 
 
-def run_blocks(model: LlamaModel, cache: KVCache, blocks: list[Block],
+def run_blocks(model: Model, cache: KVCache, blocks: list[Block],
                vocab: Optional[OutputVocab] = None) -> tuple[ForwardOutput, list[torch.Tensor]]:
     """One forward over all blocks; returns the raw output and each block's logits [rows, vocab]
     (``vocab``: a restricted output layer, -inf logits outside it)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Optional
 
-from engine.speculative.methods import method_names
+from engine.registry import method_names, sections
 from engine.speculative.tree import parse_widths
 
 
@@ -117,12 +117,12 @@ class EngineConfig:
         class's fields, and ``<section>_<field>`` for a drafter's (``maxgram_len=4``, ``mjsd_tau=0.3``)."""
         own = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {k: v for k, v in values.items() if k in own}
-        sections: dict[str, dict[str, Any]] = {}
+        by_section: dict[str, dict[str, Any]] = {}
         for name in values.keys() - own:
             section, key = _split(name)
-            sections.setdefault(section, {})[key] = values[name]
+            by_section.setdefault(section, {})[key] = values[name]
         given = dict(kwargs.pop("drafters", {}))
-        for section, fields in sections.items():
+        for section, fields in by_section.items():
             base = given.get(section, {})
             base = dataclasses.asdict(base) if dataclasses.is_dataclass(base) else dict(base)
             given[section] = {**base, **fields}
@@ -131,9 +131,9 @@ class EngineConfig:
 
 class DrafterSettings:
     """A drafter's own settings: a dataclass declared in the drafter's module (fields made with
-    :func:`setting`) and registered with :func:`drafter_settings` under a section name.  Field ``f`` of
-    section ``s`` is the setting ``s_f`` everywhere settings are named: the server's ``--s-f`` flag,
-    ``MCSD_S_F``, a preset's ``s_f`` key (or ``f`` in an ``[s]`` table) and
+    :func:`setting`) and registered with ``engine.registry.drafter_settings`` under a section name.
+    Field ``f`` of section ``s`` is the setting ``s_f`` everywhere settings are named: the server's
+    ``--s-f`` flag, ``MCSD_S_F``, a preset's ``s_f`` key (or ``f`` in an ``[s]`` table) and
     :meth:`EngineConfig.from_settings`.  Bounds are checked from the declarations; :meth:`validate`
     checks what spans fields."""
 
@@ -152,38 +152,6 @@ class DrafterSettings:
         return config.drafters[cls.section]
 
 
-_SECTIONS: dict[str, type] = {}
-
-
-def drafter_settings(section: str):
-    """Class decorator: registers a :class:`DrafterSettings` dataclass under ``section`` (an
-    identifier: it prefixes the settings' names)."""
-    if not section.isidentifier():
-        raise ValueError(f"settings section {section!r} must be an identifier")
-
-    def register(cls: type) -> type:
-        if section in _SECTIONS and _SECTIONS[section] is not cls:
-            raise ValueError(f"settings section {section!r} is registered twice")
-        cls.section = section
-        _SECTIONS[section] = cls
-        return cls
-    return register
-
-
-def unregister_section(section: str) -> None:
-    """Removes a section (tests that register their own drafter)."""
-    _SECTIONS.pop(section, None)
-
-
-def sections() -> dict[str, type]:
-    """Every registered drafter's settings class by section (importing the drafter modules registers
-    theirs)."""
-    from engine.speculative.drafter import _load_builtin  # late: the drafter modules import this one
-
-    _load_builtin()
-    return dict(_SECTIONS)
-
-
 def setting_fields() -> list[tuple[str, Any, dataclasses.Field]]:
     """``(name, type, field)`` of every server-visible setting, flat: this module's ``EngineConfig``
     fields, then each drafter's as ``<section>_<field>``."""
@@ -197,8 +165,9 @@ def setting_fields() -> list[tuple[str, Any, dataclasses.Field]]:
 
 def _split(name: str) -> tuple[str, str]:
     """``maxgram_len`` -> (``maxgram``, ``len``): the longest section that prefixes it with a field."""
-    for section in sorted(sections(), key=len, reverse=True):
-        cls = _SECTIONS[section]
+    known = sections()
+    for section in sorted(known, key=len, reverse=True):
+        cls = known[section]
         key = name[len(section) + 1:]
         if name.startswith(section + "_") and key in {f.name for f in dataclasses.fields(cls)}:
             return section, key

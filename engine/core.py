@@ -23,13 +23,13 @@ from engine.models.qweight import QuantLinear, quantized_copy
 from engine.models.vocab import OutputVocab, frequent_vocab
 from engine.request import GenerationRequest, RequestOutput, RequestRejected
 from engine.runner import ModelRunner, SeqStepResult, record_step
-from engine.sampler import SamplingTensors, token_count_matrix
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.speculative.adaptive import AdaptiveSpeculation, SpecPolicy
-from engine.speculative.drafter import DrafterContext, build_drafters
+from engine.speculative.drafter import build_drafters
 from engine.speculative.drafter import limits as drafter_limits
-from engine.speculative.methods import DraftPlan, method
+from engine.registry import method, methods
+from engine.speculative.methods import DraftPlan
 from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.planner import Planner
 from engine.speculative.tree import TreeTopology
@@ -76,7 +76,7 @@ class EngineCore:
                                           self.topology, policy, chunk=self.config.prefill_chunk,
                                           vocab=self.draft_vocab)
         self.planner = Planner.build(cfg, self.topology, self.policy, self.tokenizer, target.model, self.cache)
-        drafters = build_drafters(DrafterContext(cfg, self.topology, self.planner.maxgram, proposer))
+        drafters = build_drafters(self.planner.drafter_context(proposer))
         self.runner = ModelRunner(target.model, self.cache, self.vocab_size, proposer, drafters,
                                   build_rules(cfg, self.vocab_size), self.topology)
         self.scheduler = Scheduler(self.config, self.cache, proposer.cache if proposer else None, rows, entries)
@@ -119,28 +119,30 @@ class EngineCore:
         """Queues a request; raises ``ValueError`` with a user-facing message if it cannot run."""
         self._validate(req)
         stream = TextStream.create(self.tokenizer, req.prompt_token_ids, req.sampling, self.eos_token_ids)
-        seq = Sequence.create(req, stream)
-        seq.sampling_tensors = SamplingTensors.from_params([req.sampling], self.vocab_size, device=self.target.model.device)
+        seq = Sequence.create(req, stream, self.vocab_size, self.target.model.device)
+        seq.spec.note = self._settle_speculation(req)
+        self.scheduler.add(seq)
+
+    def _settle_speculation(self, req: GenerationRequest) -> Optional[str]:
+        """Fills in the request's method (the server's default) and turns its speculation off where this
+        engine cannot run it as asked; returns the note its response carries about that (or None)."""
+        note = None
         if req.spec.method is None:
             req.spec.method = self.config.spec_method
         m = method(req.spec.method)
         if req.spec.enabled and m.lossy_note and self.runner.proposer:
-            seq.spec.note = m.lossy_note
+            note = m.lossy_note
         if req.grammar is not None and req.spec.enabled and not m.grammar:
             req.spec.enabled = False  # the server's default method cannot verify under a grammar
-            seq.spec.note = f"speculation is off: method {req.spec.method!r} does not verify under a grammar"
+            note = f"speculation is off: method {req.spec.method!r} does not verify under a grammar"
         if req.spec.enabled and req.spec.adaptive and not isinstance(self.policy, AdaptiveSpeculation):
-            seq.spec.note = "adaptive speculation is off on this server (start it with --adaptive); the tree is fixed"
+            note = "adaptive speculation is off on this server (start it with --adaptive); the tree is fixed"
         if not self.runner.proposer and req.spec.enabled and m.needs_draft:
-            seq.request.spec.enabled = False
-            seq.spec.note = (f"speculation is off: the server runs without a draft model, which method "
-                             f"{req.spec.method!r} needs (method 'maxgram' needs none)")
-        if req.sampling.needs_history:
-            dev = self.target.model.device
-            seq.output_counts = torch.zeros(self.vocab_size, dtype=torch.int32, device=dev)
-            if req.sampling.repetition_penalty != 1.0:
-                seq.prompt_mask = token_count_matrix([req.prompt_token_ids], self.vocab_size, dev)[0] > 0
-        self.scheduler.add(seq)
+            req.spec.enabled = False
+            free = ", ".join(repr(m.name) for m in methods() if not m.needs_draft)
+            note = (f"speculation is off: the server runs without a draft model, which method "
+                    f"{req.spec.method!r} needs" + (f" (these need none: {free})" if free else ""))
+        return note
 
     def check_request(self, req: GenerationRequest) -> None:
         """Raises :class:`RequestRejected` if this engine cannot run ``req`` as asked.  Reads only the
@@ -284,8 +286,8 @@ class EngineCore:
         if seq.output_counts is not None and new:
             dev = seq.output_counts.device
             seq.output_counts.index_add_(0, device_tensor(new, dev), torch.ones(len(new), dtype=torch.int32, device=dev))
-        if res.next_candidates is not None:
-            seq.init_candidates = res.next_candidates
+        if res.carry:
+            seq.carry.update(res.carry)
         if res.drafted:
             seq.spec.steps += 1
             seq.spec.drafted_tokens += res.drafted

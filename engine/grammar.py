@@ -17,7 +17,7 @@ the *committed* output tokens.  Everything a step decides under a grammar goes t
 
 The grammar engine is xgrammar (``GrammarMatcher``: accept, rollback, bitmask fill), for its
 structural tags (the tool-call format) and forced strings; llguidance measured faster per mask and
-per compile, but the masks cost about 1 ms of a 25-40 ms step either way (``docs/structured.md``).
+per compile, but the masks are a small part of a step either way (``docs/structured.md``).
 The matcher interface is all this module uses of it, so the tests drive the same code with a toy
 matcher over a small vocabulary (``tests/grammar_toy.py``).
 """
@@ -248,7 +248,7 @@ class Grammars:
         self._lock = threading.Lock()
 
     def compiler(self):
-        """xgrammar's compiler over this tokenizer (built on first use: 0.5 s for Qwen2.5's vocabulary)."""
+        """xgrammar's compiler over this tokenizer (built on first use, which takes a moment for a large vocabulary)."""
         with self._lock:
             if self._compiler is None:
                 import xgrammar

@@ -47,8 +47,8 @@ from engine.device import to_device_many
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A zero-filled tensor for a pool.  On the CPU it lives in an anonymous memory mapping, whose pages
     the kernel zero-fills when they are first touched: allocating the pool costs neither time nor
-    resident memory until sequences use it (``torch.zeros`` wrote the 1.35 GB of the default pair's
-    pools at start-up, 2.3 s).  Elsewhere ``torch.zeros``."""
+    resident memory until sequences use it (``torch.zeros`` writes every byte of the pools at
+    start-up, seconds for the default pair).  Elsewhere ``torch.zeros``."""
     nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)

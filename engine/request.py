@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from engine.grammar import CompiledGrammar
-from engine.speculative.methods import check_method
+from engine.registry import check_method
 
 #: a temperature at or below this is treated as greedy (argmax) decoding
 GREEDY_EPS = 1e-5

@@ -18,14 +18,16 @@ import torch
 from engine.batching import Block, run_blocks
 from engine.device import Pending, finish_all, synchronize, tensor as device_tensor
 from engine.kv_cache import KVCache
-from engine.models.llama import LlamaModel
+from engine.models.model import Model
 from engine.sequence import Sequence
 from engine.speculative.draft_tree import DEAD, DraftTree
 from engine.speculative.drafter import Drafter
-from engine.speculative.methods import DraftPlan, method
+from engine.registry import method
+from engine.speculative.methods import DraftPlan
 from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.tree import TreeTopology
-from engine.speculative.verify import LOSSLESS, LosslessRule, SeqStepResult, VerifyRule
+from engine.speculative.verify import LOSSLESS, LosslessRule, VerifyRule
+from engine.speculative.walk import SeqStepResult
 from engine.speculative.walk import VerifyResult
 from engine.stats import StepStats, add_at
 
@@ -55,7 +57,7 @@ class _Forward:
 
 
 class ModelRunner:
-    def __init__(self, target: LlamaModel, target_cache: KVCache, vocab_size: int,
+    def __init__(self, target: Model, target_cache: KVCache, vocab_size: int,
                  proposer: Optional[DraftModelProposer] = None, drafters: Sequence_[Drafter] = (),
                  rules: Optional[dict[str, VerifyRule]] = None, topology: Optional[TreeTopology] = None) -> None:
         """``proposer``: the draft model and its cache (None: no draft model); ``drafters``: what grows
@@ -252,10 +254,13 @@ class ModelRunner:
         return [done[i] for i in sorted(done)], failed
 
     def _draft(self, seqs: list[Sequence], plans: list[DraftPlan]) -> list[DraftTree]:
-        """Every drafter in stage order grows the trees its share of the plans asks for."""
+        """Every drafter in stage order grows the trees its share of the plans asks for: those of the
+        step's methods, and those that grow every method's (``every_method``)."""
         trees = [DraftTree(p.sub, []) for p in plans]
+        named = {name for m in {p.method for p in plans} for name in method(m).drafters}
         for drafter in self.drafters:
-            drafter.propose(seqs, plans, trees)
+            if drafter.name in named or getattr(drafter, "every_method", False):
+                drafter.propose(seqs, plans, trees)
         return trees
 
     def observe(self, results: list[SeqStepResult], plans: list[DraftPlan]) -> None:
@@ -269,9 +274,9 @@ class ModelRunner:
                 log.exception("drafter %s failed to observe the step", drafter.name)
 
     def _update_caches(self, seq: Sequence, tree: DraftTree, result: VerifyResult, last_is_root: bool = False) -> None:
-        """Target keeps root + accepted path; the draft keeps the accepted nodes it ran.  In the
-        target-initialised mode the last emitted token is the accepted path's last node, and it stays
-        uncached (it is the next root)."""
+        """Target keeps root + accepted path; the draft keeps the accepted nodes it ran.  When the
+        rule says so (``SeqStepResult.last_is_root``), the last emitted token is the accepted path's
+        last node, and it stays uncached (it is the next root)."""
         accepted = result.accepted[:-1] if last_is_root else result.accepted
         if not last_is_root:
             rows = kept_block_rows(result)

@@ -378,8 +378,8 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # 
     (a double accumulator, rounded to float per entry), so its cdf never steps down.  A device's
     parallel scan can, by an ulp; there the index is mapped to the last positive-weight token at or
     before it, so the result always has positive probability.  (That mapping is a scan over the whole
-    vocabulary: on the CPU it cost 1.5 ms a row, more than the rest of sampling.)  Returns ``[rows]``
-    int64.
+    vocabulary, dearer on the CPU than the rest of sampling, so it runs on devices only.)  Returns
+    ``[rows]`` int64.
     """
     cdf = probs.cumsum(dim=-1)  # [rows, vocab]
     total = cdf[:, -1:]  # [rows, 1]

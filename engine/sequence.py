@@ -5,13 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from engine.grammar import GrammarState
 from engine.request import GenerationRequest, SpecUsage, TokenLogprob
-from engine.sampler import SamplingTensors, make_generator
+from engine.sampler import SamplingTensors, make_generator, token_count_matrix
 from engine.stop import TextStream
 
 
@@ -48,16 +48,26 @@ class Sequence:
     output_counts: Optional[torch.Tensor] = None  # [vocab] int32, only when penalties are on
     prompt_mask: Optional[torch.Tensor] = None  # [vocab] bool, only with a repetition penalty
     sampling_tensors: Optional[SamplingTensors] = None  # one-row packing of the request's params
-    init_candidates: Optional[list[int]] = None  # target-initialised (lossy) mode: the next step's candidate roots
+    carry: dict[str, Any] = field(default_factory=dict)  # what the last step's rule handed the next, by key
     grammar: Optional[GrammarState] = None  # structured output: the grammar's state after the committed tokens
     speculation_error: Optional[str] = None  # its speculation failed (the error): it decodes plainly from then on
 
     @classmethod
-    def create(cls, request: GenerationRequest, stream: TextStream) -> "Sequence":
-        ids = list(request.prompt_token_ids)
-        return cls(request=request, stream=stream, generator=make_generator(request.sampling.seed),
-                   tokens=ids, num_prompt=len(ids),
-                   grammar=GrammarState(request.grammar) if request.grammar is not None else None)
+    def create(cls, request: GenerationRequest, stream: Optional[TextStream], vocab_size: int = 0,
+               device: torch.device | str = "cpu") -> "Sequence":
+        """A request's state as it enters the engine: its tokens, its seeded generator, its grammar's
+        state, its sampling parameters packed as one row on ``device`` and the token counts its
+        penalties read (``vocab_size`` 0: neither, for tests that drive drafters alone)."""
+        ids, sampling = list(request.prompt_token_ids), request.sampling
+        seq = cls(request=request, stream=stream, generator=make_generator(sampling.seed), tokens=ids,
+                  num_prompt=len(ids), grammar=GrammarState(request.grammar) if request.grammar is not None else None)
+        if vocab_size:
+            seq.sampling_tensors = SamplingTensors.from_params([sampling], vocab_size, device=device)
+            if sampling.needs_history:
+                seq.output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+                if sampling.repetition_penalty != 1.0:
+                    seq.prompt_mask = token_count_matrix([ids], vocab_size, device)[0] > 0
+        return seq
 
     @property
     def request_id(self) -> str:

@@ -100,7 +100,7 @@ class StopChecker:
             self.stop_token_ids |= frozenset(int(t) for t in eos_token_ids)
         self.max_tokens = max_tokens
         # the KMP failure function of each stop string: memory linear in their total length (a set of
-        # every prefix was quadratic: one 64k-character stop string took 1.45 GB)
+        # every prefix was quadratic: one long stop string took gigabytes)
         self._failure = [_failure_function(s) for s in self.stop_strings]
 
     @classmethod

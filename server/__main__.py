@@ -45,7 +45,7 @@ def build_core(settings: Settings):
              list(settings.tree) if draft else "none (no draft model)", settings.spec_method, settings.max_batch)
     # What loading built (a few hundred thousand objects: tokenizer tables, modules, configs) lives as
     # long as the server: out of the garbage collector's scans from now on.  A full collection over it
-    # took about 175 ms, a stall in every stream whenever one ran.
+    # is a stall of a large part of a step in every stream whenever one runs.
     gc.collect()
     gc.freeze()
     return core

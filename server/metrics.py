@@ -35,8 +35,8 @@ sequences, ``cached``: unused but holding a prefix the cache can still hand out,
 is the "mean acceptance length"), ``mcsd:spec_decode_tree_nodes`` (nodes verified per step over the
 batch), ``mcsd:spec_decode_{draft,accepted}_tokens_by_depth{depth}`` (1-based) and ``..._by_rank
 {rank}`` (0-based sibling order), ``mcsd:spec_decode_draft_seconds`` / ``_verify_seconds``,
-``mcsd:spec_decode_{draft,accepted}_tokens_by_method{method}`` (drafter: ``draft`` model, ``maxgram``,
-``bigram`` (Max-Gram's fallback), ``cascade``; a node several drafters proposed counts for each).
+``mcsd:spec_decode_{draft,accepted}_tokens_by_method{method}`` (the node's source, as the drafters
+name it: ``engine.speculative.draft_tree``; a node several drafters proposed counts for each).
 Derived: acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts.
 
 Token and request counters are counted when a request finishes, from the same numbers its

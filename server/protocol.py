@@ -28,7 +28,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from engine.grammar import EBNF, JSON, JSON_OBJECT_SCHEMA, REGEX, GrammarSpec
 from engine.request import SamplingParams, SpecOptions
-from engine.speculative.methods import method_names, methods
+from engine.registry import method_names, methods
 from server.tools import decode_arguments, tool_grammar
 
 MAX_STOP = 16  # OpenAI allows 4; be lenient
@@ -70,9 +70,8 @@ class _Response(BaseModel):
 class SpeculativeOptions(_Request):
     """Extension: ``{"speculative": {"enabled": false}}`` turns speculation off for one request;
     ``max_depth`` caps the drafted depth, ``tree`` gives widths per depth (e.g. ``[4, 2, 2]``);
-    ``method`` picks the drafter (``mcsd``, ``maxgram``, ``mcsd+maxgram``, ``cascade``, and the lossy
-    ``mjsd-lossy`` / ``target-init-lossy``; see ``engine.speculative.methods``), default: the server's
-    ``--spec-method``; ``adaptive: false`` drafts the whole tree every step on an adaptive server
+    ``method`` picks the speculation method (the registered ones, ``engine.registry``; those named
+    ``*-lossy`` are lossy), default: the server's ``--spec-method``; ``adaptive: false`` drafts the whole tree every step on an adaptive server
     (fixed speculation length for this request)."""
 
     enabled: bool = True
@@ -146,9 +145,9 @@ def _never_with(field: str, condition: dict[str, Any]) -> dict[str, Any]:
 
 
 _STREAM_OPTIONS_RULE = _only_when("stream_options", {"stream": {"const": True}})
-_MJSD_HAS_NO_PENALTIES = {  # the engine refuses penalties with the lossy joint rule (no token history there)
-    "if": {"properties": {"speculative": {"type": "object", "properties": {"method": {"const": "mjsd-lossy"}},
-                                          "required": ["method"]}}, "required": ["speculative"]},
+_NO_PENALTIES = {  # the methods whose rule keeps no token history refuse penalties (engine.registry.Method)
+    "if": {"properties": {"speculative": {"type": "object", "required": ["method"], "properties": {
+        "method": {"enum": [m.name for m in methods() if not m.penalties]}}}}, "required": ["speculative"]},
     "then": {"properties": {"presence_penalty": {"const": 0}, "frequency_penalty": {"const": 0},
                             "repetition_penalty": {"const": 1}}}}
 
@@ -156,7 +155,7 @@ _MJSD_HAS_NO_PENALTIES = {  # the engine refuses penalties with the lossy joint 
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_RULE, _MJSD_HAS_NO_PENALTIES]})
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_RULE, _NO_PENALTIES]})
 
     @model_validator(mode="before")
     @classmethod
@@ -356,7 +355,7 @@ class _ConstrainedFields(_Request):
 # ---------------------------------------------------------------------------- completions
 class CompletionRequest(_SamplingFields, _ConstrainedFields):
     model_config = ConfigDict(json_schema_extra={"allOf": [
-        _STREAM_OPTIONS_RULE, _MJSD_HAS_NO_PENALTIES, _never_with("logprobs", {"echo": {"const": True}}),
+        _STREAM_OPTIONS_RULE, _NO_PENALTIES, _never_with("logprobs", {"echo": {"const": True}}),
         _ONE_CONSTRAINT, _LOSSY_HAS_NO_GRAMMAR]})
 
     # validated by _check_prompt (clear messages); the schema says what that accepts
@@ -488,7 +487,7 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields, _ConstrainedFields):
     model_config = ConfigDict(json_schema_extra={"allOf": [
-        _STREAM_OPTIONS_RULE, _MJSD_HAS_NO_PENALTIES, _only_when("top_logprobs", {"logprobs": {"const": True}}),
+        _STREAM_OPTIONS_RULE, _NO_PENALTIES, _only_when("top_logprobs", {"logprobs": {"const": True}}),
         _ONE_CONSTRAINT, _LOSSY_HAS_NO_GRAMMAR, *_TOOL_RULES]})
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]

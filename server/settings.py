@@ -20,7 +20,8 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
-from engine.config import EngineConfig, sections, setting_fields
+from engine.config import EngineConfig, setting_fields
+from engine.registry import sections
 from engine.speculative.tree import parse_widths
 
 if sys.version_info >= (3, 11):

@@ -1,5 +1,6 @@
-"""The package's layering, checked on the source: nothing below the core imports the core, the
-runner or the server, and speculative code sees a sequence only through ``SeqView``."""
+"""The package's layering, checked on the source: no import circle in ``engine/`` or ``server/``,
+nothing below the core imports the core, the runner or the server, and speculative code sees a
+sequence only through ``SeqView``."""
 
 from __future__ import annotations
 
@@ -25,6 +26,71 @@ def imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             out.add(node.module)
     return out
+
+
+def module_graph(root: Path, packages: tuple[str, ...] = ("engine", "server")) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (every import: module level, in functions and under
+    ``TYPE_CHECKING``; ``from a import b`` counts ``a.b`` when that is a module)."""
+    paths = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            name = ".".join(path.relative_to(root).with_suffix("").parts)
+            paths[name.removesuffix(".__init__")] = path
+    graph = {}
+    for name, path in paths.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        graph[name] = {m for m in found if m in paths and m != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's import circles: its strongly connected components of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                out.append(sorted(component))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles():
+    found = circles(module_graph(ROOT))
+    assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_circle_scan_finds_a_circle(tmp_path):
+    """A type-only import closing a loop counts (the scan would pass vacuously otherwise)."""
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "server").mkdir()
+    (tmp_path / "engine" / "a.py").write_text("from engine.b import B\n")
+    (tmp_path / "engine" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                              "    from engine import c\n")
+    (tmp_path / "engine" / "c.py").write_text("def f():\n    import engine.a\n")
+    (tmp_path / "server" / "d.py").write_text("import engine.a\n")
+    assert circles(module_graph(tmp_path)) == [["engine.a", "engine.b", "engine.c"]]
 
 
 @pytest.mark.parametrize("path", [p for p in sorted((ROOT / "engine").rglob("*.py"))
@@ -77,4 +143,4 @@ def test_the_engines_sequence_is_a_view():
 def test_the_read_check_sees_the_sequences():
     """The scan above finds what the drafters do read (it would pass vacuously otherwise)."""
     reads = set().union(*map(sequence_reads, SPECULATIVE))
-    assert {"tokens", "draft_cached", "request", "generator", "init_candidates"} <= reads
+    assert {"tokens", "draft_cached", "request", "generator", "carry"} <= reads

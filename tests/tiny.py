@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from engine.models.config import ModelConfig
-from engine.models.llama import LlamaModel, build_model
+from engine.models.llama import build_model
+from engine.models.model import Model
 
 VOCAB = 101
 
 
 def tiny_hf(kind: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: int = 2, hidden: int = 64,
             intermediate: int = 96):
-    """A random HF reference model: ``llama`` (Llama-3 RoPE scaling, untied) or ``qwen2``
-    (qkv biases, tied embeddings)."""
+    """A random HF reference model: ``llama`` (Llama-3 RoPE scaling, untied), ``qwen2`` (qkv biases,
+    tied embeddings) or ``qwen3`` (per-head q/k norms, a head size other than hidden / heads)."""
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -31,12 +32,20 @@ def tiny_hf(kind: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: int 
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif kind == "qwen3":
+        cfg = Qwen3Config(**common, head_dim=hidden // 2, tie_word_embeddings=True, rope_theta=10000.0,
+                          attention_bias=False, use_sliding_window=False)
+        model = Qwen3ForCausalLM(cfg)
+        with torch.no_grad():  # random init leaves the norms at one: make them matter
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1, 0.5)
+                layer.self_attn.k_norm.weight.normal_(1, 0.5)
     else:
         raise ValueError(kind)
     return model.eval()
 
 
-def ours_from_hf(hf, dtype=torch.float32, device: str = "cpu") -> LlamaModel:
+def ours_from_hf(hf, dtype=torch.float32, device: str = "cpu") -> Model:
     return build_model(ModelConfig.from_hf(hf.config), hf.state_dict(), dtype, device)
 
 

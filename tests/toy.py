@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.models.llama import ForwardOutput, LlamaModel, RMSNorm
+from engine.models.llama import LlamaModel, RMSNorm
+from engine.models.model import ForwardOutput
 
 SCALE = 60.0
 

@@ -13,7 +13,7 @@ from typing import Iterable, Iterator, Optional
 
 from tqdm import tqdm
 
-from engine.data import iter_json_array, load_prompts_file
+from tools.prompts import iter_json_array, load_prompts_file
 from engine.models.vocab import save_token_ranking
 
 

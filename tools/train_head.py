@@ -120,7 +120,7 @@ def select_nodes(f: NodeFeatures, mask: torch.Tensor) -> NodeFeatures:
 
 # ------------------------------------------------------------------ collecting data
 def render_prompts(tokenizer, path: str, limit: Optional[int], max_prompt: int) -> list[list[int]]:
-    from engine.data import interleave_sources, load_prompts_file
+    from tools.prompts import interleave_sources, load_prompts_file
 
     out = []
     for p in interleave_sources(load_prompts_file(path), limit):

@@ -1,15 +1,27 @@
 """Architecture description of a Llama-family model, read from a Hugging Face config.
 
 One dataclass covers Llama 2/3 (incl. Llama-3 RoPE scaling), Qwen2 (qkv biases, tied embeddings),
-Mistral and SmolLM (a Llama).  Anything else is rejected with a message naming what is supported.
+Mistral, SmolLM (a Llama) and Qwen3 (per-head q/k norms).  Anything else is rejected with a message
+naming what is supported.
+
+:data:`ARCHITECTURES` is the registry of model classes (``engine.models.model.Model``) by the
+checkpoint's ``model_type``; the loaders build what it names.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+#: model_type -> "module:class" implementing it (imported by name when a checkpoint asks for it)
+ARCHITECTURES = {
+    "llama": "engine.models.llama:LlamaModel",
+    "qwen2": "engine.models.llama:LlamaModel",
+    "mistral": "engine.models.llama:LlamaModel",
+    "qwen3": "engine.models.qwen3:Qwen3Model",
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -38,6 +50,11 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+
+    def model_class(self) -> type:
+        """The class that implements this architecture (:data:`ARCHITECTURES`)."""
+        module, name = ARCHITECTURES[self.model_type].split(":")
+        return getattr(importlib.import_module(module), name)
 
     @property
     def rope_type(self) -> str:

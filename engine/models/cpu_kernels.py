@@ -38,7 +38,7 @@ the build directory is ``$MCSD_CACHE/torch_extensions/<name>`` (``~/.cache/mcsd`
 ``<name>`` carries a hash of the source, the flags and the torch version, so an edit or a torch
 upgrade triggers a rebuild and a finished build is reused by later processes without invoking the
 compiler (or ninja) again.  It has no Python binding code: it registers the operator
-``torch.ops.mcsd_cpu.bf16_linear``, which keeps the compilation short (~10-20 s).
+``torch.ops.mcsd_cpu.bf16_linear``, which keeps the compilation short.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from engine.models.fetch import default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +79,6 @@ _batch_invariant = True  # set_batch_invariant()
 # compares the compute paths and not DRAM) at 1 and 16 rows.
 _PROBE_SHAPE = (512, 1536)
 _PROBE_ROWS = (1, 16)
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("MCSD_CACHE", Path.home() / ".cache" / "mcsd"))
 
 
 def cpu_flags() -> Optional[set]:
@@ -147,7 +145,7 @@ def _extension_name() -> str:
 def _load_library() -> None:
     """Build (if needed) and load the operator library; raises on failure."""
     name = _extension_name()
-    build_dir = _cache_root() / "torch_extensions" / name
+    build_dir = default_cache_dir() / "torch_extensions" / name
     built = build_dir / f"{name}.so"
     lock = build_dir / "lock"
     # A "lock" file means another process is building right now: go through cpp_extension.load,

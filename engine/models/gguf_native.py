@@ -28,33 +28,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.models import cpu_kernels
 from engine.models.config import ModelConfig
-from engine.models.qweight import BLOCK_TYPES, QuantLinear, QuantWeight
+from engine.models.qweight import BLOCK_TYPES, QuantLinear, QuantWeight, StackedWeight
 
 log = logging.getLogger(__name__)
 
 _FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGML F32, F16, BF16
-
-
-class StackedWeight:
-    """Row-stacked weights (a fused q/k/v or gate/up whose parts have different block types): the
-    product is the parts' products side by side."""
-
-    def __init__(self, parts: list) -> None:
-        self.parts = parts
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(_nbytes(p) for p in self.parts)
-
-    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        y = torch.cat([cpu_kernels.linear(x, p) for p in self.parts], dim=-1)
-        return y if bias is None else y + bias
 
 
 class QuantEmbedding(nn.Module):
@@ -158,8 +137,8 @@ def _read_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, tuple
 
 def read_metadata(path: Path) -> tuple[dict[str, Any], tuple[str, ...]]:
     """A GGUF file's metadata (scalars and strings decoded, arrays as :class:`GGUFArray`) and its
-    tensor names, in well under a second: nothing of the tokenizer's arrays is decoded, where
-    ``gguf.GGUFReader`` takes about 14 s for a 150k vocabulary."""
+    tensor names, without decoding the tokenizer's arrays (``gguf.GGUFReader`` decodes them all, which
+    takes seconds for a large vocabulary)."""
     meta, infos, _ = _read_header(path)
     return meta, tuple(name for name, *_ in infos)
 
@@ -175,7 +154,7 @@ class TensorInfo:
 
 def read_tensor_index(path: Path) -> dict[str, TensorInfo]:
     """The tensors of a GGUF file (name, type, shape, where their bytes are), reading past the metadata
-    without decoding its arrays (``gguf.GGUFReader`` decodes every tokenizer string: ~10 s for a 50k vocabulary)."""
+    without decoding its arrays (``gguf.GGUFReader`` decodes every tokenizer string)."""
     _, infos, start = _read_header(path)
     out = {}
     for name, type_id, shape, offset in infos:
@@ -254,12 +233,11 @@ def _as_linear(weight, bias: Optional[torch.Tensor] = None) -> nn.Module:
 
 
 def build_native(cfg: ModelConfig, path: Path, arch: str, dtype: torch.dtype):
-    """A :class:`LlamaModel` over ``path``'s tensors, quantized ones kept in their blocks."""
-    from engine.models.llama import LlamaModel
-
+    """The model of ``cfg``'s architecture (``cfg.model_class``) over ``path``'s tensors, quantized ones
+    kept in their blocks."""
     tensors = _Tensors(path, dtype)
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = cfg.model_class()(cfg)
     permute = arch == "llama"  # llama.cpp permutes q/k rows for this architecture only
 
     embed = tensors.get("token_embd.weight")
@@ -285,6 +263,9 @@ def build_native(cfg: ModelConfig, path: Path, arch: str, dtype: torch.dtype):
         layer.down_proj = _as_linear(tensors.get(p + "ffn_down.weight"))
         layer.input_layernorm.weight = nn.Parameter(tensors.get(p + "attn_norm.weight"), requires_grad=False)
         layer.post_attention_layernorm.weight = nn.Parameter(tensors.get(p + "ffn_norm.weight"), requires_grad=False)
+        for ours, (_, gguf_name) in model.layer_extras.items():
+            module, _, param = ours.rpartition(".")
+            setattr(layer.get_submodule(module), param, nn.Parameter(tensors.get(p + gguf_name), requires_grad=False))
     leftovers = [n for n in tensors.by_name if not n.startswith("rope_")]
     if leftovers:
         raise ValueError(f"GGUF file has tensors our runtime does not use: {leftovers[:5]}")

@@ -7,7 +7,7 @@ position ids and an arbitrary attention mask over the sequence's pending entries
 Weights use Hugging Face names so checkpoints load as they are; q/k/v and gate/up projections are
 fused into one matrix each at load time (one GEMM instead of three / two).  Every matrix multiply
 goes through ``cpu_kernels.linear``: on CPUs without native bf16 it takes our batch-invariant bf16
-kernel (a 16-token verification block costs ~2.7x one token instead of ~15x), elsewhere F.linear;
+kernel (a verification block costs a few tokens' time, not one per row), elsewhere F.linear;
 weights in GGUF blocks (``engine.models.qweight``: a GGUF model run natively, ``--quantize``, an
 int8 draft) multiply themselves with our integer kernels.  Attention is ``cpu_kernels.attention``:
 batch-invariant on the CPU, SDPA elsewhere.
@@ -19,7 +19,7 @@ import functools
 import itertools
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 from torch import nn
@@ -28,6 +28,8 @@ from engine.device import to_device, to_device_many
 from engine.kv_cache import Addresses, KVCache
 from engine.models import cpu_kernels
 from engine.models.config import ModelConfig
+from engine.models.model import ForwardOutput
+from engine.models.qweight import QuantWeight, StackedWeight
 from engine.models.rope import RotaryTables
 from engine.models.vocab import OutputVocab
 
@@ -74,13 +76,19 @@ class DecoderLayer(nn.Module):
         qkv = linear(h, self.qkv_proj.weight, self.qkv_proj.bias)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads rotate together: one rotary pass instead of two
-        qk = cpu_kernels.rotary(qk.reshape(b, t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), ctx.cos, ctx.sin)
+        qk = self.norm_heads(qk.reshape(b, t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim))
+        qk = cpu_kernels.rotary(qk, ctx.cos, ctx.sin)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=2)
         v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
         attn = ctx.attend(layer, q.transpose(1, 2), k, v)  # [batch, heads, block, head_dim]
         x, h = self.post_attention_layernorm.add(x, linear(attn.transpose(1, 2).reshape(b, t, self.q_size),
                                                            self.o_proj.weight))
         return x, linear(cpu_kernels.silu_mul(linear(h, self.gate_up_proj.weight)), self.down_proj.weight)
+
+    def norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
+        """[batch, block, q heads + kv heads, head_dim] before the rotary: as they are (an architecture
+        with per-head norms overrides this, ``engine.models.qwen3``)."""
+        return qk
 
 
 @dataclass
@@ -216,11 +224,10 @@ class FusedStack:
     @staticmethod
     def build(model: "LlamaModel") -> Optional["FusedStack"]:
         """The stack of ``model``'s layers, or None where it does not apply."""
-        from engine.models.gguf_native import StackedWeight
-        from engine.models.qweight import QuantWeight
-
         dtype = model.dtype
         if model.device.type != "cpu" or not cpu_kernels.row_ops_apply(dtype):  # (the operator is in their library)
+            return None
+        if type(model).layer_class is not DecoderLayer:  # the operator runs the Llama layer only
             return None
         cfg = model.cfg
         meta = [cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim]
@@ -258,18 +265,17 @@ class FusedStack:
             ctx.lens, ctx.start, ctx.block_mask, self.scale, None if pk is None else pk.counts)
 
 
-@dataclass
-class ForwardOutput:
-    logits: torch.Tensor  # [batch, rows, vocab] float32, rows = selected block positions
-    hidden: torch.Tensor  # [batch, block, hidden] final-norm hidden states of every block token
-
-
 class LlamaModel(nn.Module):
+    """The Llama family (Llama 2/3, Qwen2, Mistral, SmolLM): an ``engine.models.model.Model``."""
+
+    layer_class: ClassVar[type] = DecoderLayer
+    layer_extras: ClassVar[dict[str, tuple[str, str]]] = {}  # (Model.layer_extras: none here)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -448,13 +454,14 @@ def _take(sd: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device | str = "cpu") -> LlamaModel:
-    """Builds a :class:`LlamaModel` from a Hugging Face state dict (fusing q/k/v and gate/up).
+    """Builds the model of ``cfg``'s architecture (a :class:`LlamaModel` or a subclass: ``cfg.model_class``)
+    from a Hugging Face state dict, fusing q/k/v and gate/up.
 
     Consumes ``state_dict`` (tensors are popped as they are placed) to keep peak memory low.
     """
     sd = dict(state_dict)
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = cfg.model_class()(cfg)
     own: dict[str, torch.Tensor] = {}
     own["embed_tokens.weight"] = _take(sd, "model.embed_tokens.weight")
     own["norm.weight"] = _take(sd, "model.norm.weight")
@@ -473,6 +480,8 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: to
         own[f"layers.{i}.down_proj.weight"] = _take(sd, m + "down_proj.weight")
         own[f"layers.{i}.input_layernorm.weight"] = _take(sd, p + "input_layernorm.weight")
         own[f"layers.{i}.post_attention_layernorm.weight"] = _take(sd, p + "post_attention_layernorm.weight")
+        for ours, (hf_name, _) in model.layer_extras.items():
+            own[f"layers.{i}.{ours}"] = _take(sd, p + hf_name)
     sd.pop("lm_head.weight", None)  # tied checkpoints may still carry a copy
     leftovers = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
     if leftovers:

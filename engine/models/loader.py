@@ -22,7 +22,9 @@ from typing import Any, Optional
 import torch
 
 from engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from engine.models.llama import LlamaModel, build_model
+from engine.models.fetch import default_cache_dir
+from engine.models.llama import build_model
+from engine.models.model import Model
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ class ModelLoadError(RuntimeError):
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: Model
     config: ModelConfig
     tokenizer: Any  # transformers PreTrainedTokenizerBase
     source: str  # what the user asked for
@@ -68,10 +70,6 @@ def parse_device(name: str) -> torch.device:
     return dev
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("MCSD_CACHE", Path.home() / ".cache" / "mcsd"))
-
-
 def load_model(source: str, dtype: str | torch.dtype = "bf16", device: str = "cpu",
                cache_dir: str | Path | None = None, gguf_weights: str = "dequantize",
                quantize: str = "none", tokenizer_of: Optional[LoadedModel] = None) -> LoadedModel:
@@ -79,10 +77,10 @@ def load_model(source: str, dtype: str | torch.dtype = "bf16", device: str = "cp
 
     ``gguf_weights``: ``"dequantize"`` (the default) converts a GGUF file once into a cached dense
     directory; ``"native"`` keeps its quantized tensors in their blocks (CPU, with the kernels built;
-    about 3.5x less weight memory, int8 activations as llama.cpp does: docs/quantized.md).
+    a fraction of the dense weights' memory, int8 activations as llama.cpp does: docs/quantized.md).
     ``quantize``: ``"q8_0"`` quantizes a dense model's linears on load (``"none"``: as they are).
     ``tokenizer_of``: a model already loaded (the target, for a draft) whose tokenizer this model takes,
-    instead of loading its own (1.5 s for Qwen2.5's), when the two directories hold the same bytes in
+    instead of loading its own (seconds for a large vocabulary), when the two directories hold the same bytes in
     every one of ``_TOKENIZER_FILES`` and name the same ``model_type``.  A chat template kept in a file of
     its own (``chat_template.jinja``) may differ; the engine never formats chats with a draft's."""
     t0 = time.perf_counter()
@@ -207,7 +205,7 @@ def gguf_meta(gguf: Path, cache_dir: Path) -> Path:
                 hf_cfg = AutoConfig.from_pretrained(gguf.parent, **kw)
             ModelConfig.from_hf(hf_cfg)
             # Given a GGUF file, AutoTokenizer reads the config from its whole metadata again to choose the
-            # tokenizer's class (14 s for Qwen2.5's vocabulary). For Qwen2 that class is named by the
+            # tokenizer's class (seconds for a large vocabulary). For Qwen2 that class is named by the
             # type (the same files, tested); llama-type files keep AutoTokenizer's own choice.
             if hf_cfg.model_type in _TOKENIZER_BY_TYPE:
                 kw["tokenizer_type"] = hf_cfg.model_type
@@ -224,9 +222,9 @@ def gguf_meta(gguf: Path, cache_dir: Path) -> Path:
 def gguf_config(gguf: Path):
     """The ``transformers`` config of a GGUF file of an architecture we run (llama, qwen2, mistral),
     built as ``transformers`` builds it (its own key mapping, defaults, tied embeddings, vocabulary
-    size) from the metadata read by :func:`read_metadata`, which leaves the tokenizer's arrays undecoded:
-    0.1 s where ``AutoConfig.from_pretrained(..., gguf_file=...)`` takes 14-20 s for Qwen2.5's 150k
-    vocabulary. ``None`` for other architectures, or where this ``transformers`` has no such mapping:
+    size) from the metadata read by :func:`read_metadata`, which leaves the tokenizer's arrays undecoded
+    (``AutoConfig.from_pretrained(..., gguf_file=...)`` decodes them all: seconds for a large
+    vocabulary). ``None`` for other architectures, or where this ``transformers`` has no such mapping:
     the caller then asks ``transformers``. Tested to give the same config as it
     (``tests/engine/models/test_gguf_native.py``)."""
     from engine.models.gguf_native import GGUFArray, read_metadata

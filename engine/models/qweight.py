@@ -265,6 +265,27 @@ def _q4_k_rows(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, scales, qs], -1).reshape(n, k // 256 * 144)
 
 
+class StackedWeight:
+    """Row-stacked weights (a fused q/k/v or gate/up whose parts have different block types): the
+    product is the parts' products side by side."""
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes if isinstance(p, (QuantWeight, StackedWeight)) else p.numel() * p.element_size()
+                   for p in self.parts)
+
+    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        y = torch.cat([cpu_kernels.linear(x, p) for p in self.parts], dim=-1)
+        return y if bias is None else y + bias
+
+
 class QuantLinear(nn.Module):
     """Stands in for ``nn.Linear`` in a :class:`~engine.models.llama.LlamaModel`: ``.weight`` is a
     :class:`QuantWeight` (or any weight with a ``linear`` method), which ``engine.models.cpu_kernels.linear``

@@ -30,20 +30,21 @@ from typing import Optional
 import torch
 
 from engine.batching import Block
-from engine.config import DrafterSettings, drafter_settings, setting
+from engine.config import DrafterSettings, setting
 from engine.device import tensor as device_tensor
 from engine.device import to_device, to_host
+from engine.registry import Method, drafter_settings, register_drafter, register_method
 from engine.sampler import SamplingTensors, compute_probs, sample_from_probs
-from engine.speculative.drafter import DrafterContext, register
 from engine.speculative.constrained import mask_rows, path_masks
-from engine.speculative.methods import DraftPlan, Method, PlanInput, register_method
 from engine.speculative.draft_tree import CASCADE, SAMPLED, DraftTree
+from engine.speculative.drafter import DrafterContext
 from engine.speculative.maxgram import MAXGRAM_DRAFTER, MaxGramDrafter, MaxGramSettings, MaxGramShare
+from engine.speculative.methods import DraftPlan, PlanInput
 from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.tree import SubTree
 from engine.speculative.verify import without_rows
-from engine.speculative.walk import Coins, onehot_residual
 from engine.speculative.view import SeqView
+from engine.speculative.walk import Coins, onehot_residual
 
 CASCADE_DRAFTER = CASCADE_METHOD = "cascade"
 
@@ -248,7 +249,7 @@ def review_guess(probs: torch.Tensor, guess: list[int], room: int, greedy: bool,
     return len(guess), tokens + [int(p.argmax()) if greedy else coins.draw(p, len(guess))]
 
 
-@register
+@register_drafter
 class CascadeDrafter:
     """The vertical cascade's chains (method ``cascade``; Max-Gram's tail follows at its own stage)."""
 

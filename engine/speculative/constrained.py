@@ -25,11 +25,12 @@ from typing import Optional
 
 import torch
 
-from engine.config import DrafterSettings, drafter_settings, setting
+from engine.config import DrafterSettings, setting
 from engine.device import to_device
 from engine.grammar import GrammarState, Masks, apply_mask, unpack, words
+from engine.registry import drafter_settings, register_drafter
 from engine.speculative.draft_tree import DEAD, DraftTree
-from engine.speculative.drafter import DrafterContext, register
+from engine.speculative.drafter import DrafterContext
 from engine.speculative.methods import DraftPlan
 from engine.speculative.view import SeqView
 
@@ -92,7 +93,7 @@ def tree_row_paths(tree: DraftTree, rows: list[int]) -> list[list[int]]:
     return [tree.path_to(r - 1) if r else [] for r in rows]
 
 
-@register
+@register_drafter
 class GrammarDrafter:
     """Prunes what the grammar forbids from every constrained tree and appends the tokens it forces.
     Runs last, for every method (``every_method``): the planner gives each constrained sequence a

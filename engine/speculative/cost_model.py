@@ -20,8 +20,8 @@ the one price of verification rows that both the tree budget and Max-Gram's leng
 **Catching up.**  The draft model's cache is filled lazily (``ModelRunner.prefill``): a sequence
 drafting for the first time, or after many steps without the draft, first runs its missing tokens
 through the draft, which costs ``catch_up(lag)`` seconds (a curve of its own: such a forward needs the
-logits of its last row only, where a tree level's needs every row's; measured at 227 tokens, the level
-curve priced a catch-up 2.5x too high) and stalls the whole batch.  The chooser
+logits of its last row only, where a tree level's needs every row's, so the level curve prices a long
+catch-up several times too high) and stalls the whole batch.  The chooser
 also reports ``saving``: seconds per emitted token the chosen budget saves over plain decoding for
 this batch.  A sequence that still has ``m`` tokens to write saves about ``m * saving`` seconds by
 speculating, so it catches up only when that exceeds the catch-up's cost (``CostModel.catch_up_pays``);
@@ -47,7 +47,8 @@ import torch
 
 from engine.device import synchronize
 from engine.kv_cache import KVCache
-from engine.models.llama import LlamaModel
+from engine.models.fetch import default_cache_dir
+from engine.models.model import Model
 from engine.models.vocab import OutputVocab
 from engine.speculative.tree import TreeTopology, count_nodes
 
@@ -73,8 +74,8 @@ class CostCurve:
         is the forward's own cost.  The convex hull, because a forward's cost is: flat while the
         weights' bytes bound it, then rising by a fixed cost per row once the multiplies do.  A curve
         through every point instead keeps a stall of one point as a step that the points after it
-        flatten out, and a flat stretch prices added rows at nothing (measured: rows 17-28 at one
-        price, and the length chooser filled them)."""
+        flatten out, and a flat stretch prices added rows at nothing (which the length chooser then
+        fills)."""
         by_n: dict[float, float] = {}
         for n, s in points:
             by_n[float(n)] = min(float(s), by_n.get(float(n), float("inf")))
@@ -110,10 +111,9 @@ class LiveCurve:
 
     The start-up curve times bare forwards over an empty cache.  A real step also attends over its
     sequences' contexts, applies the verification rule to every row (a softmax over the vocabulary when
-    sampling) and updates the caches, and it runs on a machine that is busy for longer.  Measured at
-    batch 4 and T=0.7 (docs/benchmarks.md): 4 rows took 73 ms against the curve's 62, 8 rows 99 against
-    81: an added row cost 6.5 ms where the curve said 4.8.  (The ratio, 1.11-1.22, was nearly flat over
-    block sizes there, so pricing by it hardly changed the choices; it grows with the contexts.)
+    sampling) and updates the caches, and it runs on a machine that is busy for longer: a real row
+    costs more than the curve says, by a ratio nearly flat over block sizes that grows with the
+    contexts.
 
     Each step's ``(rows, seconds)`` is one observation.  Per block size ``n`` the ratio
     ``measured / prior(n)`` is a decayed mean, shrunk by ``weight`` pseudo-observations to the ratio over
@@ -187,7 +187,7 @@ class CostModel:
     catch_up: Optional[CostCurve] = None  # one draft forward with the last row's logits (None: ``draft``)
 
     @classmethod
-    def measure(cls, target: LlamaModel, target_cache: KVCache, draft: LlamaModel, draft_cache: KVCache,
+    def measure(cls, target: Model, target_cache: KVCache, draft: Model, draft_cache: KVCache,
                 max_batch: int, topology: TreeTopology, reps: int = 2, max_block: int = 0,
                 draft_vocab: Optional[OutputVocab] = None) -> "CostModel":
         """``max_block``: the longest verification block other drafters may add (Max-Gram), timed at batch 1
@@ -198,15 +198,14 @@ class CostModel:
         longest = [(1, max_block)] if max_block > 1 + topology.num_nodes else []
         widest = max(topology.level_offsets[d + 1] - topology.level_offsets[d] for d in range(len(topology.widths)))
         levels = sorted({1, max(1, widest // 2), widest})
-        # the middle block at batch 1 only: past a few rows the curve is a straight line (the 2-core EPYC:
-        # 4 x 5 rows took 0.344-0.354 s, the line from 9 to 28 rows gives 0.354; 8 x 5 took 0.646-0.721 s,
-        # the line from 28 to 56 gives 0.721), and timing them took 2.1 s of the first start
+        # the middle block at batch 1 only: past a few rows the curve is a straight line (the larger
+        # batches' middle points lie on the line between their neighbours), and timing them costs start-up
         shapes = [(b, t) for b, t in itertools.product(batches, blocks) if b == 1 or t in (blocks[0], blocks[-1])]
         return cls(measure_curve(target, target_cache, shapes + longest, reps),
                    measure_curve(draft, draft_cache, list(itertools.product(batches, levels)), reps, draft_vocab),
-                   # a prompt's catch-up; the curve extrapolates linearly beyond its longest point.  Qwen2.5-0.5B
-                   # on the 2-core EPYC: 6.2 ms a token from 64 to 128, 6.8 to 256, 8.2 to 512, so 128 prices
-                   # 256 tokens 4% low and 512 15% low (9% from 256), and timing 256 took 1.8 s of the start.
+                   # a prompt's catch-up; the curve extrapolates linearly beyond its longest point (a token
+                   # costs a little more the longer the context, so long catch-ups are priced somewhat low;
+                   # timing longer ones would lengthen every first start)
                    measure_curve(draft, draft_cache, sorted({(1, min(t, draft_cache.max_len)) for t in (1, 64, 128)}),
                                  reps, draft_vocab, last_row=True))
 
@@ -216,7 +215,6 @@ class CostModel:
         """The curves stored under ``key`` (everything the timings depend on: see :func:`cost_key`) when
         ``reuse`` and an earlier start measured them, else ``measure()``, stored for the next start.
         ``directory``: default ``$MCSD_CACHE/cost-model``.  An unreadable file is measured over."""
-        from engine.models.fetch import default_cache_dir
 
         directory = Path(directory) if directory is not None else default_cache_dir() / "cost-model"
         name = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=12).hexdigest()
@@ -327,7 +325,7 @@ def cost_key(target, draft, **settings) -> Optional[dict]:
             "fit": FIT_METHOD}
 
 
-def measure_curve(model: LlamaModel, cache: KVCache, points: list[tuple[int, int]], reps: int,
+def measure_curve(model: Model, cache: KVCache, points: list[tuple[int, int]], reps: int,
                   vocab: Optional[OutputVocab] = None, last_row: bool = False) -> CostCurve:
     """Times ``reps`` forwards of ``B`` slots x ``T`` tokens for each ``(B, T)``, on temporarily allocated
     cache slots that are freed afterwards, with logits at every row (``last_row``: at each slot's last
@@ -419,8 +417,8 @@ class BudgetChooser:
             reach = self.reach(rates)
             tokens = tokens + n * (1.0 + self.member @ reach)  # [candidates]: 1 + expected accepted
             # An accepted node of the deepest level was never run through the draft: the next step's
-            # catch-up reads it besides the root (measured at T=0.7, one stream, depth 1: the step's
-            # drafting took 26.4 ms, where one row of the draft is 21.3 and two 26.1).
+            # catch-up reads it besides the root (a step after such an acceptance drafts at the price
+            # of two draft rows, not one).
             lag = lag + n * (self.deepest @ reach)  # [candidates]
         verify = [self.verify(spec * (1 + s) + plain) for s in self.sizes.tolist()]
         seconds = torch.tensor(verify) + torch.tensor(self._draft_costs(spec, lag.tolist()))

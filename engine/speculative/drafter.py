@@ -21,38 +21,36 @@ name                stage   module                                              
 ``maxgram``         90      ``maxgram``: one-hot tails and root branches                tree
 ==================  ======  =========================================================  ==========
 
-A new drafter is one module: a class with this interface, registered with :func:`register`, its
-settings (``engine.config.DrafterSettings``) and a ``Method`` naming it so requests can ask for it
-(``methods.register_method``), plus its tests.
+A new drafter is one module: a class with this interface, registered with
+``engine.registry.register_drafter``, its settings (``engine.config.DrafterSettings``,
+``registry.drafter_settings``) and a ``registry.Method`` naming it so requests can ask for it
+(``registry.register_method``), plus its tests (``CONTRIBUTING.md``).
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 from engine.config import EngineConfig
+from engine.registry import drafter_classes, methods
 from engine.speculative.draft_tree import DraftTree
-from engine.speculative.methods import DraftPlan, methods
+from engine.speculative.methods import DraftPlan
 from engine.speculative.tree import TreeTopology
 from engine.speculative.view import SeqView
-
-if TYPE_CHECKING:
-    from engine.speculative.maxgram import MaxGramDrafter
-    from engine.speculative.verify import SeqStepResult
-    from engine.speculative.proposer import DraftModelProposer
+from engine.speculative.walk import SeqStepResult
 
 
 @dataclass
 class DrafterContext:
-    """What drafters are built from."""
+    """What drafters are built from.  The two shared drafting engines are typed loosely because
+    their modules are drafters themselves (they import this one)."""
 
     config: EngineConfig
     topology: TreeTopology  # the largest draft tree
-    maxgram: "MaxGramDrafter"
-    proposer: Optional["DraftModelProposer"] = None  # the draft model with its cache; None: no draft model
+    maxgram: Any  # engine.speculative.maxgram.MaxGramDrafter: the n-gram index the planner also reads
+    proposer: Optional[Any] = None  # engine.speculative.proposer.DraftModelProposer: the draft model with its
+    #                                 cache; None: no draft model
 
 
 class Drafter(Protocol):
@@ -74,27 +72,15 @@ class Drafter(Protocol):
         """Grows (or replaces) ``trees[i]``, the step's tree of ``seqs[i]``, as ``plans[i]`` allows;
         sequences whose plan gives this drafter nothing are left alone."""
 
-    def observe(self, results: list["SeqStepResult"], plans: list[DraftPlan]) -> None:
+    def observe(self, results: list[SeqStepResult], plans: list[DraftPlan]) -> None:
         """Optional (a drafter without it learns nothing): the step's outcome, once per step, every
         verified sequence's result (its tree, accepted path and emitted tokens) with the plan it
         followed, in the same order (``ModelRunner.observe``)."""
 
 
-_REGISTRY: dict[str, type] = {}
-
-
-def register(cls: type) -> type:
-    """Class decorator: registers a drafter under its ``name``."""
-    if cls.name in _REGISTRY:
-        raise ValueError(f"drafter {cls.name!r} is registered twice")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
 def build_drafters(ctx: DrafterContext) -> list[Drafter]:
     """Every registered drafter this engine can run, in stage order."""
-    _load_builtin()
-    drafters = [d for d in (cls.build(ctx) for cls in _REGISTRY.values()) if d is not None]
+    drafters = [d for d in (cls.build(ctx) for cls in drafter_classes().values()) if d is not None]
     return sorted(drafters, key=lambda d: d.stage)
 
 
@@ -102,31 +88,10 @@ def limits(config: EngineConfig, topology: TreeTopology) -> tuple[int, int]:
     """``(rows, entries)`` over every method: the most verification rows one tree may have beyond its
     root, and the most draft-cache entries one sequence may append in a step (a method's drafters
     add up: they grow the same tree)."""
-    _load_builtin()
-    always = tuple(name for name, cls in _REGISTRY.items() if getattr(cls, "every_method", False))
+    classes = drafter_classes()
+    always = tuple(name for name, cls in classes.items() if getattr(cls, "every_method", False))
     rows = entries = 0
     for m in methods():
-        r, e = zip(*(_REGISTRY[name].limits(config, topology) for name in dict.fromkeys(m.drafters + always)))
+        r, e = zip(*(classes[name].limits(config, topology) for name in dict.fromkeys(m.drafters + always)))
         rows, entries = max(rows, sum(r)), max(entries, sum(e))
     return rows, entries
-
-
-def registered() -> list[str]:
-    _load_builtin()
-    return list(_REGISTRY)
-
-
-def _load_builtin() -> None:
-    """Imports every module of ``engine.speculative``: importing a drafter's module registers it (and
-    its method, ``methods.register_method``), so a new drafter is one new file there."""
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    import engine.speculative as package
-
-    for info in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{package.__name__}.{info.name}")
-
-
-_loaded = False

@@ -30,10 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence as Seq
 
-from engine.config import DrafterSettings, drafter_settings, setting
-from engine.speculative.drafter import DrafterContext, register
-from engine.speculative.methods import DraftPlan, Method, PlanInput, register_method
+from engine.config import DrafterSettings, setting
+from engine.registry import Method, drafter_settings, register_drafter, register_method
 from engine.speculative.draft_tree import BIGRAM, MAXGRAM, DraftTree
+from engine.speculative.drafter import DrafterContext
+from engine.speculative.methods import DraftPlan, PlanInput
 from engine.speculative.view import SeqView
 
 
@@ -325,7 +326,7 @@ class LengthChooser:
         self.accept_hits[klass, :accepted] += 1
 
 
-@register
+@register_drafter
 class MaxGramTreeDrafter:
     """Max-Gram's one-hot proposals: a tail below the deepest drafted path and branches from the root
     (methods ``maxgram``, ``mcsd+maxgram``, ``cascade``).  No draft model needed."""

@@ -1,8 +1,9 @@
 """Speculation methods a request can ask for (``speculative.method``), and the per-step draft plan.
 
-A method is a :class:`Method` record: the drafters that grow its trees, its plan (how much each of
-them drafts for one sequence in one step) and its verification rule.  Each is registered by the
-module of the drafter it is built on, next to that drafter's settings (``engine.config.DrafterSettings``):
+A method is an ``engine.registry.Method`` record: the drafters that grow its trees, its plan (how
+much each of them drafts for one sequence in one step, a :class:`DraftPlan`) and its verification
+rule.  Each is registered by the module of the drafter it is built on, next to that drafter's
+settings (``engine.config.DrafterSettings``):
 
 ======================  =====================================================================  ===============
 method                  what drafts the tree                                                   module
@@ -33,15 +34,14 @@ the output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
+from engine.registry import method
 from engine.speculative.tree import SubTree
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.speculative.view import SeqView
-
-LOSSLESS_RULE = "lossless"  # engine.speculative.verify.LOSSLESS: the multi-candidate rule
 
 
 @dataclass(frozen=True)
@@ -88,64 +88,6 @@ class PlanInput:
     draft_ok: bool  # the step's budget lets the draft model run for it (False: plain decoding is cheaper)
     sub: SubTree  # the draft model's tree: the request's (or the engine's), within the budget and the room
     empty: SubTree
-
-
-@dataclass(frozen=True)
-class Method:
-    """A speculation method: its drafters (``engine.speculative.drafter``, in the order they grow the
-    tree), its plan (how much each may draft this step), and what the engine must know about it."""
-
-    name: str
-    drafters: tuple[str, ...]
-    plan: Callable[[PlanInput], "DraftPlan"]
-    needs_draft: bool = True  # runs the draft model (without one, the server turns speculation off)
-    rule: str = LOSSLESS_RULE  # the verification rule (engine.speculative.verify.register_rule)
-    lossy_note: Optional[str] = None  # a lossy method's note on every response (None: lossless)
-    penalties: bool = True  # supports presence / frequency / repetition penalties
-    grammar: bool = True  # verifies under a grammar (structured outputs: the masked target's law)
-    order: int = 100  # where it is listed among the methods (the settings' choices, errors, docs)
-
-
-_REGISTRY: dict[str, Method] = {}
-
-
-def register_method(method: Method) -> Method:
-    """Makes ``method`` one a request can name (``speculative.method``)."""
-    if method.name in _REGISTRY:
-        raise ValueError(f"speculation method {method.name!r} is registered twice")
-    _REGISTRY[method.name] = method
-    return method
-
-
-def _load_all() -> None:
-    from engine.speculative.drafter import _load_builtin  # late: drafters import this module
-
-    _load_builtin()
-
-
-def method(name: str) -> Method:
-    """The registered method ``name`` (ValueError with the choices if unknown)."""
-    if name not in _REGISTRY:
-        _load_all()  # a drafter module not imported yet may register it
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown speculation method {name!r}; choose one of {', '.join(method_names())}")
-    return _REGISTRY[name]
-
-
-def methods() -> list[Method]:
-    """Every registered method, in listing order."""
-    _load_all()
-    return sorted(_REGISTRY.values(), key=lambda m: m.order)
-
-
-def method_names() -> tuple[str, ...]:
-    """Names of every registered method (the settings' and the API's choices)."""
-    return tuple(m.name for m in methods())
-
-
-def check_method(name: str) -> str:
-    method(name)
-    return name
 
 
 def uses_draft(seq: SeqView) -> bool:

@@ -24,18 +24,19 @@ from typing import Optional
 import torch
 
 from engine.batching import Block
-from engine.config import DrafterSettings, drafter_settings, setting
+from engine.config import DrafterSettings, setting
 from engine.device import tensor as device_tensor
 from engine.device import Pending, to_host
+from engine.registry import Method, drafter_settings, register_drafter, register_method, register_rule
 from engine.sampler import SamplingTensors, apply_logit_bias, compute_probs, sample_tokens
-from engine.speculative.drafter import DrafterContext, register
-from engine.speculative.methods import DraftPlan, Method, PlanInput, register_method
 from engine.speculative.draft_tree import DraftTree
+from engine.speculative.drafter import DrafterContext
+from engine.speculative.methods import DraftPlan, PlanInput
 from engine.speculative.proposer import DraftModelProposer
 from engine.speculative.tree import SubTree
-from engine.speculative.verify import SeqStepResult, path_logprobs, register_rule
-from engine.speculative.walk import VerifyResult
+from engine.speculative.verify import path_logprobs
 from engine.speculative.view import SeqView
+from engine.speculative.walk import SeqStepResult, VerifyResult
 
 MJSD_DRAFTER, MJSD_METHOD, JOINT_RULE = "mjsd", "mjsd-lossy", "mjsd-joint"
 MJSD_NOTE = ("lossy: joint decoding (MJSD) accepts draft tokens by joint likelihood, so the output is not "
@@ -221,7 +222,7 @@ def _decide_joint(logits: torch.Tensor, tokens: list[int], logq: list[float], se
     return torch.stack([accepted_t, y])
 
 
-@register
+@register_drafter
 class MjsdDrafter:
     """MJSD's best beam (method ``mjsd-lossy``; verified by joint likelihood, :func:`verify_joint`)."""
 

@@ -24,22 +24,25 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Optional
 
 from engine.config import EngineConfig
+from engine.registry import method
 from engine.speculative.adaptive import SpecPolicy, StepBudget
 from engine.speculative.constrained import GRAMMAR_DRAFTER, ForcedShare
 from engine.speculative.cost_model import LiveCurve, measure_curve
 from engine.speculative.draft_tree import DEAD, DRAFT_MODEL
+from engine.speculative.drafter import DrafterContext
 from engine.speculative.maxgram import (
     MATCH_CLASSES, MAXGRAM_DRAFTER, BigramTable, LengthChooser, MaxGramDrafter, MaxGramSettings, MaxGramShare,
     match_class,
 )
-from engine.speculative.methods import DraftPlan, PlanInput, method, share_rows
+from engine.speculative.methods import DraftPlan, PlanInput, share_rows
 from engine.speculative.tree import SubTree, TreeTopology
 from engine.speculative.view import SeqView
 
 if TYPE_CHECKING:
     from engine.kv_cache import KVCache
-    from engine.models.llama import LlamaModel
-    from engine.speculative.verify import SeqStepResult
+    from engine.models.model import Model
+    from engine.speculative.proposer import DraftModelProposer
+    from engine.speculative.walk import SeqStepResult
 
 
 class Planner:
@@ -57,7 +60,7 @@ class Planner:
 
     @classmethod
     def build(cls, config: EngineConfig, topology: TreeTopology, policy: Optional[SpecPolicy], tokenizer,
-              target: "LlamaModel", cache: "KVCache") -> "Planner":
+              target: "Model", cache: "KVCache") -> "Planner":
         """The engine's planner: Max-Gram from its settings (its bigram fallback from ``maxgram_corpus``),
         and with ``load_aware`` its length chooser on the target's cost curve (the policy's when it
         measured one, else measured here: a few forwards of ``target`` over ``cache``)."""
@@ -75,6 +78,11 @@ class Planner:
                 verify = LiveCurve(measure_curve(target, cache, points, reps=2))
             lengths = LengthChooser(verify, mg.len)
         return cls(config, topology, maxgram, policy, lengths)
+
+    def drafter_context(self, proposer: Optional["DraftModelProposer"]) -> DrafterContext:
+        """What the drafters are built from: this planner's settings, tree and Max-Gram index (the
+        drafters that read Max-Gram share the planner's), and the draft model's proposer."""
+        return DrafterContext(self.config, self.topology, self.maxgram, proposer)
 
     def plan(self, seqs: list[SeqView]) -> list[DraftPlan]:
         """This step's plan of every sequence, in order."""
@@ -175,8 +183,8 @@ class Planner:
     def _price_mixed_rows(self, seqs: list[SeqView], plans: list[DraftPlan]) -> list[DraftPlan]:
         """Max-Gram's rows in a plan where the draft model drafts too (its branches from the root and
         its tail below the drafted path) compete with the draft's own nodes, and they earn what they earn
-        there, not what Max-Gram alone earns (measured on prose at T=0.7, one stream: 11% of them
-        accepted, against 49% in steps Max-Gram drafted alone).  They stay in the plan while their
+        there, not what Max-Gram alone earns (on prose, far fewer of them are accepted than in steps
+        Max-Gram drafts alone).  They stay in the plan while their
         measured rate (:class:`MixedRows`, per mode) pays for a verification row at the step's price:
         the cost curve's next row over the seconds per token the budget chose."""
         chooser = getattr(self.policy, "chooser", None)

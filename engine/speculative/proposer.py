@@ -23,18 +23,19 @@ from engine.batching import Block, run_blocks
 from engine.device import tensor as device_tensor
 from engine.device import to_host
 from engine.kv_cache import KVCache
-from engine.models.llama import LlamaModel
+from engine.models.model import Model
 from engine.models.vocab import OutputVocab
+from engine.registry import Method, register_drafter, register_method
 from engine.sampler import (
     SamplingTensors, draw_uniforms, finish_probs, process_logits, sample_from_probs, sample_k_distinct,
 )
 from engine.speculative.adaptive import SpecPolicy, StepBudget
 from engine.speculative.constrained import mask_rows, path_masks, tree_row_paths
+from engine.speculative.draft_tree import DEAD, DraftTree
+from engine.speculative.drafter import DrafterContext
 from engine.speculative.features import ParentStats, level_features, parent_stats
 from engine.speculative.history import RowHistory
-from engine.speculative.drafter import DrafterContext, register
-from engine.speculative.methods import DraftPlan, Method, PlanInput, register_method
-from engine.speculative.draft_tree import DEAD, DraftTree
+from engine.speculative.methods import DraftPlan, PlanInput
 from engine.speculative.tree import SubTree, TreeTopology
 from engine.speculative.view import SeqView
 
@@ -43,7 +44,7 @@ DRAFT_TREE_DRAFTER, MCSD = "draft-tree", "mcsd"
 
 class DraftModelProposer:
 
-    def __init__(self, model: LlamaModel, cache: KVCache, vocab_size: int, without_replacement: bool = True,
+    def __init__(self, model: Model, cache: KVCache, vocab_size: int, without_replacement: bool = True,
                  topology: Optional[TreeTopology] = None, policy: Optional[SpecPolicy] = None,
                  chunk: int = 512, vocab: Optional[OutputVocab] = None) -> None:
         self.model = model
@@ -270,7 +271,7 @@ class DraftModelProposer:
         return torch.cat([logits, pad], dim=-1)
 
 
-@register
+@register_drafter
 class DraftTreeDrafter:
     """The draft model's multi-candidate tree: the plan's ``sub`` (methods ``mcsd``, ``mcsd+maxgram``)."""
 

@@ -27,15 +27,16 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from engine.config import DrafterSettings, drafter_settings, setting
+from engine.config import DrafterSettings, setting
 from engine.device import Pending, to_device
+from engine.registry import Method, drafter_settings, register_drafter, register_method, register_rule
 from engine.sampler import SamplingTensors, finish_probs, sample_k_distinct
 from engine.speculative.draft_tree import DEAD, DraftTree
-from engine.speculative.drafter import DrafterContext, register
-from engine.speculative.methods import DraftPlan, Method, PlanInput, register_method
+from engine.speculative.drafter import DrafterContext
+from engine.speculative.methods import DraftPlan, PlanInput
 from engine.speculative.tree import TreeTopology
-from engine.speculative.verify import SeqStepResult, TreeBatch, path_logprobs, register_rule, residual_rows, target_rows
-from engine.speculative.walk import Coins, VerifyResult
+from engine.speculative.verify import TreeBatch, path_logprobs, residual_rows, target_rows
+from engine.speculative.walk import Coins, SeqStepResult, VerifyResult
 
 if TYPE_CHECKING:
     from engine.speculative.view import SeqView
@@ -65,7 +66,7 @@ def init_topology(k: int, depth: int) -> TreeTopology:
     return TreeTopology((k,) + (1,) * (depth - 1))
 
 
-@register
+@register_drafter
 class TargetInitDrafter:
     """The draft model's chains below last step's candidates: the plan's share is their tree, the
     (k, 1, ...) topology cut to the room (empty on a sequence's first step, which only draws them)."""
@@ -90,7 +91,7 @@ class TargetInitDrafter:
         if not idx:
             return
         drafted = self.proposer.propose([seqs[i] for i in idx], [subs[i] for i in idx],
-                                        [seqs[i].init_candidates for i in idx])
+                                        [seqs[i].carry[TARGET_INIT_SHARE] for i in idx])
         for i, tree in zip(idx, drafted):
             trees[i] = tree
 
@@ -100,7 +101,7 @@ def plan_target_init(p: PlanInput) -> DraftPlan:
     drafts nothing (its share is the empty tree) and only draws candidates."""
     settings = TargetInitSettings.of(p.config)
     topology = settings.topology
-    if p.seq.init_candidates is None:
+    if TARGET_INIT_SHARE not in p.seq.carry:
         return DraftPlan(TARGET_INIT_METHOD, p.empty, {TARGET_INIT_SHARE: topology.subtree(())})
     depth = min(settings.depth, p.room + 1)  # the candidate itself, then its chain
     return DraftPlan(TARGET_INIT_METHOD, p.empty, {TARGET_INIT_SHARE: topology.subtree(topology.widths[:depth])})
@@ -245,7 +246,7 @@ class TargetInitRule:
             for i, (seq, tree, p, (res, cands)) in enumerate(zip(seqs, trees, params, decided)):
                 lg = raw[i, : 1 + tree.num_nodes]
                 lps = path_logprobs(lg, res, p.logprobs) if p.logprobs is not None else None
-                out.append(SeqStepResult(seq, res, tree, lps, lg, cands, last_is_root=True))
+                out.append(SeqStepResult(seq, res, tree, lps, lg, {TARGET_INIT_SHARE: cands}, last_is_root=True))
             return out
         return pending.then(results)
 

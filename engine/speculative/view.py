@@ -10,7 +10,7 @@ sequence's tokens.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -33,7 +33,7 @@ class SeqView(Protocol):
     output_counts: Optional[torch.Tensor]  # [vocab] counts of output tokens (penalties), or None
     prompt_mask: Optional[torch.Tensor]  # [vocab] tokens of the prompt (repetition penalty), or None
     sampling_tensors: Optional["SamplingTensors"]  # the request's parameters packed as one row
-    init_candidates: Optional[list[int]]  # target-initialised mode: this step's candidate roots
+    carry: dict[str, Any]  # what a rule handed this step (``SeqStepResult.carry``; e.g. target-init's candidates)
     grammar: Optional["GrammarState"]  # structured output: the grammar's state after the committed tokens, or None
     speculation_error: Optional[str]  # set when its speculation failed: it decodes plainly from then on
 

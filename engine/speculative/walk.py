@@ -33,13 +33,15 @@ turn, with its probability, and so computes the rule's output law exactly instea
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
+from engine.request import TokenLogprob
 from engine.sampler import draw_uniforms, sample_from_probs, sample_k_distinct
-from engine.speculative.draft_tree import DEAD, ONEHOT
+from engine.speculative.draft_tree import DEAD, ONEHOT, DraftTree
 from engine.speculative.tree import SubTree
+from engine.speculative.view import SeqView
 
 
 @dataclass
@@ -49,6 +51,26 @@ class VerifyResult:
     bonus: bool  # True: the final token is a bonus (no child of the last row was rejected)
     final_row: int  # block row whose distribution produced the final token
     rows: list[int]  # block rows that produced each emitted token (for logprobs)
+
+
+@dataclass
+class SeqStepResult:
+    """One sequence's outcome of a verified step (whichever rule verified it)."""
+
+    seq: SeqView
+    result: VerifyResult
+    tree: DraftTree
+    logprobs: Optional[list[TokenLogprob]] = None
+    logits: Optional[torch.Tensor] = None  # [1+n, vocab] the target's raw logits of the block (for training heads)
+    carry: Optional[dict[str, Any]] = None  # what the rule hands the sequence's next step (``SeqView.carry``,
+    #                                         by key); the engine stores it once the step's tokens are output
+    last_is_root: bool = False  # the rule leaves the last emitted token, an accepted node, out of the caches:
+    #                             it is the next root (else the last token is a bonus / correction, never run)
+
+    @property
+    def drafted(self) -> int:
+        """Live drafted nodes of the tree."""
+        return sum(1 for t in self.tree.tokens if t != DEAD)
 
 
 class Coins(Protocol):

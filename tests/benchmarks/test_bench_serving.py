@@ -11,7 +11,7 @@ import pytest
 from benchmarks.bench_serving import (
     MODES, RequestResult, apply_timing, evaluate_goals, main, percentile, token_events,
 )
-from engine.data import Prompt, interleave_sources
+from tools.prompts import Prompt, interleave_sources
 from tests.fakes import make_tokenizer
 from tests.tiny import save_tiny_pair
 

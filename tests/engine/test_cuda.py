@@ -25,7 +25,7 @@ import engine.device as engine_device
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.request import GenerationRequest, SamplingParams, SpecOptions
-from engine.speculative.methods import method, method_names
+from engine.registry import method, method_names
 from tests.engine.test_device import FEATURES
 from tests.engine_utils import run_engine
 from tests.tiny import tiny_loaded

@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.request import GenerationRequest, SamplingParams, SpecOptions
 from engine.speculative.cost_model import CostCurve, CostModel
-from engine.speculative.methods import method_names
+from engine.registry import method_names
 from tests.device_check import DeviceCheck, mark_engine
 
 #: one request per sampling feature (a batch of 8 mixes them all)

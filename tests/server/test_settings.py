@@ -145,7 +145,8 @@ def test_engine_settings_come_from_the_engine_config_alone():
     and ``engine_config()`` hands it over unchanged."""
     import dataclasses
 
-    from engine.config import EngineConfig, sections
+    from engine.config import EngineConfig
+    from engine.registry import sections
     from engine.speculative.maxgram import MaxGramSettings
     from engine.speculative.mjsd import MjsdSettings
 

@@ -8,8 +8,8 @@
 // Built with the GEMM kernels into one library by engine/models/cpu_kernels.py; registers them under
 // torch.ops.mcsd_cpu.
 //
-// Why.  Written with torch operators these take about 11 ms of a 1.5B model's one-token forward on a
-// 2-core CPU: RMSNorm alone is eight operators (upcast, pow, mean, add, rsqrt, mul, downcast, scale),
+// Why.  Written with torch operators these take a large share of a small model's one-token forward on
+// a CPU: RMSNorm alone is eight operators (upcast, pow, mean, add, rsqrt, mul, downcast, scale),
 // each a dispatch and a pass over memory, 57 times a forward.  One pass per row here.
 //
 // Numerics.  Computed in fp32 and rounded to the tensor's dtype (bf16: to nearest even) exactly where
@@ -92,8 +92,7 @@ void norm_row(const T* x, const W* w, T* y, int64_t n, float eps) {
 }
 
 // Rows of `rows` items, each `cost` elements, split over threads; calls under 8K elements run inline
-// (a parallel region costs a few microseconds: add_rms_norm over 8 rows of 1536 took 10.8 us inline,
-// 7.9 on two threads).
+// (a parallel region costs a few microseconds, about what splitting such a call saves).
 template <typename F>
 void for_rows(int64_t rows, int64_t cost, F f) {
   const int64_t grain = std::max<int64_t>(1, (1 << 13) / std::max<int64_t>(1, cost));

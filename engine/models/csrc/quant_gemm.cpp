@@ -432,10 +432,9 @@ inline float round_group(const T* x, int n, int8_t* q, int* sums16) {
 }
 
 // Every kernel reads its weights once per call, front to back within a thread's range.  The hardware
-// prefetcher alone left the one-row products waiting on memory: on a 2-core Xeon, Q4_K at one row read
-// 8 GB/s, and 17-18 GB/s when the kernel asks for the bytes kPrefetchBytes ahead of the row it reads
-// (8 to 64 weight rows ahead into L2 did about equally well; into L1 was slower, its fill buffers are
-// few).  Prefetches never pass `end`, the end of the thread's range.
+// prefetcher alone left the one-row products waiting on memory, at about half the read bandwidth they
+// reach when the kernel asks for the bytes kPrefetchBytes ahead of the row it reads (8 to 64 weight
+// rows ahead into L2 do about equally well; into L1 is slower, its fill buffers are few).  Prefetches never pass `end`, the end of the thread's range.
 constexpr int64_t kPrefetchBytes = 16 << 10;
 
 inline void prefetch(const uint8_t* p, const uint8_t* end) {
@@ -449,8 +448,7 @@ inline void prefetch_lines(const uint8_t* p, int64_t bytes, const uint8_t* end) 
 // Where a kernel prefetches its group from: `p` is the group's bytes kPrefetchBytes further on (null: the
 // group is read from L2, nothing to prefetch), never past `end`.  A kernel asks for one unit's lines
 // (a super-block or block, all 8 rows) per unit it computes, so that the requests spread over its
-// work: asked all at once per group, the 8-row products waited on them (Q4_K at 8 rows 1.39 ms, spread
-// 1.12; at one row 0.79 and 0.68, measured).
+// work: asked all at once per group, the products wait on them.
 struct Ahead {
   const uint8_t* p;
   const uint8_t* end;
@@ -487,7 +485,7 @@ inline __m256i bits_to_16s(uint32_t bits) {
 //        l-block b, three [row][8] runs (192 bytes): ql bytes 64 h + 8 b.., ql 64 h + 32 + 8 b.., qh 32 h
 //        + 8 b..; together they hold weights 128 h + 32 p + 8 b .. +7 for p = 0..3.
 // The 6-bit scales and mins are stored a byte each: 32 bytes more per 8 rows' Q4_K / Q5_K super-block
-// (2.8%, 2.2%); Q6_K keeps its size.
+// (under 3%); Q6_K keeps its size.
 //
 // The product.
 //  1. Activations are rounded to int8 per 256 (one super-block): dx = max|x| / 127 (fp32), q =
@@ -788,9 +786,8 @@ inline __m256i bcast32(const int8_t* p) {
 // weights (dword layout) are made once and meet every activation row's 4-byte broadcasts.  An int16
 // lane of a sub-block's sums gathers 4 products per l-block: Q4_K's 4 l-blocks at most 16 * 15 * 127
 // = 30480; Q5_K's quants reach 31, so its sums go to int32 every 2 l-blocks (8 * 31 * 127 = 31496).
-// Against the kernel before it (rows 0-3 and 4-7 in turn, 4 activation rows a pass), in L2 on one
-// thread of the Zen 3 of docs/quantized.md: 1 / 2 / 4 / 8 rows 185 / 119 / 92 / 79 cycles a packed
-// super-block and row, against 209 / 137 / 103 / 96.
+// It takes fewer cycles per packed super-block and row at every row count than the kernel before it
+// (rows 0-3 and 4-7 in turn, 4 activation rows a pass): docs/quantized.md.
 template <int C, bool kFifth>
 void k4_group(const uint8_t* w, const QActsK& a, int64_t m, float* y, int64_t ldy, Ahead ahead) {
   constexpr int kBytes = kFifth ? kK5Bytes : kK4Bytes;
@@ -1528,8 +1525,8 @@ using GroupFn = void (*)(const uint8_t*, const Acts&, int64_t, float*, int64_t, 
 // of `most` rows and one for the rest.  A pass unpacks the weights once for all its rows, so fewer passes cost less,
 // up to the row count where a kernel's accumulators no longer fit in the registers.  The 512-bit
 // kernels take up to 16 rows in one pass (14 for the 32-weight blocks, whose 15 and 16 spilled), longer
-// calls in passes of 8 (wider ones were slower for Q4_K at 64 rows).  Measured on gate_up, the Xeon of
-// docs/quantized.md: 9-14 rows 5-25% faster than 8 + the rest.
+// calls in passes of 8 (wider ones were slower for Q4_K at many rows); 9-14 rows in one pass beat 8 and
+// the rest in two.
 constexpr int kWideMost = 16;
 template <typename Acts>
 struct GroupKernels {
@@ -1712,8 +1709,7 @@ void packed_linear(const GroupKernels<Acts>& k, const uint8_t* wp, int64_t G, in
       };
       // A call of up to `single` rows in one pass, a longer one in passes of `most` and one for the
       // rest: a pass unpacks the group's weights once for all its rows, so 7 rows in one pass cost less
-      // than 4 + 2 + 1 in three (Q6_K gate_up: 2.01 ms in three, more than 8 rows' 1.35 in one), and 12
-      // in one less than 8 + 4.
+      // than 4 + 2 + 1 in three (more than 8 rows in one), and 12 in one less than 8 + 4.
       int64_t m = 0;
       if (M > single)
         for (; m + most <= M; m += most) pass(rows[most], m);

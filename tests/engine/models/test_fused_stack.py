@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.models import cpu_kernels, llama, qweight
-from engine.models.gguf_native import StackedWeight
+from engine.models.qweight import StackedWeight
 from engine.models.qweight import QuantLinear, quantize_linears
 from tests.tiny import tiny_loaded
 

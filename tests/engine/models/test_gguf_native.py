@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from engine.models import cpu_kernels, qweight
-from engine.models.gguf_native import StackedWeight, _stack, _unpermute_rows, read_tensor_index, weight_bytes
+from engine.models.qweight import StackedWeight
+from engine.models.gguf_native import _stack, _unpermute_rows, read_tensor_index, weight_bytes
 from engine.models.qweight import QuantLinear, quantize_linears
 from engine.request import SpecOptions
 from tests.engine_utils import run_engine

@@ -1,4 +1,5 @@
-"""Our runtime's logits equal transformers' own implementation (fp32, max abs diff < 1e-4)."""
+"""Our runtime's logits equal transformers' own implementation (fp32, max abs diff < 1e-4), for each
+architecture: the Llama family (``llama``, ``qwen2``) and Qwen3 (``engine.models.qwen3``)."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from tests.tiny import VOCAB, hf_logits, ours_from_hf, tiny_hf
 TOL = 1e-4
 
 
-@pytest.fixture(params=["llama", "qwen2"])
+@pytest.fixture(params=["llama", "qwen2", "qwen3"])
 def pair(request):
     hf = tiny_hf(request.param)
     return hf, ours_from_hf(hf)
@@ -158,7 +159,7 @@ def test_cache_full_is_a_clear_error():
 
 
 def test_unsupported_architecture_names_supported_ones():
-    with pytest.raises(UnsupportedModelError, match="llama, qwen2, mistral"):
+    with pytest.raises(UnsupportedModelError, match="llama, qwen2, mistral, qwen3"):
         ModelConfig.from_hf({"model_type": "gpt2", "hidden_size": 8})
     with pytest.raises(UnsupportedModelError, match="RoPE scaling 'yarn'"):
         ModelConfig.from_hf({"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,

@@ -11,7 +11,7 @@ from engine.core import EngineCore
 from engine.request import SpecOptions
 from engine.sequence import Sequence
 from engine.speculative.draft_tree import MAXGRAM, ONEHOT, SAMPLED, DraftTree
-from engine.speculative import methods
+from engine.registry import method_names
 from engine.speculative.cascade import CASCADE_METHOD as CASCADE
 from engine.speculative.maxgram import MAXGRAM_METHOD as M_MAXGRAM, MCSD_MAXGRAM, BigramTable, MaxGramDrafter, NgramIndex
 from engine.speculative.tree import TreeTopology
@@ -195,7 +195,7 @@ def test_maxgram_needs_no_draft_model_and_penalties_logprobs_still_match(models)
     assert all(o.spec.note is None for o in alone)
 
 
-@pytest.mark.parametrize("method", methods.method_names())
+@pytest.mark.parametrize("method", method_names())
 def test_a_request_naming_any_method_with_speculation_off_decodes_plainly(models, method):
     """Speculation off (or no draft model) is plain decoding whatever method the request names: its
     steps take the lossless rule, not the method's own.  (The target-initialised rule once took such

@@ -13,16 +13,13 @@ import pytest
 
 import torch
 
-from engine.config import DrafterSettings, EngineConfig, drafter_settings, setting, unregister_section
+from engine.config import DrafterSettings, EngineConfig, setting
 from engine.device import Pending
-from engine.speculative import drafter as drafter_module
-from engine.speculative import methods as methods_module
-from engine.speculative import verify as verify_module
+from engine.registry import Method, drafter_settings, method_names, register_drafter, register_method, register_rule, unregister
 from engine.speculative.draft_tree import DraftTree
-from engine.speculative.drafter import DrafterContext, register
-from engine.speculative.methods import DraftPlan, Method, PlanInput, register_method
-from engine.speculative.verify import SeqStepResult, register_rule
-from engine.speculative.walk import VerifyResult
+from engine.speculative.drafter import DrafterContext
+from engine.speculative.methods import DraftPlan, PlanInput
+from engine.speculative.walk import SeqStepResult, VerifyResult
 from engine.request import SpecOptions
 from tests.engine_utils import run_engine
 
@@ -64,14 +61,13 @@ def plan_repeat(p: PlanInput) -> DraftPlan:
 @pytest.fixture
 def repeat_method():
     drafter_settings("repeat")(RepeatSettings)
-    register(RepeatDrafter)
+    register_drafter(RepeatDrafter)
     RepeatDrafter.observed = []
     register_method(Method("repeat", ("repeat",), plan_repeat, needs_draft=False))
     try:
         yield
     finally:
-        del drafter_module._REGISTRY["repeat"], methods_module._REGISTRY["repeat"]
-        unregister_section("repeat")
+        unregister(method="repeat", drafter="repeat", section="repeat")
 
 
 def test_a_registered_method_runs_and_stays_lossless(tiny_target, repeat_method):
@@ -83,7 +79,7 @@ def test_a_registered_method_runs_and_stays_lossless(tiny_target, repeat_method)
     assert sum(o.spec.drafted_tokens for o in outs) > 0  # the planner planned it and the drafter proposed
     assert max(o.spec.drafted_tokens / max(o.spec.steps, 1) for o in outs) <= 5  # as its setting says
     assert core.cache.max_len >= core.max_model_len + 5 + 1  # the cache was sized from its limits
-    assert "repeat" in methods_module.method_names()
+    assert "repeat" in method_names()
     # it observed every step it drafted for, with what verification accepted of its proposals
     assert sum(d for d, _ in RepeatDrafter.observed) == sum(o.spec.drafted_tokens for o in outs)
     assert sum(a for _, a in RepeatDrafter.observed) == sum(o.spec.accepted_tokens for o in outs)
@@ -121,22 +117,26 @@ def test_a_registered_drafters_settings_are_server_settings(repeat_method):
 
 
 class AcceptAllRule:
-    """A deliberately lossy toy rule: every drafted token stands, then the target's greedy token."""
+    """A deliberately lossy toy rule: every drafted token stands, then the target's greedy token.  It
+    counts each sequence's steps in what it hands the next step (``SeqStepResult.carry``)."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size, self.started = vocab_size, 0
+        self.seen: list[int] = []  # the count each verified step found carried over, in order
 
     def claims(self, plan: DraftPlan, tree: DraftTree) -> bool:
         return tree.num_nodes > 0
 
     def start(self, seqs, trees, logits) -> Pending:
         self.started += 1
+        self.seen += [s.carry.get("accept-all", 0) for s in seqs]
         n = [t.num_nodes for t in trees]
         last = torch.stack([logits[i, k, : self.vocab_size].argmax() for i, k in enumerate(n)])
 
         def finish(host):
             return [SeqStepResult(s, VerifyResult(list(range(k)), list(t.tokens) + [y], bonus=True, final_row=k,
-                                                  rows=list(range(k + 1))), t)
+                                                  rows=list(range(k + 1))), t,
+                                  carry={"accept-all": s.carry.get("accept-all", 0) + 1})
                     for s, t, k, y in zip(seqs, trees, n, host[0].tolist())]
         return Pending([last], finish)
 
@@ -146,11 +146,11 @@ def accept_all_method(repeat_method):
     rules = []
     register_rule("accept-all", lambda config, vocab_size: rules.append(AcceptAllRule(vocab_size)) or rules[-1])
     register_method(Method("repeat-all", ("repeat",), plan_repeat_all, needs_draft=False, rule="accept-all",
-                           lossy_note="toy: every drafted token is accepted"))
+                           lossy_note="toy: every drafted token is accepted", penalties=False))
     try:
         yield rules
     finally:
-        del methods_module._REGISTRY["repeat-all"], verify_module._RULES["accept-all"]
+        unregister(method="repeat-all", rule="accept-all")
 
 
 def plan_repeat_all(p: PlanInput) -> DraftPlan:
@@ -170,3 +170,16 @@ def test_a_registered_verification_rule_verifies_its_methods_trees(tiny_target, 
     assert outs[0].tokens[:3] == [9, 9, 9] and outs[0].tokens[4:7] == [outs[0].tokens[3]] * 3
     assert outs[0].tokens != plain[0].tokens  # lossy, as the toy says
     assert outs[1].tokens == plain[1].tokens
+    assert rule.seen == list(range(len(rule.seen)))  # the core kept what each step carried to the next
+
+
+def test_a_method_that_refuses_penalties_is_refused_them(tiny_target, accept_all_method):
+    """``Method.penalties = False`` is the whole rule: the core refuses such a request by name."""
+    from engine.request import GenerationRequest, RequestRejected, SamplingParams
+
+    _, core = run_engine(tiny_target, None, [[3, 4]], tree=(), max_tokens=1)
+    req = GenerationRequest("r", [3, 4], SamplingParams(max_tokens=2, presence_penalty=0.5),
+                            spec=SpecOptions(method="repeat-all"))
+    with pytest.raises(RequestRejected, match="'repeat-all' does not support presence"):
+        core.check_request(req)
+    core.check_request(GenerationRequest("r", [3, 4], SamplingParams(max_tokens=2), spec=SpecOptions(method="repeat-all")))

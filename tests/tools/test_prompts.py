@@ -1,4 +1,4 @@
-"""Tests for engine.data: prompts-file validation, truncated ShareGPT parsing, HumanEval loading."""
+"""Tests for tools.prompts: prompts-file validation, truncated ShareGPT parsing, HumanEval loading."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine.data import (
+from tools.prompts import (
     Prompt,
     iter_json_array,
     load_humaneval,
