@@ -4,17 +4,26 @@ The routes are thin: validate (pydantic), call :class:`OpenAIServing`, return JS
 engine's background thread starts with the app (lifespan) and is shut down gracefully with it.
 ``/health`` answers 503 until the engine's core is built, so a load balancer (or ``__main__``,
 which starts HTTP first and loads the models in the background) sees the server as not ready.
+
+Besides the OpenAI routes: ``/tokenize`` and ``/detokenize`` (vLLM's shapes; they need the tokenizer,
+not the engine thread, and are 503 while loading), ``/version`` and ``/v1/models/{id}``.  With an API
+key, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need it; ``/health``, ``/metrics`` (unless their
+``*_auth`` setting says otherwise) and ``/version`` are open.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import secrets
+import sys
 from contextlib import asynccontextmanager
-from typing import Optional
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Optional
 
 import uvicorn
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Body, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
@@ -22,9 +31,17 @@ from pydantic import BaseModel
 from engine.async_engine import AsyncEngine, EngineState, EngineUnavailable
 from server.errors import APIError, BodySizeLimit, install_error_handlers
 from server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard, ModelList
+from server.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard,
+    ModelList, TokenizeRequest, TokenizeResponse, VersionResponse,
+)
 from server.serving import OpenAIServing
 from server.settings import Settings
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 
 class ApiKeyAuth:
@@ -62,7 +79,7 @@ def _json(model: BaseModel, status: int = 200) -> JSONResponse:
 
 
 def _protected_paths(settings: Settings) -> tuple[str, ...]:
-    paths = ["/v1"]
+    paths = ["/v1", "/tokenize", "/detokenize"]
     if settings.metrics_auth:
         paths.append("/metrics")
     if settings.health_auth:
@@ -93,6 +110,7 @@ def create_app(settings: Settings, engine: AsyncEngine, metrics: Optional[Server
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials="*" not in settings.cors_origins)
     app.include_router(_v1_router(serving))
+    app.include_router(_tokenizer_router(serving))
     app.include_router(_ops_router(engine, metrics))
     app.openapi = _openapi_without_422(app)
     return app
@@ -111,11 +129,32 @@ _ERRORS = {
     429: "Queue full; retry after `Retry-After` seconds",
     503: "Loading or shutting down; retry after `Retry-After` seconds",
 }
+
+
+def _error_responses(*codes: int) -> dict:
+    return {code: {"model": ErrorResponse, "description": _ERRORS[code]} for code in codes}
+
+
 GENERATION_RESPONSES = {
     200: {"description": "The completion (JSON), or with `stream: true` server-sent events ending in "
                          "`data: [DONE]`", "content": {"text/event-stream": {}}},
-    **{code: {"model": ErrorResponse, "description": text} for code, text in _ERRORS.items()},
+    **_error_responses(*_ERRORS),
 }
+TOKENIZER_RESPONSES = _error_responses(400, 401, 404, 413, 503)  # no queue: never a 429
+
+
+@lru_cache(maxsize=1)
+def server_version() -> str:
+    """The installed package's version; from ``pyproject.toml`` when run from a checkout that is not installed."""
+    try:
+        return importlib.metadata.version("mcsd-server")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+            return str(tomllib.load(f)["project"]["version"])
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "unknown"
 
 
 def _openapi_without_422(app: FastAPI):
@@ -148,12 +187,52 @@ def _v1_router(serving: OpenAIServing) -> APIRouter:
         result = await serving.chat(body, request)
         return result if isinstance(result, Response) else _json(result)
 
-    @router.get("/models")
-    async def models() -> Response:
+    def card() -> ModelCard:
         ready = serving.engine.state is EngineState.READY
-        card = ModelCard(id=serving.settings.model_id,
+        return ModelCard(id=serving.settings.model_id,
                          max_model_len=serving.engine.core.max_model_len if ready else None)
-        return _json(ModelList(data=[card]))
+
+    @router.get("/models", response_model=ModelList, responses=_error_responses(401))
+    async def models() -> Response:
+        return _json(ModelList(data=[card()]))
+
+    @router.get("/models/{model_id:path}", response_model=ModelCard,
+                responses=_error_responses(401, 404))
+    async def model(model_id: str) -> Response:
+        """The served model (as in ``/v1/models``) for its id, or for any name the generation endpoints
+        accept as ``model``; 404 ``model_not_found`` for any other id (which may contain ``/``)."""
+        serving.check_model(model_id)
+        return _json(card())
+
+    return router
+
+
+def _tokenizer_router(serving: OpenAIServing) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/tokenize", response_model=TokenizeResponse, responses=TOKENIZER_RESPONSES)
+    async def tokenize(body: Annotated[TokenizeRequest, Body()]) -> Response:
+        """vLLM's ``/tokenize``: the token ids of a ``prompt`` (completion form: as ``/v1/completions``
+        tokenizes it, ``add_special_tokens`` true by default) or of chat ``messages`` (chat form: exactly the
+        ids ``/v1/chat/completions`` gives the engine for the same messages and tools; options
+        ``add_generation_prompt``, ``continue_final_message``, ``add_special_tokens`` (false by default),
+        ``chat_template_kwargs``).  ``return_token_strs`` adds the tokenizer's own token strings.  A text of
+        any length (within the request size limit) is counted, also one longer than ``max_model_len``; an
+        empty prompt counts 0 tokens (plus the special tokens the tokenizer adds, if any)."""
+        _require_ready(serving.engine)
+        return _json(await serving.tokenize(body))
+
+    @router.post("/detokenize", response_model=DetokenizeResponse, responses=TOKENIZER_RESPONSES)
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        """vLLM's ``/detokenize``: the text of token ids (special tokens included); ids at or above the
+        vocabulary size are a 400 ``token_id_out_of_range`` naming ``tokens``."""
+        _require_ready(serving.engine)
+        return _json(await serving.detokenize(body))
+
+    @router.get("/version", response_model=VersionResponse)
+    async def version() -> Response:
+        """The server's version; open like ``/health``, and answered while the model loads."""
+        return _json(VersionResponse(version=server_version()))
 
     return router
 

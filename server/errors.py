@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import EngineOverloaded, EngineUnavailable
-from server.protocol import ErrorInfo, ErrorResponse
+from server.protocol import REQUEST_FORMS, ErrorInfo, ErrorResponse
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,8 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
         return bad_request("Invalid request.")
     err = errors[0]
     kind, loc, msg = err.get("type", ""), tuple(err.get("loc", ())), str(err.get("msg", ""))
+    if len(loc) > 1 and loc[0] == "body" and loc[1] in REQUEST_FORMS:  # which form of a body, not a field
+        loc = ("body",) + loc[2:]
     more = f" ({len(errors) - 1} more error(s) in the request)" if len(errors) > 1 else ""
     if kind == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", msg)

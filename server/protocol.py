@@ -11,7 +11,8 @@ Structured outputs: ``response_format`` (``json_object``, ``json_schema``) on bo
 
 Extensions: the request field ``speculative`` (per-request speculation settings) and
 ``usage.speculative`` (per-request speculation statistics); ``repetition_penalty``, ``top_k``,
-``min_p``, ``ignore_eos`` and ``stop_token_ids`` as in vLLM.
+``min_p``, ``ignore_eos``, ``stop_token_ids`` and (chat) ``chat_template_kwargs`` as in vLLM.  vLLM's
+``/tokenize`` and ``/detokenize`` bodies and responses are here too.
 
 The ``to_sampling_params`` / ``to_spec_options`` methods translate into the engine's contracts
 (:mod:`engine.request`); the routes never touch OpenAI field semantics themselves.
@@ -24,7 +25,8 @@ import re
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator,
+                      model_validator)
 
 from engine.grammar import EBNF, JSON, JSON_OBJECT_SCHEMA, REGEX, GrammarSpec
 from engine.request import SamplingParams, SpecOptions
@@ -56,6 +58,15 @@ class FieldError(ValueError):
     def __init__(self, param: str, message: str, code: Optional[str] = None) -> None:
         super().__init__(message)
         self.param, self.code = param, code
+
+
+class CodedValueError(ValueError):
+    """A field's value refused for a reason no JSON schema can state (whether a string holds JSON);
+    ``code`` names the kind, the error's location the field."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class _Request(BaseModel):
@@ -152,10 +163,9 @@ _NO_PENALTIES = {  # the methods whose rule keeps no token history refuse penalt
                             "repetition_penalty": {"const": 1}}}}
 
 
-class _SamplingFields(_Request):
-    """Fields shared by completions and chat completions."""
-
-    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_RULE, _NO_PENALTIES]})
+class _TextRequest(_Request):
+    """A request body carrying text: a lone surrogate anywhere in it is a 400 naming the field (no tokenizer
+    or JSON response could carry it)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -165,6 +175,12 @@ class _SamplingFields(_Request):
             raise FieldError(where, "the text contains a lone UTF-16 surrogate (e.g. \\ud800), which is not "
                                     "valid Unicode; send well-formed UTF-8 text")
         return data
+
+
+class _SamplingFields(_TextRequest):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_RULE, _NO_PENALTIES]})
 
     model: Optional[str] = None
     max_tokens: Optional[Annotated[int, Field(ge=1), INTEGRAL]] = None
@@ -442,6 +458,20 @@ class ToolCallFunction(_Request):
     name: str
     arguments: Any = None  # a JSON string (as OpenAI sends it) or an object
 
+    @field_validator("arguments")
+    @classmethod
+    def _check_arguments(cls, v: Any) -> Any:
+        """A string must hold JSON (the chat template gets it decoded): a 400 here, not a failure later."""
+        try:
+            decoded = decode_arguments(v)
+        except ValueError:
+            raise CodedValueError("a call's arguments must be an object or a string holding JSON",
+                                  "invalid_tool_arguments") from None
+        if _surrogate_path(decoded, "") is not None:
+            raise CodedValueError("a call's arguments contain a lone UTF-16 surrogate, which is not valid Unicode",
+                                  "invalid_tool_arguments")
+        return v
+
 
 class ToolCallInput(_Request):
     """A call in an assistant message of the history."""
@@ -454,7 +484,11 @@ class ToolCallInput(_Request):
 # ---------------------------------------------------------------------------- chat
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Any] = None
+    content: Optional[Any] = Field(None, json_schema_extra={"anyOf": [  # what _check_content accepts
+        {"type": "string"},
+        {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}},
+        {"type": "null"}]})
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCallInput]] = None  # an assistant's calls
     tool_call_id: Optional[str] = None  # a tool message: the call it answers
@@ -485,7 +519,34 @@ class ChatMessage(_Request):
         raise ValueError("content must be a string or a list of text content parts")
 
 
-class ChatCompletionRequest(_SamplingFields, _ConstrainedFields):
+# what ``apply_chat_template`` takes itself, or passes the template under these names: not template variables
+TEMPLATE_RESERVED = ("conversation", "conversations", "messages", "tools", "documents", "chat_template",
+                     "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens",
+                     "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                     "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+class _TemplateKwargs(_Request):
+    """vLLM's ``chat_template_kwargs``: more variables for the model's chat template (e.g. Qwen3's
+    ``{"enable_thinking": false}``); a variable the template does not read changes nothing."""
+
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="more variables for the chat template, e.g. {\"enable_thinking\": false}; not the "
+                          "names apply_chat_template takes itself (messages, tools, add_generation_prompt, ...)",
+        json_schema_extra={"anyOf": [{"type": "object", "propertyNames": {"not": {"enum": list(TEMPLATE_RESERVED)}}},
+                                     {"type": "null"}]})
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, v: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        taken = sorted(set(v or {}) & set(TEMPLATE_RESERVED))
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)} (a parameter of its own, not a "
+                             "template variable)")
+        return v
+
+
+class ChatCompletionRequest(_SamplingFields, _ConstrainedFields, _TemplateKwargs):
     model_config = ConfigDict(json_schema_extra={"allOf": [
         _STREAM_OPTIONS_RULE, _NO_PENALTIES, _only_when("top_logprobs", {"logprobs": {"const": True}}),
         _ONE_CONSTRAINT, _LOSSY_HAS_NO_GRAMMAR, *_TOOL_RULES]})
@@ -547,7 +608,92 @@ class ChatCompletionRequest(_SamplingFields, _ConstrainedFields):
         return tool_grammar(self.template_tools(), choice, self.parallel_tool_calls)
 
 
+# ---------------------------------------------------------------------------- tokenizer endpoints
+class TokenizeCompletionRequest(_TextRequest):
+    """``POST /tokenize``, completion form (vLLM's): the token ids ``/v1/completions`` makes of ``prompt``."""
+
+    model_config = ConfigDict(json_schema_extra={"not": {"required": ["messages"]}})
+
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_TemplateKwargs, _TextRequest):
+    """``POST /tokenize``, chat form (vLLM's): the token ids ``/v1/chat/completions`` makes of ``messages``
+    (and ``tools``) with the defaults; ``continue_final_message`` (with ``add_generation_prompt`` false)
+    leaves the last message open for the model to continue."""
+
+    model_config = ConfigDict(json_schema_extra={"not": {"required": ["prompt"]}, "allOf": [{
+        "if": {"properties": {"continue_final_message": {"const": True}}, "required": ["continue_final_message"]},
+        "then": {"properties": {"add_generation_prompt": {"const": False}}, "required": ["add_generation_prompt"]}}]})
+
+    model: Optional[str] = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Optional[Annotated[list[ToolDefinition], Field(max_length=128)]] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_form(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "prompt" in data:
+            raise FieldError("prompt", "give either prompt (completion form) or messages (chat form), not both")
+        return data
+
+    @model_validator(mode="after")
+    def _check_continue(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise FieldError("continue_final_message", "continue_final_message needs add_generation_prompt false: "
+                                                       "the final message is continued, no new one is started")
+        return self
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
+
+    def template_tools(self) -> Optional[list[dict[str, Any]]]:
+        """The tools as a chat completion with ``tool_choice`` auto renders them."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+def _tokenize_form(data: Any) -> str:
+    return "TokenizeChatRequest" if isinstance(data, dict) and "messages" in data else "TokenizeCompletionRequest"
+
+
+# the body of POST /tokenize: the chat form when it has ``messages``, else the completion form; pydantic names
+# the form in a validation error's location, which is not a field (see ``REQUEST_FORMS``)
+TokenizeRequest = Annotated[Union[Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")],
+                                  Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")]],
+                            Discriminator(_tokenize_form)]
+REQUEST_FORMS = frozenset({"TokenizeCompletionRequest", "TokenizeChatRequest"})
+
+
+class DetokenizeRequest(_TextRequest):
+    """``POST /detokenize`` (vLLM's): the text of ``tokens`` (ids below the vocabulary size)."""
+
+    model: Optional[str] = None
+    tokens: list[NonNegInt]
+
+
 # ---------------------------------------------------------------------------- responses
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class VersionResponse(_Response):
+    version: str
+
+
 class SpecUsageInfo(_Response):
     steps: int = 0
     drafted_tokens: int = 0

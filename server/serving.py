@@ -28,8 +28,9 @@ from server.errors import APIError, bad_request
 from server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprobs, ChatLogprobToken, ChatResponseMessage, CompletionChoice, CompletionChunk,
-    CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, FieldError, FunctionCall,
-    PromptTokensDetails, SpecUsageInfo, ToolCall, ToolCallDelta, TopLogprob, UsageInfo,
+    CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, DetokenizeRequest,
+    DetokenizeResponse, FieldError, FunctionCall, PromptTokensDetails, SpecUsageInfo, TokenizeChatRequest,
+    TokenizeCompletionRequest, TokenizeResponse, ToolCall, ToolCallDelta, TopLogprob, UsageInfo,
 )
 from server.settings import Settings
 from server.tools import Event as ToolEvent
@@ -121,7 +122,8 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 class OpenAIServing:
-    """The two generation endpoints; routes in :mod:`server.app` only call these methods."""
+    """The two generation endpoints and the tokenizer endpoints; routes in :mod:`server.app` only call
+    these methods."""
 
     def __init__(self, engine: AsyncEngine, settings: Settings) -> None:
         self.engine = engine
@@ -175,21 +177,32 @@ class OpenAIServing:
         return prompts
 
     def chat_prompt(self, body: ChatCompletionRequest) -> Prompt:
+        messages = body.template_messages()
+        tools = body.template_tools()
+        kwargs = body.chat_template_kwargs
+        self.check_size(sum(len(m["content"]) for m in messages) + len(json.dumps(tools or []))
+                        + len(json.dumps(kwargs or {})), "messages")
+        return self.render_chat(messages, tools, template_kwargs=kwargs)
+
+    def render_chat(self, messages: list[dict], tools: Optional[list[dict]], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, add_special_tokens: bool = False,
+                    template_kwargs: Optional[dict] = None) -> Prompt:
+        """Chat messages (and tools) as the prompt the engine gets: the model's chat template, then its
+        tokenizer.  The one place this happens, for chat completions (the defaults) and ``/tokenize``."""
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
             raise bad_request("This model has no chat template; use /v1/completions.", param="messages")
-        messages = body.template_messages()
-        tools = body.template_tools()
-        self.check_size(sum(len(m["content"]) for m in messages) + len(json.dumps(tools or [])), "messages")
         if tools and not template_supports_tools(tok):
             raise bad_request("This model's chat template does not render tools.", param="tools",
                               code="tools_not_supported")
         try:
-            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, tokenize=False,
+                                           **(template_kwargs or {}))
         except Exception as exc:  # noqa: BLE001 - jinja errors (e.g. roles must alternate) are user errors
             raise bad_request(f"The messages cannot be rendered with the model's chat template: {exc}",
                               param="messages") from None
-        return Prompt(tok.encode(text, add_special_tokens=False), text)
+        return Prompt(tok.encode(text, add_special_tokens=add_special_tokens), text)
 
     def max_tokens_for(self, prompt: Prompt, requested: Optional[int], default: Optional[int],
                        what: str, max_param: str) -> int:
@@ -250,6 +263,39 @@ class OpenAIServing:
             except RequestRejected as exc:
                 raise bad_request(str(exc), param=exc.param, code=exc.code) from None
         return reqs
+
+    # ------------------------------------------------------------------ tokenizer endpoints
+    async def tokenize(self, body: Union[TokenizeCompletionRequest, TokenizeChatRequest]) -> TokenizeResponse:
+        """``/tokenize``: the token ids the generation endpoints would give the engine.  Any length (the
+        request body limit bounds it): a text longer than the context is counted, not refused; an empty
+        prompt is 0 tokens (or the special tokens the tokenizer adds)."""
+        self.check_model(body.model)
+        return await self._off_loop(self._tokenize, body)
+
+    def _tokenize(self, body: Union[TokenizeCompletionRequest, TokenizeChatRequest]) -> TokenizeResponse:
+        tok = self.tokenizer
+        if isinstance(body, TokenizeChatRequest):
+            ids = self.render_chat(body.template_messages(), body.template_tools(),
+                                   add_generation_prompt=body.add_generation_prompt,
+                                   continue_final_message=body.continue_final_message,
+                                   add_special_tokens=body.add_special_tokens,
+                                   template_kwargs=body.chat_template_kwargs).token_ids
+        else:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        """``/detokenize``: the text of token ids (special tokens included), as the tokenizer decodes them."""
+        self.check_model(body.model)
+        return await self._off_loop(self._detokenize, body.tokens)
+
+    def _detokenize(self, tokens: list[int]) -> DetokenizeResponse:
+        vocab = len(self.tokenizer)
+        if any(t >= vocab for t in tokens):
+            raise bad_request(f"token ids must be < the vocabulary size {vocab}", param="tokens",
+                              code="token_id_out_of_range")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(tokens))
 
     # ------------------------------------------------------------------ running
     async def collect(self, group: RequestGroup, choices: list[Choice], request: Request) -> bool:

@@ -60,7 +60,7 @@ class ServerSettings(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="port to bind (0 = any free port)")
     spec_enabled: bool = Field(True, description="speculate for requests that do not say")
     max_queue: int = Field(64, ge=1, description="requests waiting for a slot before 429")
-    api_key: Optional[str] = Field(None, description="require 'Authorization: Bearer <key>' on /v1/*")
+    api_key: Optional[str] = Field(None, description="require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize")
     metrics_auth: bool = Field(False, description="require the API key on /metrics too")
     health_auth: bool = Field(False, description="require the API key on /health too")
     cors_origins: list[str] = Field(default_factory=list, description="allowed CORS origins, comma separated")

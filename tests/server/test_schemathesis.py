@@ -1,6 +1,8 @@
 """schemathesis against the real server on the tiny models: the OpenAPI schema describes what the
-server does (issue 22).  ``--checks all`` (with ``positive_data_acceptance`` replaced by the variant
-in ``schemathesis_hooks.py`` that knows the model's limits), coverage and fuzzing phases, bounded in
+server does (issue 22), for every operation in it (the generation endpoints, ``/v1/models`` and
+``/v1/models/{id}``, ``/tokenize``, ``/detokenize``, ``/version``, ``/health``, ``/metrics``).
+``--checks all`` (with ``positive_data_acceptance`` replaced by the variant in
+``schemathesis_hooks.py`` that knows the model's limits), coverage and fuzzing phases, bounded in
 time.  A failure prints schemathesis' report: each finding with a ``curl`` line to reproduce it.
 
 Response time: schemathesis' default limit is 10 s; the limit here is 45 s, so a hang still fails.  A
@@ -18,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from engine.async_engine import AsyncEngine
@@ -41,6 +44,9 @@ def test_schemathesis_finds_nothing(tmp_path: Path):
                       EngineConfig(max_batch=4, max_model_len=256, tree=(2, 2), load_aware=False), model_name="tiny")
     settings = Settings(served_model_name="tiny", default_max_tokens=8)
     with ServerThread(create_app(settings, AsyncEngine(core, max_queue=16))) as srv:
+        paths = httpx.get(srv.url + "/openapi.json").json()["paths"]
+        assert {"/tokenize", "/detokenize", "/version", "/v1/models/{model_id}"} <= set(paths)
+        operations = sum(len(ops) for ops in paths.values())
         env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.server.schemathesis_hooks", "PYTHONPATH": str(ROOT),
                "NO_COLOR": "1"}
         run = subprocess.run(
@@ -50,3 +56,4 @@ def test_schemathesis_finds_nothing(tmp_path: Path):
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SECONDS + 240)
     report = run.stdout[-20000:] + run.stderr[-4000:]
     assert run.returncode == 0, report
+    assert f"Tested: {operations}" in run.stdout, report  # every operation, the small endpoints included
