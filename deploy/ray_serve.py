@@ -18,8 +18,8 @@ Three deployments' worth of pieces, built on Ray Serve rather than a home-made b
 * :class:`PrefixRouter` (a Ray Serve request router) sends a request to the replica that served the
   longest prefix of its text (a conversation's next turn, a shared system prompt), so the engine's
   prefix cache has it, unless that replica's queue is ``imbalance`` requests longer than the
-  shortest.  A new prefix goes to a replica chosen by hashing its first chunk among those not
-  overloaded (new conversations spread evenly); a request with no text, to the least loaded.
+  shortest.  A match counts when it covers half the prompt or 1024 characters.  Any other request
+  goes to the least loaded replica.
 
 Replicas autoscale on ongoing requests (``--min-replicas`` / ``--max-replicas``, target
 ``--target-ongoing``).
@@ -101,8 +101,12 @@ def chunk_keys(text: str, chunk: int = CHUNK_CHARS) -> list[int]:
 class PrefixRouter(RequestRouter):
     """Routes a request to the replica that served the longest prefix of its text (see the module)."""
 
-    def initialize_state(self, imbalance: int = 4, max_keys: int = 200_000) -> None:
+    def initialize_state(self, imbalance: int = 2, min_share: float = 0.5, min_chars: int = 1024,
+                         max_keys: int = 200_000) -> None:
         self.imbalance = imbalance
+        # a match counts when it covers min_share of the prompt or min_chars (a long system prompt): a
+        # short common opening ("Complete the following function:") is not worth a replica's queue
+        self.min_share, self.min_chars = min_share, min_chars
         self.max_keys = max_keys  # per replica, least recently routed dropped first
         self.served: dict[ReplicaID, OrderedDict[int, None]] = {}
 
@@ -122,9 +126,10 @@ class PrefixRouter(RequestRouter):
         queue = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidate_replicas}
         free = [r for r in candidate_replicas if queue[r.replica_id] - min(queue.values()) <= self.imbalance]
         best = max(candidate_replicas, key=lambda r: (self.match(r.replica_id, keys), -queue[r.replica_id]))
-        if self.match(best.replica_id, keys) == 0 or best not in free:
-            # a new prefix, or its replica is busy: spread by the prefix's first chunk over the others
-            best = max(free, key=lambda r: hash((keys[0], str(r.replica_id))))
+        matched = self.match(best.replica_id, keys)
+        if matched < min(self.min_share * len(keys), self.min_chars / CHUNK_CHARS) or best not in free:
+            # a new prompt, or its replica is busy: the least loaded of the others (Ray probes them)
+            return [random.sample(free, len(free)), [r for r in candidate_replicas if r not in free]]
         return [[best], [r for r in candidate_replicas if r is not best]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
@@ -149,14 +154,20 @@ def _prompt_of(pending_request: Optional[PendingRequest]) -> str:
 
 
 class EngineReplica:
-    """One engine and the server's app (``server_args``: the server's flags)."""
+    """One engine and the server's app (``server_args``: the server's flags).  ``pin``: run on one
+    core of this machine, the replica's rank modulo the cores (Ray's CPUs are a count, not cores)."""
 
-    def __init__(self, server_args: list[str]) -> None:
+    def __init__(self, server_args: list[str], pin: bool = False) -> None:
         from engine.async_engine import AsyncEngine
         from server.__main__ import build_core
         from server.app import create_app
         from server.settings import load_settings
 
+        context = serve.get_replica_context()
+        if pin and context is not None:  # before the engine's threads start: they inherit it
+            cores = sorted(os.sched_getaffinity(0))
+            rank = getattr(context.rank, "rank", context.rank)
+            os.sched_setaffinity(0, {cores[int(rank) % len(cores)]})
         settings = load_settings(server_args, os.environ)
         logging.basicConfig(level=settings.log_level.upper())
         self.engine = AsyncEngine(lambda: build_core(settings), max_queue=settings.max_queue)
@@ -165,7 +176,6 @@ class EngineReplica:
         self.engine.start()  # what the app's lifespan does; the proxy routes here once this returns
         if not self.engine.wait_ready():
             raise RuntimeError(f"model loading failed: {self.engine.load_error}")
-        context = serve.get_replica_context()
         self.replica = context.replica_id.unique_id if context is not None else "local"
 
     def check_health(self) -> None:
@@ -255,7 +265,7 @@ class Ingress:
 
 def build_app(server_args: list[str], replicas: int = 2, cpus_per_replica: float = 1.0,
               min_replicas: Optional[int] = None, max_replicas: Optional[int] = None,
-              target_ongoing: float = 4.0, max_ongoing: int = 16, imbalance: int = 4):
+              target_ongoing: float = 4.0, max_ongoing: int = 16, imbalance: int = 2, pin: bool = False):
     """The Serve application: the ingress in front of the engine replicas."""
     options: dict[str, Any] = dict(
         ray_actor_options={"num_cpus": cpus_per_replica}, max_ongoing_requests=max_ongoing,
@@ -271,7 +281,7 @@ def build_app(server_args: list[str], replicas: int = 2, cpus_per_replica: float
         options["num_replicas"] = replicas
     engine = serve.deployment(EngineReplica, name="EngineReplica", **options)
     ingress = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
-    return ingress.bind(engine.bind(list(server_args)))
+    return ingress.bind(engine.bind(list(server_args), pin))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -285,7 +295,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-replicas", type=int, help="autoscale up to this many on ongoing requests")
     p.add_argument("--target-ongoing", type=float, default=4.0, help="autoscaling: ongoing requests per replica")
     p.add_argument("--max-ongoing", type=int, default=16, help="requests one replica takes at once (more queue)")
-    p.add_argument("--imbalance", type=int, default=4, help="queue difference past which a prefix match yields")
+    p.add_argument("--imbalance", type=int, default=2, help="queue difference past which a prefix match yields")
+    p.add_argument("--pin-cores", action="store_true", help="each replica on one core (its rank modulo the cores)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     args = p.parse_args(own)
@@ -295,7 +306,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ray.init(include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(server_args, args.replicas, args.cpus_per_replica, args.min_replicas, args.max_replicas,
-                        args.target_ongoing, args.max_ongoing, args.imbalance), name="mcsd", route_prefix="/")
+                        args.target_ongoing, args.max_ongoing, args.imbalance, args.pin_cores),
+              name="mcsd", route_prefix="/")
     log.info("serving on http://%s:%d (Ctrl-C stops)", args.host, args.port)
     try:
         while True:

@@ -47,7 +47,7 @@ def proxy(tmp_path_factory):
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args, replicas=2, cpus_per_replica=1, imbalance=2), name="mcsd", route_prefix="/")
+        serve.run(build_app(args, replicas=2, cpus_per_replica=1, imbalance=2, pin=True), name="mcsd", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -96,7 +96,7 @@ def test_the_openai_api_and_streams_pass_through_the_proxy(proxy):
 def test_requests_spread_and_a_conversation_keeps_its_replica(proxy):
     """Different conversations land on both replicas; each conversation's later turns go where its
     first did, and find their earlier turns in that replica's prefix cache."""
-    conversations = [[{"role": "system", "content": f"You are assistant number {i}, brief and exact."},
+    conversations = [[{"role": "system", "content": f"You are assistant number {i}, brief and exact. " * 4},
                       {"role": "user", "content": f"Question {i}: what is the colour of the sky at noon?"}]
                      for i in range(8)]
     homes = {}
@@ -119,7 +119,7 @@ def test_a_killed_replica_fails_its_own_clients_only_and_comes_back(proxy):
     # two long streams, one on each replica (conversations whose homes differ)
     streams, homes = [], set()
     for i in range(20):
-        messages = [{"role": "user", "content": f"story {i}: tell me a long one about foxes and dogs"}]
+        messages = [{"role": "user", "content": f"story {i}: " + "tell me a long one about foxes and dogs. " * 4}]
         _, home = chat(proxy, messages, max_tokens=1)
         if home not in homes:
             homes.add(home)
@@ -134,7 +134,7 @@ def test_a_killed_replica_fails_its_own_clients_only_and_comes_back(proxy):
     def consume(i, messages):
         try:
             finish = None
-            for chunk in oai(proxy).chat.completions.create(model=MODEL, messages=messages, max_tokens=400,
+            for chunk in oai(proxy).chat.completions.create(model=MODEL, messages=messages, max_tokens=300,
                                                             temperature=0, stream=True,
                                                             extra_body={"ignore_eos": True}):
                 if chunk.choices:
@@ -198,7 +198,7 @@ def test_the_router_prefers_the_longest_prefix_unless_that_replica_is_busy():
     import asyncio
 
     router = PrefixRouter.__new__(PrefixRouter)  # its routing logic alone, without a Serve controller
-    router.initialize_state(imbalance=2)
+    router.initialize_state(imbalance=2, min_share=0.5, min_chars=1024)
     queue = _Queue()
     type(router).replica_queue_len_cache = property(lambda self: queue)
     a, b = _Replica("a"), _Replica("b")
@@ -209,8 +209,9 @@ def test_the_router_prefers_the_longest_prefix_unless_that_replica_is_busy():
     queue.update(a=5, b=0)  # a's queue is 5 longer: the match yields to the load
     assert asyncio.run(router.choose_replicas([a, b], _Pending(system + "x"))) == [[b], [a]]
     assert asyncio.run(router.choose_replicas([a, b], _Pending("no match at all " * 8))) == [[b], [a]]
-    queue.update(a=0)  # new prefixes spread by their first chunk, each always to the same replica
-    firsts = {asyncio.run(router.choose_replicas([a, b], _Pending(f"conversation {i:03d} " * 8)))[0][0].replica_id
-              for i in range(40)}
-    assert firsts == {"a", "b"}
+    queue.update(a=0)  # a short common opening is no match: any replica, Ray takes the least loaded
+    opening = "Complete the following Python function:\n" * 2
+    router.on_request_routed(_Pending(opening + "def f(): " * 30), "a", None)
+    ranks = asyncio.run(router.choose_replicas([a, b], _Pending(opening + "def g(): " * 30)))
+    assert len(ranks[0]) == 2 and set(ranks[0]) == {a, b}
     assert len(asyncio.run(router.choose_replicas([a, b], _Pending("short")))[0]) == 2  # no text to match: any
