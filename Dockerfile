@@ -27,12 +27,15 @@ ARG PIP_EXTRA_INDEX_URL=
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+# The dependencies first, from pyproject.toml alone, so a change to the code rebuilds only the layers below.
+COPY pyproject.toml ./
+RUN python -c "import subprocess, sys, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; subprocess.check_call([sys.executable, '-m', 'pip', 'install', '--no-cache-dir', *deps])"
+COPY README.md ./
 COPY engine ./engine
 COPY server ./server
 COPY tools ./tools
 # An editable install keeps configs/ and the Max-Gram corpus next to the packages, where presets find them.
-RUN pip install --no-cache-dir -e .
+RUN pip install --no-cache-dir --no-deps -e .
 COPY configs ./configs
 COPY benchmarks/prompts/train.json ./benchmarks/prompts/train.json
 
