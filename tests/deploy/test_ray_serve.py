@@ -116,20 +116,19 @@ def test_requests_spread_and_a_conversation_keeps_its_replica(proxy):
 
 @pytest.mark.slow
 def test_a_killed_replica_fails_its_own_clients_only_and_comes_back(proxy):
-    # two long streams, one on each replica (conversations whose homes differ)
-    streams, homes = [], set()
-    for i in range(20):
+    # long streams, three on each replica (prompts whose homes differ; a prompt keeps its home)
+    streams: dict[str, list] = {}
+    for i in range(40):
         messages = [{"role": "user", "content": f"story {i}: " + "tell me a long one about foxes and dogs. " * 4}]
         _, home = chat(proxy, messages, max_tokens=1)
-        if home not in homes:
-            homes.add(home)
-            streams.append((messages, home))
-        if len(homes) == 2:
+        if len(streams.setdefault(home, [])) < 3:
+            streams[home].append(messages)
+        if len(streams) == 2 and all(len(v) == 3 for v in streams.values()):
             break
-    assert len(homes) == 2
-    victim, survivor = streams[0][1], streams[1][1]
-
-    started = [threading.Event(), threading.Event()]
+    assert len(streams) == 2 and all(len(v) == 3 for v in streams.values())
+    victim, survivor = list(streams)
+    jobs = [(home, m) for home in (victim, survivor) for m in streams[home]]
+    started = [threading.Event() for _ in jobs]
 
     def consume(i, messages):
         try:
@@ -144,13 +143,13 @@ def test_a_killed_replica_fails_its_own_clients_only_and_comes_back(proxy):
         except openai.APIError as exc:
             return "error", str(exc)
 
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(consume, i, m) for i, (m, _) in enumerate(streams)]
-        assert started[0].wait(60) and started[1].wait(60)  # both streams are under way
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(consume, i, m) for i, (_, m) in enumerate(jobs)]
+        assert all(e.wait(60) for e in started)  # every stream is under way
         ray.kill(replica_actor(victim), no_restart=True)
         outcomes = [f.result(timeout=120) for f in futures]
-    assert outcomes[1] == ("done", "length")  # the survivor's stream is whole
-    assert outcomes[0][0] == "error"  # the victim's client got an error, not a hang
+    assert outcomes[3:] == [("done", "length")] * 3  # the survivor's streams are whole: none lost
+    assert [o[0] for o in outcomes[:3]] == ["error"] * 3  # the victim's clients got an error, not a hang
     replica_actor(survivor)  # still there
     with pytest.raises(ValueError):
         replica_actor(victim)
