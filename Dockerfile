@@ -28,8 +28,11 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_IN
 
 WORKDIR /app
 # The dependencies first, from pyproject.toml alone, so a change to the code rebuilds only the layers below.
+# xgrammar pulls in triton (about 1 GB) for its CUDA kernels, which a CPU torch never runs: a CPU image
+# drops it in the same layer.
 COPY pyproject.toml ./
-RUN python -c "import subprocess, sys, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; subprocess.check_call([sys.executable, '-m', 'pip', 'install', '--no-cache-dir', *deps])"
+RUN python -c "import subprocess, sys, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; subprocess.check_call([sys.executable, '-m', 'pip', 'install', '--no-cache-dir', *deps])" \
+    && if python -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then pip uninstall -y triton; fi
 COPY README.md ./
 COPY engine ./engine
 COPY server ./server

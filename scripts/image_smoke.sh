@@ -235,8 +235,9 @@ READY_TIME=$(since "$start")s
 echo "== ready in $READY_TIME (/health 200)"
 "$ENGINE" logs "$NAME" 2>&1 | grep -E 'compiling|engine ready|cost model: measured|loading' | sed 's/^/   | /' || true
 
-# ---- smoke: chat, streamed chat, /metrics -----------------------------------------------------
+# ---- smoke: chat, streamed chat, structured output, /metrics ---------------------------------------
 "$PY" - "$URL" "$MODEL" <<'EOF'
+import json
 import sys
 import time
 import urllib.request
@@ -267,6 +268,16 @@ streamed = "".join(parts)
 print(f"== streamed chat ({time.perf_counter() - t0:.2f}s, {chunks} chunks, finish {finish}): {streamed!r}")
 assert chunks > 1 and streamed.strip(), "the stream brought no text"
 assert streamed == text, "greedy streamed text differs from the plain reply"
+
+schema = {"type": "object", "required": ["colors"], "additionalProperties": False,
+          "properties": {"colors": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 12}}}}
+t0 = time.perf_counter()
+reply = client.chat.completions.create(model=model, messages=messages, max_tokens=96, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "colors", "schema": schema}})
+data = json.loads(reply.choices[0].message.content)  # the grammar (xgrammar) makes it valid JSON
+assert isinstance(data.get("colors"), list), data
+print(f"== structured output ({time.perf_counter() - t0:.2f}s): {data}")
 
 metrics = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
 lines = [line for line in metrics.splitlines() if line.startswith("mcsd:")]
