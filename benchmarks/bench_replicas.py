@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -32,17 +31,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_serving import free_port  # noqa: E402
 from benchmarks.harness import machine, print_table, write_json  # noqa: E402
 from tools.prompts import load_prompts_file  # noqa: E402
 
 FOLLOW_UPS = ["Go on, in more detail.", "Now summarise that in two sentences.", "What would you change?",
               "Give one example."]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def stream_chat(client, model: str, messages: list[dict], max_tokens: int) -> dict:

@@ -40,10 +40,13 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter
+
+from server.errors import APIError
+from server.sse import DONE
 
 log = logging.getLogger("deploy.ray_serve")
 
@@ -228,12 +231,8 @@ async def _rest(stream, event_stream: bool) -> AsyncIterator[bytes]:
     except Exception as exc:  # noqa: BLE001 - the status is sent; report in-band, as the server does
         log.warning("replica failed mid-response: %s", exc)
         if event_stream:
-            error = json.dumps(_error("The replica serving this stream failed; retry the request.", "replica_failed"))
-            yield f"data: {error}\n\ndata: [DONE]\n\n".encode()
-
-
-def _error(message: str, code: str) -> dict:
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+            error = APIError(500, "The replica serving this stream failed; retry the request.", code="replica_failed")
+            yield f"data: {error.to_response().model_dump_json()}\n\n{DONE}".encode()
 
 
 ingress_app = FastAPI(title="mcsd-server on Ray Serve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -256,8 +255,8 @@ class Ingress:
             status, headers = await stream.__anext__()
         except Exception as exc:  # noqa: BLE001 - the replica failed before answering
             log.warning("replica failed before answering %s: %s", request.url.path, exc)
-            return JSONResponse(_error("The replica serving this request failed; retry it.", "replica_failed"),
-                                status_code=503)
+            return APIError(503, "The replica serving this request failed; retry it.",
+                            code="replica_failed").to_json_response()
         kept = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k.lower() != b"content-length"}
         event_stream = kept.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(_rest(stream, event_stream), status_code=status, headers=kept)

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from scripts.render_dashboard import panels_of as all_panels  # every panel, rows' nested ones included
 from tests.fakes import make_tokenizer
 from tests.server.test_real_server import MODEL, client, tiny_server
 
@@ -37,13 +38,6 @@ def load_dashboard() -> dict:
     return json.loads(DASHBOARD.read_text())
 
 
-def all_panels(dash: dict) -> list[dict]:
-    """Every panel, rows' nested panels included."""
-    out = []
-    for panel in dash["panels"]:
-        out.append(panel)
-        out.extend(panel.get("panels", []))
-    return out
 
 
 def queries(dash: dict) -> list[tuple[str, str]]:
