@@ -46,6 +46,20 @@ class EngineConfig:
                                     "request's output does not depend on the rest of the batch (off: torch's "
                                     "kernels where they are faster)")
     without_replacement: bool = setting(True, "draw sibling candidates without replacement", server=False)
+    # forwards at fixed shapes (engine.graphs)
+    cuda_graphs: bool = setting(True, "CUDA: capture the target's and the draft's forwards as CUDA graphs at "
+                                "start-up, one per bucket of batch x rows x context (graph_* settings); a forward "
+                                "outside every bucket runs eagerly.  Ignored on the CPU")
+    graph_batches: tuple[int, ...] = setting((1, 2, 4, 8, 16, 32), "batch buckets captured (those above max_batch "
+                                             "are dropped, max_batch itself is added)")
+    graph_rows: tuple[int, ...] = setting((), "rows-per-sequence buckets captured (empty: 1, 4, 16, ... up to the "
+                                          "largest verification block)")
+    graph_context: int = setting(256, "smallest context bucket; buckets double up to the cache's length", ge=1)
+    graph_compile: bool = setting(False, "compile the captured forward with torch.compile (Inductor fuses the "
+                                  "per-layer elementwise work) before capturing it; compiling takes minutes")
+    static_shapes: bool = setting(False, "run every forward that fits a bucket through the padded fixed-shape path "
+                                  "a CUDA graph replays, on any device (tests; off the GPU it is slower)",
+                                  server=False)
     # adaptive speculation (engine.speculative.adaptive)
     adaptive: bool = setting(False, "adapt tree depth per step (SpecDec++ threshold) and the budget to load")
     adaptive_threshold: float = setting(0.5, "stop drafting when 1 - prod(p_accept) > h", ge=0.0, le=1.0)
@@ -77,6 +91,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.tree = parse_widths(self.tree)
+        self.graph_batches, self.graph_rows = parse_widths(self.graph_batches), parse_widths(self.graph_rows)
         check_bounds(self)
         self._validate_adaptive()
         self._validate_drafters()

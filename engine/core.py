@@ -17,8 +17,10 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.device import tensor as device_tensor
 from engine.grammar import Grammars
+from engine.graphs import CaptureReport, install as install_graphs
 from engine.models import cpu_kernels
 from engine.models.loader import LoadedModel
+from engine.models.model import Model
 from engine.models.qweight import QuantLinear, quantized_copy
 from engine.models.vocab import OutputVocab, frequent_vocab
 from engine.request import GenerationRequest, RequestOutput, RequestRejected
@@ -58,6 +60,8 @@ class EngineCore:
         # the drafters say how large a verification block and how many draft-cache entries a step may need
         rows, entries = drafter_limits(cfg, self.topology)
         self.cache = self._new_cache(target, self.max_model_len + rows + 1)
+        self.capture_reports: dict[str, CaptureReport] = {}  # what capturing each model's graphs took
+        self._install_graphs("target", target.model, self.cache, rows, rows)
         draft_len = self.max_model_len + entries + 1
         proposer = None
         self.policy: Optional[SpecPolicy] = None
@@ -68,6 +72,7 @@ class EngineCore:
             self.draft_vocab = _draft_vocab(draft, cfg)
             if cfg.draft_int8:  # after the vocabulary cut, which copies bf16 rows of the output layer
                 draft = self._int8_draft(draft)
+            self._install_graphs("draft", draft.model, draft_cache, rows, entries + rows)
             if policy is None and self.config.adaptive:
                 policy = AdaptiveSpeculation.from_config(self.config, self.topology, target, draft, self.cache,
                                                          draft_cache, self.draft_vocab, max_rows=rows)
@@ -98,6 +103,25 @@ class EngineCore:
                              f"{self.max_model_len} (it needs {max_len} positions with its speculation): raise "
                              f"kv_cache_tokens or lower max_model_len")
         return model.model.new_cache(cfg.max_batch, max_len, bs, blocks)
+
+    def _install_graphs(self, name: str, model: Model, cache: KVCache, rows: int, width: int) -> None:
+        """``model``'s forwards at fixed shapes (``engine.graphs``), captured now as CUDA graphs when the
+        device is CUDA, before the cost model times them: the first requests then pay nothing, and
+        ``/health`` answers 503 until it is done.  Logs progress, the time taken and the graph pool's
+        device memory (``capture_reports``)."""
+        captured = install_graphs(model, cache, self.config, rows, width)
+        if captured is None or not captured.graphs:
+            return  # none, or the static path run eagerly: nothing to prepare
+
+        def progress(done: int, total: int, bucket) -> None:
+            if done == total or done % max(1, total // 10) == 0:
+                log.info("capturing the %s's CUDA graphs: %d/%d buckets (now %s)", name, done, total, bucket)
+
+        report = captured.capture(progress)
+        self.capture_reports[name] = report
+        log.info("%s: %d CUDA graphs captured in %.1f s, graph pool %.0f MiB%s", name, report.buckets,
+                 report.seconds, report.pool_bytes / 2**20,
+                 f"; {len(report.failed)} buckets failed and run eagerly" if report.failed else "")
 
     @staticmethod
     def _int8_draft(draft: LoadedModel) -> LoadedModel:

@@ -112,6 +112,7 @@ class KVCache:
         self._key_of: dict[int, bytes] = {}  # published block -> its key
         self._block_of: dict[bytes, int] = {}  # key -> published block
         self.evictions = 0  # published blocks overwritten to make room
+        self.captured = None  # engine.graphs.CapturedForwards: this cache's forwards at fixed shapes, if any
 
     # ----------------------------------------------------------------- slots
     @property

@@ -80,7 +80,7 @@ class ServerSettings(BaseModel):
         0.0005, gt=0, le=0.1, description="seconds a thread may hold the GIL while another waits for it (CPython's "
         "default is 0.005): the engine thread needs it between operators while the event loop runs Python")
 
-    @field_validator("tree", mode="before", check_fields=False)
+    @field_validator("tree", "graph_batches", "graph_rows", mode="before", check_fields=False)
     @classmethod
     def _parse_tree(cls, v: Any) -> tuple[int, ...]:
         return parse_widths(v)

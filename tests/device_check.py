@@ -201,6 +201,9 @@ def mark_engine(core) -> None:
     for c in caches:
         mark(c.k)
         mark(c.v)
+        if c.captured is not None:  # the fixed-shape forwards' persistent inputs (engine.graphs)
+            for t in c.captured.buffers():
+                mark(t)
     vocab = getattr(core, "draft_vocab", None)
     if vocab is not None:
         for t in _tensors(vars(vocab)):

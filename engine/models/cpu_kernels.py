@@ -380,7 +380,7 @@ def set_batch_invariant(on: bool) -> None:
     global _batch_invariant
     if bool(on) != _batch_invariant:
         _batch_invariant = bool(on)
-        _enabled.cache_clear(), _f32_enabled.cache_clear(), _invariant_attention.cache_clear()
+        _enabled.cache_clear(), _f32_enabled.cache_clear(), _invariant_attention_decision.cache_clear()
 
 
 def batch_invariant() -> bool:
@@ -389,8 +389,13 @@ def batch_invariant() -> bool:
     return _enabled() and _f32_enabled() and _invariant_attention()
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # decided once per mode: a compiled forward bakes it in
 def _invariant_attention() -> bool:
+    return _invariant_attention_decision()
+
+
+@functools.cache
+def _invariant_attention_decision() -> bool:
     """Whether CPU attention takes our batch-invariant kernel (in batch-invariant mode, when the
     kernels are built); ``MCSD_INVARIANT_ATTENTION=0`` / ``=1`` overrides.  Decided once per mode."""
     env = os.environ.get(_ATTENTION_SWITCH, "").strip().lower()

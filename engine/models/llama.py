@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 import torch
@@ -149,12 +149,15 @@ class ForwardContext:
     block_mask: Optional[torch.Tensor]  # [batch, block, width] bool on the device, or None (causal)
     paged: bool = False  # the attention reads the pool in place (cpu_kernels.paged_attention_applies)
     packing: Optional[Packing] = None  # the layers see only the real rows [1, n] (at.write, cos, sin too)
+    _mask: list = field(default_factory=list, repr=False)  # the mask once built (a list: compiles, unlike a lock)
 
-    @functools.cached_property
+    @property
     def mask(self) -> Optional[torch.Tensor]:
         """The full mask [batch, 1, block, kv_len] (True = attend; None = attend all), built once."""
-        block = self.cos.shape[1] if self.packing is None else self.packing.block
-        return build_mask(self.lens, self.start, block, self.kv_len, self.block_mask)
+        if not self._mask:
+            block = self.cos.shape[1] if self.packing is None else self.packing.block
+            self._mask.append(build_mask(self.lens, self.start, block, self.kv_len, self.block_mask))
+        return self._mask[0]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Stores the block's keys and values and attends: q [batch, heads, block, head_dim], k, v
@@ -329,9 +332,18 @@ class LlamaModel(nn.Module):
         b, t = input_ids.shape
         counts = num_new if num_new is not None else [t] * b
         cache.reserve(slots, counts)
-        packing = Packing.of(counts, t, self.device)
-        ctx = self._context(cache, slots, positions, block_mask, packing)
-        hidden = self.hidden_states(input_ids if packing is None else packing.pack(input_ids), ctx)
+        bucket = None
+        if cache.captured is not None:  # a captured shape (engine.graphs): replayed, padded to its bucket
+            width = int(cache.pending[torch.tensor(slots, dtype=torch.long)].max()) + t
+            bucket = cache.captured.bucket_for(slots, t, width)
+        if bucket is not None:
+            self._check_positions(cache, positions)
+            packing = None
+            hidden = cache.captured.hidden(bucket, input_ids, positions, slots, block_mask, counts)
+        else:
+            packing = Packing.of(counts, t, self.device)
+            ctx = self._context(cache, slots, positions, block_mask, packing)
+            hidden = self.hidden_states(input_ids if packing is None else packing.pack(input_ids), ctx)
         cache.advance(slots, counts)
         if logits_rows is None:
             rows, logits_at = hidden, None
@@ -394,12 +406,16 @@ class LlamaModel(nn.Module):
         stack = self._fused[1]
         return stack if stack is not None and stack.applies(ctx) else None
 
-    def _context(self, cache: KVCache, slots: list[int], positions: torch.Tensor,
-                 block_mask: Optional[torch.Tensor], packing: Optional[Packing] = None) -> ForwardContext:
+    def _check_positions(self, cache: KVCache, positions: torch.Tensor) -> None:
+        """Builds the rotary tables for the cache's length if needed; position ids (host) must be in them."""
         if self.rope is None or cache.max_len > self.rope.max_pos:
             self.rope = RotaryTables(self.cfg, cache.max_len, self.dtype, self.device)
         if int(positions.max()) >= self.rope.max_pos or int(positions.min()) < 0:
             raise ValueError(f"position ids must be in [0, {self.rope.max_pos})")
+
+    def _context(self, cache: KVCache, slots: list[int], positions: torch.Tensor,
+                 block_mask: Optional[torch.Tensor], packing: Optional[Packing] = None) -> ForwardContext:
+        self._check_positions(cache, positions)
         b, t = positions.shape
         slot_t = torch.tensor(slots, dtype=torch.long)
         lens = cache.lens[slot_t]

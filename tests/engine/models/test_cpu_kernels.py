@@ -199,7 +199,7 @@ def test_batch_invariant_mode_picks_the_kernels(monkeypatch):
         assert not cpu_kernels.batch_invariant() and not cpu_kernels.should_use(w)
         assert not cpu_kernels._invariant_attention()
         monkeypatch.setenv("MCSD_INVARIANT_ATTENTION", "1")
-        cpu_kernels._invariant_attention.cache_clear()
+        cpu_kernels._invariant_attention_decision.cache_clear()
         assert cpu_kernels._invariant_attention()
         cpu_kernels.set_batch_invariant(True)
         monkeypatch.setenv("MCSD_CPU_KERNELS", "0")
@@ -209,7 +209,7 @@ def test_batch_invariant_mode_picks_the_kernels(monkeypatch):
         monkeypatch.delenv("MCSD_CPU_KERNELS", raising=False)
         monkeypatch.delenv("MCSD_INVARIANT_ATTENTION", raising=False)
         cpu_kernels.set_batch_invariant(True)
-        for decision in (cpu_kernels._enabled, cpu_kernels._f32_enabled, cpu_kernels._invariant_attention):
+        for decision in (cpu_kernels._enabled, cpu_kernels._f32_enabled, cpu_kernels._invariant_attention_decision):
             decision.cache_clear()
 
 
