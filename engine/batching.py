@@ -30,13 +30,15 @@ class Block:
     mask: Optional[torch.Tensor] = None
 
 
-def run_blocks(model: Model, cache: KVCache, blocks: list[Block],
-               vocab: Optional[OutputVocab] = None) -> tuple[ForwardOutput, list[torch.Tensor]]:
+def run_blocks(model: Model, cache: KVCache, blocks: list[Block], vocab: Optional[OutputVocab] = None,
+               ids: Optional[torch.Tensor] = None) -> tuple[ForwardOutput, list[torch.Tensor]]:
     """One forward over all blocks; returns the raw output and each block's logits [rows, vocab]
-    (``vocab``: a restricted output layer, -inf logits outside it)."""
+    (``vocab``: a restricted output layer, -inf logits outside it).  ``ids``: the blocks' token ids
+    already on the device ([blocks, longest block], padded), which the host has not read: the blocks'
+    own ``tokens`` then only give their lengths."""
     b = len(blocks)
     t = max(len(bl.tokens) for bl in blocks)
-    ids = torch.zeros(b, t, dtype=torch.long)
+    given, ids = ids, torch.zeros(b, t, dtype=torch.long)
     pos = torch.zeros(b, t, dtype=torch.long)
     k = max(max(len(bl.logit_rows) for bl in blocks), 1)
     rows = torch.zeros(b, k, dtype=torch.long)
@@ -46,7 +48,8 @@ def run_blocks(model: Model, cache: KVCache, blocks: list[Block],
     mask = torch.zeros(b, t, width, dtype=torch.bool) if any_mask else None
     for i, bl in enumerate(blocks):
         n = len(bl.tokens)
-        ids[i, :n] = torch.tensor(bl.tokens)
+        if given is None:
+            ids[i, :n] = torch.tensor(bl.tokens)
         pos[i, :n] = torch.tensor(bl.positions)
         pos[i, n:] = bl.positions[-1]
         if bl.logit_rows:
@@ -57,7 +60,7 @@ def run_blocks(model: Model, cache: KVCache, blocks: list[Block],
                 mask[i, :n, pending[i]: pending[i] + n] = torch.ones(n, n, dtype=torch.bool).tril()
             else:
                 mask[i, :n, : bl.mask.shape[1]] = bl.mask
-    out = model(to_device(ids, model.device), pos, cache, [bl.slot for bl in blocks], block_mask=mask,
+    out = model(to_device(ids, model.device) if given is None else given, pos, cache, [bl.slot for bl in blocks], block_mask=mask,
                 num_new=[len(bl.tokens) for bl in blocks], logits_rows=rows,
                 num_logits=[len(bl.logit_rows) for bl in blocks], vocab=vocab)
     per_block = [out.logits[i, : len(bl.logit_rows)] for i, bl in enumerate(blocks)]

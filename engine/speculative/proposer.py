@@ -21,7 +21,7 @@ import torch
 
 from engine.batching import Block, run_blocks
 from engine.device import tensor as device_tensor
-from engine.device import to_host
+from engine.device import to_device, to_device_many, to_host
 from engine.kv_cache import KVCache
 from engine.models.model import Model
 from engine.models.vocab import OutputVocab
@@ -63,6 +63,8 @@ class DraftModelProposer:
         ``step``: what the policy decided for this step (its budget), handed back to it per level."""
         trees = [DraftTree(sub, [DEAD] * sub.num_nodes) for sub in subs]
         forced = forced or [None] * len(seqs)
+        # the tokens stay on the device until the tree is whole, when nothing on the host needs them per level
+        kept = DeviceTokens(trees, self.cache.k.device) if self._on_device(seqs, forced) else None
         # seq -> ([parents, vocab] logits, [parents, hidden] draft hidden states) of the next level's parents
         frontier = {i: (lg[None], h[None]) for i, (lg, h) in enumerate(zip(*self._catch_up(seqs)))}
         for d in range(1, max(sub.max_depth for sub in subs) + 1):
@@ -70,7 +72,7 @@ class DraftModelProposer:
             if not active:
                 break
             self._sample_level([seqs[i] for i in active], [trees[i] for i in active], d,
-                               [frontier[i] for i in active])
+                               [frontier[i] for i in active], kept, active)
             if d == 1:
                 for i in active:
                     if forced[i] is not None:
@@ -80,8 +82,21 @@ class DraftModelProposer:
             self._apply_policy(seqs, trees, deeper, d, step)
             to_run = [i for i in active if trees[i].sub.max_depth > d]
             if to_run:
-                frontier = dict(zip(to_run, self._run_level(seqs, trees, to_run, d)))
+                frontier = dict(zip(to_run, self._run_level(seqs, trees, to_run, d, kept)))
+        if kept is not None:
+            kept.read(trees)
         return trees
+
+    def _on_device(self, seqs: list[SeqView], forced: list) -> bool:
+        """Whether the step's tokens can stay on the device until its trees are whole (one read for
+        the whole tree instead of one per level): nothing on the host reads a level's tokens before
+        the next level is drawn, so no grammar (its masks follow each row's path), no penalties (their
+        histories count the path's tokens), no forced first level and no per-level policy decision."""
+        if any(f is not None for f in forced):
+            return False
+        if self.policy is not None and any(s.request.spec.adaptive is not False for s in seqs):
+            return False
+        return all(s.grammar is None and not s.request.sampling.needs_history for s in seqs)
 
     def _apply_policy(self, seqs: list[SeqView], trees: list[DraftTree], deeper: list[int], d: int,
                       step: Optional[StepBudget]) -> None:
@@ -95,9 +110,10 @@ class DraftModelProposer:
                 trees[i].cut(self.topology.subtree(trees[i].sub.widths[:d]))
 
     # ------------------------------------------------------------------ draft forwards
-    def forward(self, blocks: list[Block]):
-        """One draft forward over ``blocks`` (every drafter that runs the draft model goes through here)."""
-        return run_blocks(self.model, self.cache, blocks, self.vocab)
+    def forward(self, blocks: list[Block], ids: Optional[torch.Tensor] = None):
+        """One draft forward over ``blocks`` (every drafter that runs the draft model goes through here;
+        ``ids``: their tokens already on the device, ``run_blocks``)."""
+        return run_blocks(self.model, self.cache, blocks, self.vocab, ids=ids)
 
     def _catch_up(self, seqs: list[SeqView]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Root logits [vocab] and draft hidden states [hidden] of every sequence.
@@ -122,26 +138,29 @@ class DraftModelProposer:
             s.draft_cached = len(s.tokens)
         return [g[0] for g in lg], [out.hidden[j, len(b.tokens) - 1] for j, b in enumerate(blocks)]
 
-    def _run_level(self, seqs, trees, to_run: list[int], d: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _run_level(self, seqs, trees, to_run: list[int], d: int,
+                   kept: Optional["DeviceTokens"] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         blocks = []
         for i in to_run:
             sub, seq = trees[i].sub, seqs[i]
             lv = sub.level(d)
             mask = sub.mask[1 + lv.start: 1 + lv.stop, 1: 1 + lv.stop]  # rows C_{d-1}:C_d, cols :C_d
-            toks = [t if t != DEAD else 0 for t in trees[i].tokens[lv]]
+            toks = [t if t != DEAD else 0 for t in trees[i].tokens[lv]]  # placeholders when they are kept
             root_pos = len(seq.tokens) - 1
             blocks.append(Block(seq.draft_slot, toks, [root_pos + d] * len(toks), list(range(len(toks))), mask))
             trees[i].drafted_levels = d
-        out, logits = self.forward(blocks)
+        out, logits = self.forward(blocks, None if kept is None else kept.level_ids(trees, to_run, d))
         return [(lg, out.hidden[j, : len(bl.tokens)]) for j, (lg, bl) in enumerate(zip(logits, blocks))]
 
     # ------------------------------------------------------------------ sampling children
     def _sample_level(self, seqs: list[SeqView], trees: list[DraftTree], d: int,
-                      frontier: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+                      frontier: list[tuple[torch.Tensor, torch.Tensor]], kept: Optional["DeviceTokens"] = None,
+                      which: Optional[list[int]] = None) -> None:
         """Draws the depth-``d`` children of every sequence's depth-(d-1) nodes, all sequences at once.
 
         frontier[j]: ([parents_j, vocab] draft logits, [parents_j, hidden] draft hidden states) of
-        sequence j's depth-(d-1) nodes, in level order.
+        sequence j's depth-(d-1) nodes, in level order.  ``kept``: the step's tokens stay on the device
+        (``which[j]``: tree j's index there); else the level's tokens are read back now.
         """
         parent_rows = [self._parent_rows(t.sub, d) for t in trees]
         row_seq = [j for j, rows in enumerate(parent_rows) for _ in rows]
@@ -172,6 +191,9 @@ class DraftModelProposer:
             for r in s_rows:
                 j = row_seq[r]
                 trees[j].q[parent_rows[j][r - first[j]]] = probs[r]
+        if kept is not None:
+            kept.place(which, trees, d, parent_rows, first, chosen)
+            return
         # the level's one read: its tokens, and what the policy learns from them (it runs on the host)
         features = self.policy is not None and self.policy.wants_features
         full = features and self.policy.wants_full_features
@@ -269,6 +291,59 @@ class DraftModelProposer:
             return logits[..., : self.vocab_size]
         pad = logits.new_full((*logits.shape[:-1], self.vocab_size - v), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
+
+
+class DeviceTokens:
+    """The drafted tokens of a step's trees, on the device while the trees grow: each level's children
+    are placed from the sampled ``chosen`` rows by a gather (a child of a dead node is dead), the next
+    level's token ids are gathered from here, and the host reads them all once, when the trees are
+    whole (:meth:`read`).  Flat: tree ``j``'s node ``n`` is entry ``offsets[j] + n``; the last entry is
+    a live stand-in for every root."""
+
+    def __init__(self, trees: list[DraftTree], device: torch.device) -> None:
+        self.offsets, total = [], 0
+        for t in trees:
+            self.offsets.append(total)
+            total += t.num_nodes
+        self.root = total
+        flat = torch.full((total + 1,), DEAD, dtype=torch.long)
+        flat[total] = 0
+        self.flat = to_device(flat, device)
+
+    def place(self, which: list[int], trees: list[DraftTree], d: int, parent_rows: list[list[int]],
+              first: list[int], chosen: torch.Tensor) -> None:
+        """Level ``d`` of ``trees`` (tree ``j`` is entry ``which[j]``) from ``chosen`` [rows, width]."""
+        width = chosen.shape[1]
+        dst, src, parent = [], [], []
+        for j, tree in enumerate(trees):
+            lv, k, off = tree.sub.level(d), tree.sub.widths[d - 1], self.offsets[which[j]]
+            for n, node in enumerate(range(lv.start, lv.stop)):
+                pj, rank = divmod(n, k)
+                prow = parent_rows[j][pj]
+                dst.append(off + node)
+                src.append((first[j] + pj) * width + rank)
+                parent.append(self.root if prow == 0 else off + prow - 1)
+        dev = self.flat.device
+        dst_t, src_t, parent_t = to_device_many([torch.tensor(x, dtype=torch.long) for x in (dst, src, parent)], dev)
+        tok = chosen.reshape(-1).index_select(0, src_t)
+        alive = self.flat.index_select(0, parent_t) != DEAD
+        self.flat.index_copy_(0, dst_t, torch.where(alive & (tok >= 0), tok, DEAD))
+
+    def level_ids(self, trees: list[DraftTree], to_run: list[int], d: int) -> torch.Tensor:
+        """Token ids [len(to_run), widest level] of level ``d`` of the trees ``to_run`` (dead: 0)."""
+        levels = [trees[i].sub.level(d) for i in to_run]
+        width = max(lv.stop - lv.start for lv in levels)
+        at = torch.full((len(to_run), width), self.root, dtype=torch.long)
+        for r, (i, lv) in enumerate(zip(to_run, levels)):
+            at[r, : lv.stop - lv.start] = torch.arange(lv.start, lv.stop) + self.offsets[i]
+        ids = self.flat.index_select(0, to_device(at.reshape(-1), self.flat.device)).view(at.shape)
+        return ids.clamp(min=0)
+
+    def read(self, trees: list[DraftTree]) -> None:
+        """The step's one read of its drafted tokens: every tree's, into its host list."""
+        host = to_host(self.flat)[0].tolist()
+        for off, tree in zip(self.offsets, trees):
+            tree.tokens = host[off: off + tree.num_nodes]
 
 
 @register_drafter

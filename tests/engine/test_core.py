@@ -288,11 +288,11 @@ def test_a_failure_outside_verification_costs_only_its_own_request(stage, monkey
     if stage == "draft":
         real_level = DraftModelProposer._run_level
 
-        def run_level(self, seqs, trees, to_run, d):
+        def run_level(self, seqs, trees, to_run, d, *kept):
             if any(seqs[i].request_id == "r1" and seqs[i].num_output >= 1 for i in to_run):
                 state["raised"] += 1
                 raise RuntimeError("planted drafting failure")
-            return real_level(self, seqs, trees, to_run, d)
+            return real_level(self, seqs, trees, to_run, d, *kept)
         monkeypatch.setattr(DraftModelProposer, "_run_level", run_level)
     elif stage == "plan":
         real_plan = Planner.plan
