@@ -16,7 +16,7 @@ from typing import Sequence as Sequence_
 import torch
 
 from engine.batching import Block, run_blocks
-from engine.device import Pending, finish_all, synchronize, tensor as device_tensor
+from engine.device import Pending, finish_all, synchronize, tensor as device_tensor, to_device, to_device_many
 from engine.kv_cache import KVCache
 from engine.models.model import Model
 from engine.sequence import Sequence
@@ -156,10 +156,12 @@ class ModelRunner:
         blocks = []
         for seq, tree in zip(seqs, trees):
             root_pos = len(seq.tokens) - 1
-            toks = [seq.root] + [t if t != DEAD else 0 for t in tree.tokens]
+            held = tree.unread is not None  # still on the device: gathered there (verification_ids)
+            toks = [seq.root] + ([0] * tree.num_nodes if held else [t if t != DEAD else 0 for t in tree.tokens])
             pos = block_positions(root_pos, tree.depths())
             blocks.append(Block(seq.slot, toks, pos, list(range(len(toks))), tree.mask()))
-        out, _ = run_blocks(self.target, self.cache, blocks)
+        ids = verification_ids(blocks, trees, self.target.device) if any(t.unread is not None for t in trees) else None
+        out, _ = run_blocks(self.target, self.cache, blocks, ids=ids)
         stats.draft_seconds += t1 - t0
         return _Forward(seqs, plans, trees, out.logits, time.perf_counter() - t1)
 
@@ -297,6 +299,28 @@ def _rows_of(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
     if index == list(range(logits.shape[0])):
         return logits
     return logits[device_tensor(index, logits.device)]
+
+
+def verification_ids(blocks: list[Block], trees: list[DraftTree], device: torch.device) -> torch.Tensor:
+    """Token ids [len(blocks), longest block] on the device: the blocks' own tokens, and the tokens of
+    trees still on the device (``DraftTree.unread``) gathered there, so the host need not read them
+    before the target runs."""
+    b, t = len(blocks), max(len(bl.tokens) for bl in blocks)
+    base = torch.zeros(b, t, dtype=torch.long)
+    for i, bl in enumerate(blocks):
+        base[i, : len(bl.tokens)] = torch.tensor(bl.tokens)
+    ids = to_device(base, device)
+    for holder in {id(tr.unread): tr.unread for tr in trees if tr.unread is not None}.values():
+        at = torch.full((b, t), holder.root, dtype=torch.long)  # the root stand-in: a live 0, unused
+        use = torch.zeros(b, t, dtype=torch.bool)
+        for i, tr in enumerate(trees):
+            if tr.unread is holder:
+                off = holder.offset_of(tr)
+                at[i, 1: 1 + tr.num_nodes] = torch.arange(off, off + tr.num_nodes)
+                use[i, 1: 1 + tr.num_nodes] = True
+        at, use = to_device_many([at, use], device)
+        ids = torch.where(use, holder.flat.index_select(0, at.view(-1)).view(b, t).clamp(min=0), ids)
+    return ids
 
 
 def block_positions(root_pos: int, depths: list[int]) -> list[int]:

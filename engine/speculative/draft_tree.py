@@ -32,7 +32,7 @@ prefix) are one event: a deterministic proposal repeated carries no new informat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -69,6 +69,9 @@ class DraftTree:
     draft_index: Optional[list[int]] = None
     joint_logq: Optional[list[float]] = None  # MJSD (lossy): log q of each chain token; verified by joint likelihood
     grammar_masks: Optional["Masks"] = None  # structured output: each row's allowed tokens (speculative.constrained)
+    #: the device holder of ``tokens`` while the host has not read them (``proposer.DeviceTokens``); reading
+    #: ``tokens`` reads them then, so only code that must not wait for the device looks here first
+    unread: Optional[Any] = field(default=None, repr=False, compare=False)
 
     def cut(self, sub: SubTree) -> None:
         """Stop at ``sub``, a prefix of this tree's subtree (its first ``sub.num_nodes`` nodes).
@@ -81,7 +84,7 @@ class DraftTree:
     # ------------------------------------------------------------------ shape
     @property
     def num_nodes(self) -> int:
-        return len(self.tokens)
+        return len(self._tokens)  # known without reading tokens still on the device
 
     @property
     def num_sub(self) -> int:
@@ -109,7 +112,7 @@ class DraftTree:
 
     def mask(self) -> Optional[torch.Tensor]:
         """[1+n, 1+n] bool block mask (root first); ``None`` for the empty tree."""
-        if not self.tokens:
+        if not self.num_nodes:
             return None
         if not self.extra_parent:
             return self.sub.mask
@@ -126,13 +129,15 @@ class DraftTree:
         return self.sources.get(node, {DRAFT_MODEL})
 
     # ------------------------------------------------------------------ proposals
-    def events(self) -> list[list[tuple[int, int]]]:
+    def events(self, live_only: bool = True) -> list[list[tuple[int, int]]]:
         """``out[row]``: proposal events ``(node, kind)`` at block row ``row``, in verification order
-        (one-hot events first, then sampled ones; sampled siblings in sampling order)."""
+        (one-hot events first, then sampled ones; sampled siblings in sampling order).  ``live_only=False``:
+        the drafted nodes' events whether their token is DEAD or not (read without the tokens)."""
         out: list[list[tuple[int, int]]] = [[] for _ in range(self.num_nodes + 1)]
         sampled: list[list[tuple[int, int]]] = [[] for _ in range(self.num_nodes + 1)]
+        tokens = self.tokens if live_only else None
         for i, p in enumerate(self.sub.parent.tolist()[: self.num_sub]):
-            if self.tokens[i] != DEAD:
+            if tokens is None or tokens[i] != DEAD:
                 sampled[p + 1].append((i, SAMPLED))
         for row, evs in self.extra_events.items():
             for ev in evs:
@@ -206,3 +211,17 @@ class DraftTree:
                 break
             out.append(e)
         return out
+
+
+def _read_tokens(tree: DraftTree) -> list[int]:
+    if tree.unread is not None:  # the first host read of a tree whose tokens are still on the device
+        tree.unread.read()
+    return tree._tokens
+
+
+def _set_tokens(tree: DraftTree, tokens: list[int]) -> None:
+    tree._tokens = tokens
+
+
+DraftTree.tokens = property(_read_tokens, _set_tokens, doc="""[n] node tokens, DEAD where a child could not be
+drawn; read from the device first if they are still there (``unread``)""")

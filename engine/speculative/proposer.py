@@ -83,8 +83,8 @@ class DraftModelProposer:
             to_run = [i for i in active if trees[i].sub.max_depth > d]
             if to_run:
                 frontier = dict(zip(to_run, self._run_level(seqs, trees, to_run, d, kept)))
-        if kept is not None:
-            kept.read(trees)
+        if kept is not None:  # read with the step's verification (LosslessRule), or by whoever reads them first
+            kept.hold(trees)
         return trees
 
     def _on_device(self, seqs: list[SeqView], forced: list) -> bool:
@@ -145,7 +145,7 @@ class DraftModelProposer:
             sub, seq = trees[i].sub, seqs[i]
             lv = sub.level(d)
             mask = sub.mask[1 + lv.start: 1 + lv.stop, 1: 1 + lv.stop]  # rows C_{d-1}:C_d, cols :C_d
-            toks = [t if t != DEAD else 0 for t in trees[i].tokens[lv]]  # placeholders when they are kept
+            toks = [0] * (lv.stop - lv.start) if kept is not None else [t if t != DEAD else 0 for t in trees[i].tokens[lv]]
             root_pos = len(seq.tokens) - 1
             blocks.append(Block(seq.draft_slot, toks, [root_pos + d] * len(toks), list(range(len(toks))), mask))
             trees[i].drafted_levels = d
@@ -295,10 +295,13 @@ class DraftModelProposer:
 
 class DeviceTokens:
     """The drafted tokens of a step's trees, on the device while the trees grow: each level's children
-    are placed from the sampled ``chosen`` rows by a gather (a child of a dead node is dead), the next
-    level's token ids are gathered from here, and the host reads them all once, when the trees are
-    whole (:meth:`read`).  Flat: tree ``j``'s node ``n`` is entry ``offsets[j] + n``; the last entry is
-    a live stand-in for every root."""
+    are placed from the sampled ``chosen`` rows by a gather (a child of a dead node is dead), and the
+    next level's token ids are gathered from here.  Once the trees are whole they are *held*
+    (:meth:`hold`): each tree's ``unread`` points here, verification gathers their tokens on the
+    device (``verify.TreeBatch``, ``runner.verification_ids``) and reads them back with its decisions,
+    in the step's one read (:meth:`fill`); whoever reads a tree's ``tokens`` before that reads them
+    all (:meth:`read`).  Flat: tree ``j``'s node ``n`` is entry ``offsets[j] + n``; the last entry is a
+    live stand-in for every root."""
 
     def __init__(self, trees: list[DraftTree], device: torch.device) -> None:
         self.offsets, total = [], 0
@@ -309,6 +312,7 @@ class DeviceTokens:
         flat = torch.full((total + 1,), DEAD, dtype=torch.long)
         flat[total] = 0
         self.flat = to_device(flat, device)
+        self.trees: list[DraftTree] = []
 
     def place(self, which: list[int], trees: list[DraftTree], d: int, parent_rows: list[list[int]],
               first: list[int], chosen: torch.Tensor) -> None:
@@ -339,11 +343,27 @@ class DeviceTokens:
         ids = self.flat.index_select(0, to_device(at.reshape(-1), self.flat.device)).view(at.shape)
         return ids.clamp(min=0)
 
-    def read(self, trees: list[DraftTree]) -> None:
-        """The step's one read of its drafted tokens: every tree's, into its host list."""
-        host = to_host(self.flat)[0].tolist()
-        for off, tree in zip(self.offsets, trees):
-            tree.tokens = host[off: off + tree.num_nodes]
+    def hold(self, trees: list[DraftTree]) -> None:
+        """The trees are whole: their tokens stay here until read (``DraftTree.unread``)."""
+        self.trees = list(trees)
+        self._offset_of = {id(t): off for t, off in zip(trees, self.offsets)}
+        for t in trees:
+            t.unread = self
+
+    def offset_of(self, tree: DraftTree) -> int:
+        """Where ``tree``'s first node is in :attr:`flat`."""
+        return self._offset_of[id(tree)]
+
+    def read(self) -> None:
+        """Reads every held tree's tokens now (one host read)."""
+        self.fill(to_host(self.flat)[0].tolist())
+
+    def fill(self, host: list[int]) -> None:
+        """Every held tree's tokens from ``host``, :attr:`flat` read back with other results."""
+        for off, tree in zip(self.offsets, self.trees):
+            if tree.unread is self:
+                tree.unread = None
+                tree.tokens = host[off: off + tree.num_nodes]
 
 
 @register_drafter

@@ -32,13 +32,14 @@ The per-row walk driven by the same table (:class:`TableCoins`) gives identical 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 import torch
 
 from engine.device import tensor as device_tensor
-from engine.device import Pending, to_device, to_host
+from engine.device import Pending, to_device, to_device_many, to_host
 from engine.grammar import apply_mask
 from engine.registry import LOSSLESS_RULE, rule_factories
 from engine.request import TokenLogprob
@@ -59,13 +60,18 @@ if TYPE_CHECKING:
 @dataclass
 class TreeBatch:
     """The step's trees, padded, on the device.  ``K`` rows have events (sorted by their number of
-    events, most first); ``E`` is the most events of a row."""
+    events, most first); ``E`` is the most events of a row.
+
+    A tree whose tokens are still on the device (``DraftTree.unread``: the draft model's tree, which
+    the host has not read) enters with every drafted node's event, its tokens gathered on the device;
+    ``ev_live`` marks the events whose token is not DEAD, and the walk skips the others exactly as if
+    they were absent (they change neither the accepted event nor the residual laws)."""
 
     num_seqs: int
     num_rows: int  # R: block rows of the largest tree (1 + nodes)
     depth: int  # the deepest path: rounds of the walk
     tokens: torch.Tensor  # [B, R] long: the token of each block row (the root's is unused)
-    num_events: torch.Tensor  # [B, R] long: events per row (0: the walk ends there with a bonus)
+    num_events: torch.Tensor  # [B, R] long: live events per row (0: the walk ends there with a bonus)
     event_node: torch.Tensor  # [B, R, E] long: node of each event, -1 padding
     ev_rows: torch.Tensor  # [K] long: flat index ``b * R + r`` of the rows with events
     ev_token: torch.Tensor  # [K, E] long: the events' tokens (0 padding)
@@ -74,42 +80,59 @@ class TreeBatch:
     kinds: list[tuple[bool, bool]]  # per event round j (host): any SAMPLED, any ONEHOT event among its rows
     q: torch.Tensor  # [K, V] float32: each row's draft law (zeros where it has no sampled event)
     shapes: list[tuple[int, int]]  # per sequence: its own rows and most events of a row (host)
+    ev_live: Optional[torch.Tensor] = None  # [K, E] bool: the event's token is not DEAD (None: every event is)
 
     @classmethod
     def build(cls, trees: Sequence[DraftTree], vocab_size: int, device: torch.device) -> "TreeBatch":
         b = len(trees)
         r = max(1 + t.num_nodes for t in trees)
         depth = max((max(t.depths()) for t in trees if t.num_nodes), default=0)
+        holders = list({id(t.unread): t.unread for t in trees if t.unread is not None}.values())
+        base = dict(zip(map(id, holders), itertools.accumulate([0] + [h.flat.numel() for h in holders])))
         tokens = torch.zeros(b, r, dtype=torch.long)
+        tok_src = torch.full((b, r), -1, dtype=torch.long)  # where a token still on the device is (flat index)
         num_events = torch.zeros(b, r, dtype=torch.long)
-        rows: list[tuple[int, int, list[tuple[int, int]]]] = []  # (b, row, live events)
+        rows: list[tuple[int, int, list[tuple[int, int, int]]]] = []  # (b, row, events (node, kind, flat or -1))
         shapes = []
         for i, tree in enumerate(trees):
-            toks = tree.tokens
-            if toks:
-                tokens[i, 1: 1 + len(toks)] = torch.tensor([max(t, 0) for t in toks])
-            for row, evs in enumerate(tree.events()):
-                live = [(c, k) for c, k in evs if toks[c] != DEAD]
-                if live:
-                    num_events[i, row] = len(live)
-                    rows.append((i, row, live))
+            holder = tree.unread
+            if holder is None:
+                toks = tree.tokens
+                if toks:
+                    tokens[i, 1: 1 + len(toks)] = torch.tensor([max(t, 0) for t in toks])
+                for row, evs in enumerate(tree.events()):
+                    live = [(c, k, -1) for c, k in evs if toks[c] != DEAD]
+                    if live:
+                        num_events[i, row] = len(live)
+                        rows.append((i, row, live))
+            else:  # every drafted node's event; which are live is known on the device only
+                off = base[id(holder)] + holder.offset_of(tree)
+                tok_src[i, 1: 1 + tree.num_nodes] = torch.arange(off, off + tree.num_nodes)
+                for row, evs in enumerate(tree.events(live_only=False)):
+                    if evs:
+                        rows.append((i, row, [(c, k, off + c) for c, k in evs]))
             shapes.append((1 + tree.num_nodes, max((len(x[2]) for x in rows if x[0] == i), default=0)))
         rows.sort(key=lambda x: -len(x[2]))  # stable: ties keep (b, row) order
         e = max((len(x[2]) for x in rows), default=1)
         k = len(rows)
         event_node = torch.full((b, r, e), -1, dtype=torch.long)
         ev_token = torch.zeros(k, e, dtype=torch.long)
+        ev_src = torch.full((k, e), -1, dtype=torch.long)
         ev_sampled = torch.zeros(k, e, dtype=torch.bool)
+        ev_valid = torch.zeros(k, e, dtype=torch.bool)
         ev_rows = torch.zeros(k, dtype=torch.long)
         q_parts, q_at = [], []
         for n, (i, row, live) in enumerate(rows):
             ev_rows[n] = i * r + row
-            for j, (c, kind) in enumerate(live):
+            for j, (c, kind, src) in enumerate(live):
                 event_node[i, row, j] = c
-                ev_token[n, j] = trees[i].tokens[c]
+                if src < 0:
+                    ev_token[n, j] = trees[i].tokens[c]
+                ev_src[n, j] = src
                 ev_sampled[n, j] = kind == SAMPLED
+                ev_valid[n, j] = True
             law = trees[i].q.get(row)
-            if law is not None and any(kind == SAMPLED for _, kind in live):
+            if law is not None and any(kind == SAMPLED for _, kind, _ in live):
                 q_parts.append(law.to(torch.float32))
                 q_at.append(n)
         q = torch.zeros(k, vocab_size, dtype=torch.float32, device=device)
@@ -117,9 +140,22 @@ class TreeBatch:
             q[device_tensor(q_at, device)] = torch.stack([part[:vocab_size] for part in q_parts]).to(device)
         active = [sum(1 for x in rows if len(x[2]) > j) for j in range(e)]
         kinds = [(bool(ev_sampled[:k_j, j].any()), not bool(ev_sampled[:k_j, j].all())) for j, k_j in enumerate(active)]
-        move = lambda t: to_device(t, device)  # noqa: E731
-        return cls(b, r, depth, move(tokens), move(num_events), move(event_node), move(ev_rows), move(ev_token),
-                   move(ev_sampled), active, kinds, q, shapes)
+        if not holders:
+            tensors = to_device_many([tokens, num_events, event_node, ev_rows, ev_token, ev_sampled], device)
+            return cls(b, r, depth, *tensors, active, kinds, q, shapes)
+        (tokens, event_node, ev_rows, ev_token, ev_sampled, ev_valid, ev_src, tok_src) = to_device_many(
+            [tokens, event_node, ev_rows, ev_token, ev_sampled, ev_valid, ev_src, tok_src], device)
+        flat = torch.cat([h.flat for h in holders])
+        held = flat.index_select(0, ev_src.clamp(min=0).view(-1)).view(k, e)
+        on_device = ev_src >= 0
+        ev_live = torch.where(on_device, held != DEAD, ev_valid)
+        ev_token = torch.where(on_device, held.clamp(min=0), ev_token)
+        held_tokens = flat.index_select(0, tok_src.clamp(min=0).view(-1)).view(b, r)
+        tokens = torch.where(tok_src >= 0, held_tokens.clamp(min=0), tokens)
+        num_events = torch.zeros(b * r, dtype=torch.long, device=device).index_add_(
+            0, ev_rows, ev_live.sum(dim=1)).view(b, r)
+        return cls(b, r, depth, tokens, num_events, event_node, ev_rows, ev_token, ev_sampled, active, kinds, q,
+                   shapes, ev_live)
 
 
 @dataclass
@@ -201,6 +237,8 @@ def start_verify(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, uniform
     if st.all_greedy:
         for j, k in enumerate(trees.active):
             hit = (trees.ev_token[:k, j] == flat_best[:k]) & (taken[:k] < 0)
+            if trees.ev_live is not None:
+                hit &= trees.ev_live[:k, j]
             taken[:k] = torch.where(hit, j, taken[:k])
     else:
         probs = finish_probs(x.reshape(b * r, v), st)  # [B*R, V]; greedy rows one-hot
@@ -254,17 +292,23 @@ def _try_events(probs: torch.Tensor, trees: TreeBatch, uniforms: Uniforms, greed
         p_x = pj.gather(1, tok[:, None])[:, 0].double()
         q_x = torch.where(sampled, qj.gather(1, tok[:, None])[:, 0].double(), 1.0)
         ok = torch.where(greedy[:k], tok == best[:k], u[:k, j].double() * q_x < p_x)  # exact in float64
+        live = None if trees.ev_live is None else trees.ev_live[:k, j]
+        if live is not None:
+            ok &= live
         taken[:k] = torch.where(ok & (taken[:k] < 0), j, taken[:k])
         # the law of the next event and of a final draw: a rejected row's residual (rows that accepted
         # are never the walk's last row, so updating them too changes nothing).  Each law is a few
         # passes over the vocabulary, so a round computes only the kinds its rows have (host-known).
+        # A dead event (a DEAD token, ``ev_live``) leaves both laws as they are: it was never proposed.
         any_sampled, any_onehot = trees.kinds[j]
         if any_sampled and any_onehot:
-            p[:k] = torch.where(sampled[:, None], residual_rows(pj, qj), without_rows(pj, tok))
+            new_p = torch.where(sampled[:, None], residual_rows(pj, qj), without_rows(pj, tok))
         else:
-            p[:k] = residual_rows(pj, qj) if any_sampled else without_rows(pj, tok)
+            new_p = residual_rows(pj, qj) if any_sampled else without_rows(pj, tok)
+        p[:k] = new_p if live is None else torch.where(live[:, None], new_p, pj)
         if without_replacement and any_sampled:  # a one-hot event leaves q as it is
-            q[:k] = torch.where(sampled[:, None], without_rows(qj, tok), qj)
+            new_q = torch.where(sampled[:, None], without_rows(qj, tok), qj)
+            q[:k] = new_q if live is None else torch.where(live[:, None], new_q, qj)
     return taken, p
 
 
@@ -319,6 +363,22 @@ class VerifyRule(Protocol):
     def start(self, seqs: list[SeqView], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
         """Starts verifying; the pending gives a :class:`SeqStepResult` per sequence, in order.
         logits: [B, rows, vocab'] the sequences' raw block logits."""
+
+
+def with_held_tokens(trees: Sequence[DraftTree], pending: Pending) -> Pending:
+    """``pending`` reading back, in the same synchronization, the tokens of ``trees`` still on the
+    device (``DraftTree.unread``), which it fills in before its own answer is made."""
+    holders = list({id(t.unread): t.unread for t in trees if t.unread is not None}.values())
+    if not holders:
+        return pending
+    n, finish = len(pending.tensors), pending.finish
+
+    def fill_then_finish(host: list[torch.Tensor]):
+        for holder, flat in zip(holders, host[n:]):
+            holder.fill(flat.tolist())
+        return finish(host[:n])
+
+    return Pending(pending.tensors + [h.flat for h in holders], fill_then_finish)
 
 
 def build_rules(config: "EngineConfig", vocab_size: int) -> dict[str, VerifyRule]:
@@ -380,8 +440,8 @@ class LosslessRule:
         if not st.all_greedy:
             gens = [None if p.greedy else s.generator for s, p in zip(seqs, params)]
             uniforms = draw_tables(gens, batch, dev)
-        pending = start_verify(x, st, batch, uniforms, self.without_replacement, raw_logits=raw,
-                               logprobs=[p.logprobs for p in params])
+        pending = with_held_tokens(trees, start_verify(x, st, batch, uniforms, self.without_replacement,
+                                                       raw_logits=raw, logprobs=[p.logprobs for p in params]))
         return pending.then(lambda outcome: [
             SeqStepResult(s, res, t, lps, raw[i, : 1 + t.num_nodes])
             for i, (s, t, res, lps) in enumerate(zip(seqs, trees, outcome.results, outcome.logprobs))])

@@ -270,8 +270,8 @@ def test_a_failure_outside_verification_costs_only_its_own_request(stage, monkey
         finally:
             state["decode"] = False
 
-    def run_blocks(model, cache, blocks, *args):
-        out = real_run_blocks(model, cache, blocks, *args)  # the forward writes its entries, then fails
+    def run_blocks(model, cache, blocks, *args, **kwargs):
+        out = real_run_blocks(model, cache, blocks, *args, **kwargs)  # the forward writes its entries, then fails
         if stage == "forward" and state["decode"] and any(b.slot == state["slot"] for b in blocks):
             state["raised"] += 1
             raise RuntimeError("planted target failure")

@@ -27,7 +27,7 @@ from tests.engine_utils import run_engine
 from tests.tiny import tiny_loaded
 
 PROMPTS = [[3, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28], [5, 5, 5, 5]]
-READS = [("mcsd", 2), ("mcsd+maxgram", 2), ("maxgram", 1), ("cascade", 5), ("mjsd-lossy", 5),
+READS = [("mcsd", 1), ("mcsd+maxgram", 2), ("maxgram", 1), ("cascade", 5), ("mjsd-lossy", 5),
          ("target-init-lossy", 4)]
 TREE_MASK = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
 

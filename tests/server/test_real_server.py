@@ -225,13 +225,13 @@ def test_a_request_whose_drafting_fails_is_served_plainly_and_its_batch_is_untou
     real = DraftModelProposer._run_level
     raised = []
 
-    def run_level(self, seqs, trees, to_run, d):
+    def run_level(self, seqs, trees, to_run, d, *kept):
         for i in to_run:
             s = seqs[i]
             if s.tokens[:len(poisoned)] == poisoned and s.num_output >= 1:
                 raised.append(s.request.request_id)
                 raise RuntimeError("planted drafting failure")
-        return real(self, seqs, trees, to_run, d)
+        return real(self, seqs, trees, to_run, d, *kept)
 
     monkeypatch.setattr(DraftModelProposer, "_run_level", run_level)
     before, failed_requests = counters(srv), errors(srv)

@@ -13,6 +13,7 @@ import torch
 from engine.request import SamplingParams
 from engine.sampler import SamplingTensors, raw_logprobs
 from engine.speculative.draft_tree import DEAD, MAXGRAM, DraftTree
+from engine.speculative.proposer import DeviceTokens
 from engine.speculative.tree import TreeTopology
 from engine.speculative.verify import TableCoins, TreeBatch, draw_tables, verify_batch
 from engine.speculative.walk import verify_greedy, verify_sampled
@@ -28,9 +29,9 @@ def random_law(vocab: int, rng: random.Random, zeros: float = 0.3) -> torch.Tens
     return w / w.sum()
 
 
-def random_tree(vocab: int, rng: random.Random) -> DraftTree:
+def random_tree(vocab: int, rng: random.Random, chains: bool = True) -> DraftTree:
     """A draft-model tree (children drawn without replacement from random laws; some slots DEAD)
-    with Max-Gram-like one-hot chains appended, sharing nodes where tokens coincide."""
+    with Max-Gram-like one-hot chains appended, sharing nodes where tokens coincide (``chains``)."""
     widths = rng.choice(SHAPES)
     sub = TreeTopology(widths or (1,)).subtree(widths)
     parents = sub.parent.tolist()
@@ -44,7 +45,7 @@ def random_tree(vocab: int, rng: random.Random) -> DraftTree:
         left = [t for t in range(vocab) if q[row][t] > 0 and t not in taken]
         tokens.append(DEAD if dead or not left or rng.random() < 0.1 else rng.choice(left))
     tree = DraftTree(sub, tokens, q=q)
-    for _ in range(rng.randrange(3)):
+    for _ in range(rng.randrange(3) if chains else 0):
         live = [i for i, t in enumerate(tree.tokens) if t != DEAD]
         parent = rng.choice([-1] + live)
         tree.add_path(parent, [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))], MAXGRAM)
@@ -243,3 +244,78 @@ def test_plain_steps_take_the_short_path_to_the_same_tokens(monkeypatch) -> None
     short = run(True)
     assert short == general and all(len(t) == 12 for t in short)
     assert True in calls and False in calls
+
+
+def held(trees: list[DraftTree]) -> DeviceTokens:
+    """``trees``' tokens moved into a :class:`DeviceTokens`, as the proposer leaves a draft tree whose
+    tokens the host has not read; their host lists hold placeholders until something reads them."""
+    holder = DeviceTokens(trees, CPU)
+    holder.flat = torch.tensor([t for tree in trees for t in tree.tokens] + [0])
+    for tree in trees:
+        tree.tokens = [DEAD] * tree.num_nodes
+    holder.hold(trees)
+    return holder
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("without_replacement", [True, False])
+def test_trees_held_on_the_device_verify_as_the_walk(seed: int, without_replacement: bool) -> None:
+    """The draft model's trees, their tokens still on the device (``DraftTree.unread``), batched with
+    host trees: built without reading them, every drafted node enters as an event and the DEAD ones
+    are skipped.  Against the walk over the live events, each reading the uniform its event had in
+    the table: the same accepted paths, tokens, final rows and bonus flags."""
+    rng = random.Random(1000 + seed)
+    vocab, n_held = 9, 3
+    trees = [random_tree(vocab, rng, chains=False) for _ in range(n_held)] + [random_tree(vocab, rng) for _ in range(2)]
+    holder = held(trees[:n_held])
+    params = [SamplingParams(temperature=0.0 if rng.random() < 0.3 else 1.0, max_tokens=8) for _ in trees]
+    batch = TreeBatch.build(trees, vocab, CPU)
+    assert all(t.unread is holder for t in trees[:n_held])  # built without a read
+    r = batch.num_rows
+    logits = torch.randn(len(trees), r, vocab, generator=torch.Generator().manual_seed(seed)) * 2
+    gens = [None if p.greedy else torch.Generator().manual_seed(seed * 31 + i) for i, p in enumerate(params)]
+    uniforms = draw_tables(gens, batch, CPU)
+    st = SamplingTensors.from_params(params, vocab, [i for i in range(len(trees)) for _ in range(r)])
+    structural = [t.events(live_only=False) for t in trees[:n_held]]
+    out = verify_batch(logits, st, batch, uniforms, without_replacement)
+    probs = torch.softmax(logits, dim=-1)
+    for b, (tree, p) in enumerate(zip(trees, params)):
+        events = tree.events()  # the live ones (a held tree's tokens are read here)
+        if p.greedy:
+            best = logits[b, : 1 + tree.num_nodes].argmax(-1).tolist()
+            want = verify_greedy(lambda row: best[row], tree.tokens, events)
+        else:
+            accept = uniforms.accept[b].clone()
+            if b < n_held:  # the live events' uniforms, in the order the walk reads them
+                for row, evs in enumerate(structural[b]):
+                    at = [j for j, (node, _) in enumerate(evs) if tree.tokens[node] != DEAD]
+                    accept[row, : len(at)] = uniforms.accept[b, row, at]
+            coins = TableCoins(accept, uniforms.final[b])
+            want = verify_sampled(lambda row: probs[b, row], lambda row: tree.q[row], tree.tokens, events, coins,
+                                  without_replacement)
+        got = out.results[b]
+        assert (got.accepted, got.tokens, got.bonus, got.final_row) == \
+            (want.accepted, want.tokens, want.bonus, want.final_row), f"sequence {b}"
+
+
+def test_verification_reads_held_tokens_with_its_decisions() -> None:
+    """One read: the pending of the lossless rule brings the held tokens back with its decisions."""
+    from engine.device import sync_listeners
+    from engine.speculative.verify import start_verify, with_held_tokens
+
+    rng = random.Random(4)
+    trees = [random_tree(9, rng, chains=False) for _ in range(3)]
+    want = [list(t.tokens) for t in trees]
+    held(trees)
+    batch = TreeBatch.build(trees, 9, CPU)
+    logits = torch.randn(3, batch.num_rows, 9)
+    st = SamplingTensors.from_params([SamplingParams(temperature=0.0, max_tokens=4)] * 3, 9,
+                                     [i for i in range(3) for _ in range(batch.num_rows)])
+    reads = []
+    sync_listeners.append(reads.append)
+    try:
+        with_held_tokens(trees, start_verify(logits, st, batch, None)).result()
+    finally:
+        sync_listeners.remove(reads.append)
+    assert reads == ["to_host"]
+    assert all(t.unread is None for t in trees) and [t.tokens for t in trees] == want
