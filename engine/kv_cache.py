@@ -235,6 +235,8 @@ class KVCache:
     def _trim(self, slot: int, positions: int) -> None:
         """Returns the blocks past the first ``positions`` entries (last first: LRU evicts tails first)."""
         table, keep = self.tables[slot], self.blocks_for(positions)
+        if len(table) <= keep:
+            return  # nothing to return (the host mirror is zero past the slot's blocks already)
         while len(table) > keep:
             self._drop(table.pop())
         self.table[slot, keep:] = 0
@@ -303,6 +305,14 @@ class KVCache:
     def keep(self, slot: int, keep_idx: list[int] | torch.Tensor) -> None:
         """Keeps the pending entries ``keep_idx`` (indices relative to the first pending entry,
         ascending), moved to sit right after the committed context; drops the rest."""
+        if isinstance(keep_idx, list) and keep_idx == list(range(len(keep_idx))):  # a prefix: nothing moves
+            n, base = len(keep_idx), int(self.lens[slot])
+            if n > int(self.pending[slot]):
+                raise IndexError(f"keep indices {keep_idx} out of range of {int(self.pending[slot])} pending entries")
+            self.lens[slot] = base + n
+            self.pending[slot] = 0
+            self._trim(slot, base + n)
+            return
         idx = torch.as_tensor(keep_idx, dtype=torch.long)
         n = idx.numel()
         base = int(self.lens[slot])
