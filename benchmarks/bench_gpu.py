@@ -1,29 +1,36 @@
-"""The engine on a GPU: forward cost by rows, and engine steps with their host synchronizations.
+"""The engine on a GPU, measured against a captured floor of the same shapes, in one run.
 
 Nothing is downloaded: the target and draft are random models with the shapes of Qwen2.5-Coder-1.5B
-and -0.5B (``--target-shape``/``--draft-shape``), made on the device in ``--dtype``.  Random weights
-make the draft's tokens almost never accepted, so this measures costs, not speedups:
+and -0.5B (``--target-shape``/``--draft-shape``; ``--big-shape`` a 7B target), made on the device in
+``--dtype``.  Random weights make the draft's tokens almost never accepted, so this measures costs,
+not speedups:
 
-* **forward**: one forward of R new rows after a ``--context``-token prompt (logits for every row,
-  as verification asks), median of ``--reps``, milliseconds and the ratio to one row; for the first
-  and last R, the kernels one forward launches and their summed device time (torch's profiler);
-* **engine**: ``EngineCore`` steps of greedy requests at batch 1 and ``--batch``: plain decoding, the
-  tree ``--tree`` with the draft, and the tree with the target as its own draft (every token accepted:
-  the ceiling of tokens per step), after ``--warmup-s`` of back-to-back prefill forwards, median of
-  ``--rounds`` interleaved rounds after ``--warmup-rounds`` untimed ones (the step time drifted
-  2.8x within one run on an H200, and the first round ran 3-5x slower than the rest on an H100 after
-  the warm-up forwards: docs/log/2026-11.md).  Per step: milliseconds, those until ``core.step()`` returns (the rest is device work
-  still queued when it did), tokens, the reads the engine declares
-  (``engine.device``) and the synchronizing CUDA calls torch's sync debug mode counts.
+* **the floor**: :class:`FloorDecoder`, the least a decode step of the shape needs (fused qkv and
+  gate_up, SDPA over a static KV cache), captured in one CUDA graph, at every batch measured.  Every
+  engine figure is also given as a ratio to it (``x floor step``, ``tok/s / floor's``);
+* **forward**: one forward without graphs of R new rows after a ``--context``-token prompt, the
+  kernels it launches and their summed device time (torch's profiler);
+* **engine**: ``EngineCore`` steps of greedy requests, each configuration on its own core (its CUDA
+  graphs captured once, at its start), in ``--rounds`` interleaved rounds after ``--warmup-rounds``
+  untimed ones: plain decoding at ``--batches`` with graphs and without, and at ``--spec-batches``
+  the draft-model trees ``--trees``, Max-Gram, mcsd+maxgram, the cascade, the target as its own draft
+  (every token accepted: the ceiling of tokens per step) and the first tree without graphs.  Per
+  step: milliseconds, against the floor and against plain decoding's step, the host reads the engine
+  declares, its device-wide waits before reading a clock, and the synchronizing CUDA calls torch's
+  sync debug mode counts; the graphs captured, the seconds and graph-pool memory it took;
+* **projection** (labelled so, not a measurement): tokens per step of each tree measured on the CPU
+  with the real pair by ``bench_spec.py`` (``--acceptance``: code and chat prompts, greedy and
+  T=0.7) times plain decoding's step over the tree's step here.
 
 Prints tables and writes JSON::
 
-    python benchmarks/bench_gpu.py [--device cuda] [--rows 1,2,4,8,16,32,64,128] [--batch 8]
+    python benchmarks/bench_gpu.py [--device cuda] [--batches 1,8,32] [--trees "4,2,2;2,1,1"]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -46,6 +53,7 @@ from engine.request import GenerationRequest, SamplingParams, SpecOptions  # noq
 SHAPES = {
     "qwen2.5-1.5b": (1536, 8960, 28, 12, 2),
     "qwen2.5-0.5b": (896, 4864, 24, 14, 2),
+    "qwen2.5-7b": (3584, 18944, 28, 28, 4),
     "tiny": (64, 96, 2, 4, 2),
 }
 
@@ -76,6 +84,93 @@ def random_model(shape: str, vocab: int, dtype: torch.dtype, device: torch.devic
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class FloorDecoder(torch.nn.Module):
+    """The least a decode step of a shape needs: per layer one fused qkv, one gate_up, SDPA over a
+    static KV cache, the down and output projections, RMSNorm and SiLU in plain torch, tied
+    embeddings.  No paging, no trees, no sampling: captured in one CUDA graph it is the floor the
+    engine's step is measured against (the same random-weight shapes as the engine's models)."""
+
+    def __init__(self, shape: str, vocab: int, batch: int, context: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        hidden, inter, layers, heads, kv = SHAPES[shape]
+        self.heads, self.kv, self.hd = heads, kv, hidden // heads
+        gen = torch.Generator(device=device).manual_seed(0)
+
+        def w(*size):
+            return (torch.randn(*size, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
+
+        self.embed = w(vocab, hidden)
+        self.layers = [dict(qkv=w((heads + 2 * kv) * self.hd, hidden), o=w(hidden, heads * self.hd),
+                            gate_up=w(2 * inter, hidden), down=w(hidden, inter),
+                            n1=torch.ones(hidden, dtype=dtype, device=device),
+                            n2=torch.ones(hidden, dtype=dtype, device=device)) for _ in range(layers)]
+        self.norm = torch.ones(hidden, dtype=dtype, device=device)
+        self.k = torch.zeros(layers, batch, kv, context, self.hd, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+
+    @staticmethod
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+
+    def forward(self) -> torch.Tensor:
+        b = self.ids.shape[0]
+        x = self.embed[self.ids]  # [b, 1, hidden]
+        keys = torch.arange(self.k.shape[3], device=x.device)
+        mask = (keys <= self.pos)[None, None, None, :]
+        for i, L in enumerate(self.layers):
+            h = self.rms(x, L["n1"])
+            q, k, v = (h @ L["qkv"].T).split([self.heads * self.hd, self.kv * self.hd, self.kv * self.hd], -1)
+            self.k[i].index_copy_(2, self.pos, k.view(b, 1, self.kv, self.hd).transpose(1, 2))
+            self.v[i].index_copy_(2, self.pos, v.view(b, 1, self.kv, self.hd).transpose(1, 2))
+            a = torch.nn.functional.scaled_dot_product_attention(
+                q.view(b, 1, self.heads, self.hd).transpose(1, 2), self.k[i], self.v[i], attn_mask=mask,
+                enable_gqa=True)
+            x = x + a.transpose(1, 2).reshape(b, 1, -1) @ L["o"].T
+            g, u = (self.rms(x, L["n2"]) @ L["gate_up"].T).chunk(2, -1)
+            x = x + (torch.nn.functional.silu(g) * u) @ L["down"].T
+        return self.rms(x, self.norm) @ self.embed.T
+
+
+def floor_ms(shape: str, vocab: int, batch: int, context: int, dtype: torch.dtype, device: torch.device,
+             reps: int) -> float:
+    """Milliseconds of one step of :class:`FloorDecoder` at ``batch`` rows after ``context - 16`` cached
+    positions: a CUDA graph replay on CUDA (median of ``reps`` timed replays), the eager forward
+    elsewhere."""
+    with torch.inference_mode():
+        model = FloorDecoder(shape, vocab, batch, context, dtype, device)
+        model.pos.fill_(context - 16)
+        run = model.forward
+        if device.type == "cuda":
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    model()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                model()
+            run = graph.replay
+        for _ in range(3):
+            run()
+        times = []
+        for _ in range(reps):
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(10):
+                run()
+            sync(device)
+            times.append((time.perf_counter() - t0) / 10 * 1e3)
+        del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return statistics.median(times)
 
 
 def forward_curve(lm: LoadedModel, rows: list[int], context: int, reps: int, device: torch.device) -> list[dict]:
@@ -128,19 +223,32 @@ def kernel_time(once, r: int) -> tuple[int | None, float | None]:
         return None, None
 
 
-def engine_run(target, draft, batch: int, prompt_len: int, new_tokens: int, tree, method: str,
-               spec_on: bool, count_syncs: bool) -> dict:
-    device = target.model.device
+def engine_core(target, draft, batch: int, prompt_len: int, new_tokens: int, tree, method: str,
+                graphs: bool) -> EngineCore:
+    """A core for one configuration, made once and reused by every round (capturing its graphs is a
+    start-up cost, not a step's): greedy, fixed trees (no adaptive depth, no load-aware budget), the
+    graphs captured at this batch only."""
     config = EngineConfig.from_settings(max_batch=batch, max_model_len=prompt_len + new_tokens + 64, tree=tree,
-                                        spec_method=method, adaptive=False, load_aware=False)
-    core = EngineCore(target, draft, config)
+                                        spec_method=method, adaptive=False, load_aware=False, cuda_graphs=graphs,
+                                        graph_batches=(batch,))
+    return EngineCore(target, draft, config)
+
+
+_runs = iter(range(1 << 30))
+
+
+def engine_run(core: EngineCore, batch: int, prompt_len: int, new_tokens: int, spec_on: bool,
+               count_syncs: bool) -> dict:
+    """``batch`` greedy requests of random ``prompt_len``-token prompts through ``core``, decoded together."""
+    device = core.target.model.device
     gen = torch.Generator().manual_seed(1)
+    run = next(_runs)
     for i in range(batch):
-        ids = torch.randint(1, target.config.vocab_size, (prompt_len,), generator=gen).tolist()
-        core.add_request(GenerationRequest(f"r{i}", ids, SamplingParams(max_tokens=new_tokens, temperature=0.0,
-                                                                        ignore_eos=True),
+        ids = torch.randint(1, core.vocab_size, (prompt_len,), generator=gen).tolist()
+        core.add_request(GenerationRequest(f"run{run}-{i}", ids, SamplingParams(max_tokens=new_tokens, temperature=0.0,
+                                                                               ignore_eos=True),
                                            SpecOptions(enabled=spec_on)))
-    steps, tokens, decode_s, host_s, cuda_syncs, declared_syncs, errors = 0, 0, 0.0, 0.0, 0, 0, []
+    steps, tokens, decode_s, host_s, cuda_syncs, declared_syncs, waits, errors = 0, 0, 0.0, 0.0, 0, 0, 0, []
     step_ms = []
     prefilled = False
     while core.has_unfinished():
@@ -162,12 +270,13 @@ def engine_run(target, draft, batch: int, prompt_len: int, new_tokens: int, tree
         step_ms.append(dt * 1e3)
         host_s += host
         cuda_syncs += len(report.reported)
-        declared_syncs += sum(report.declared.values())
+        declared_syncs += report.declared["to_host"]  # reads of results
+        waits += report.declared["synchronize"]  # device-wide waits before the engine reads a clock
     steps = max(steps, 1)
     decode_s = max(decode_s, 1e-9)
     return dict(batch=batch, steps=steps, tokens=tokens, tok_s=tokens / decode_s, ms_step=decode_s / steps * 1e3,
                 host_ms_step=host_s / steps * 1e3,
-                tok_step=tokens / steps / batch, declared=declared_syncs / steps,
+                tok_step=tokens / steps / batch, declared=declared_syncs / steps, waits=waits / steps,
                 cuda_syncs=(cuda_syncs / steps) if count_syncs and device.type == "cuda" else None,
                 errors=len(errors), step_ms=step_ms)
 
@@ -178,79 +287,192 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--target-shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
     ap.add_argument("--draft-shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    ap.add_argument("--big-shape", default="qwen2.5-7b", help="a second target shape ('' to skip)")
     ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--rows", default="1,2,4,8,16,32,64,128")
+    ap.add_argument("--rows", default="1,8,32,128", help="rows of the forward-cost curve ('' to skip it)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batches", default="1,8,32", help="plain decoding's batch sizes")
+    ap.add_argument("--spec-batches", default="1,8", help="the speculative configurations' batch sizes")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--tree", default="4,2,2,1")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the engine configurations")
-    ap.add_argument("--warmup-s", type=float, default=10.0,
+    ap.add_argument("--trees", default="4,2,2;4,2,2,1;2,1,1;1,1,1", help="draft-model trees, ';'-separated (the first "
+                    "also runs Max-Gram, the cascade and the target as its own draft)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the engine configurations")
+    ap.add_argument("--warmup-s", type=float, default=5.0,
                     help="seconds of back-to-back forwards before the engine runs (GPU clocks up)")
     ap.add_argument("--warmup-rounds", type=int, default=1,
                     help="untimed rounds of every engine configuration before the timed ones")
+    ap.add_argument("--acceptance", default="benchmarks/acceptance/code.json,benchmarks/acceptance/chat.json",
+                    help="bench_spec.py results (tokens per step by tree, measured on the CPU with the real pair) "
+                         "for the projection, comma separated ('' to skip)")
     ap.add_argument("--host-profile", metavar="FILE", help="also write a cProfile of the engine's steps to FILE")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
-    target = random_model(args.target_shape, args.vocab, dtype, device, seed=0)
-    draft = random_model(args.draft_shape, args.vocab, dtype, device, seed=1)
-    rows = [int(r) for r in args.rows.split(",")]
-    tree = tuple(int(x) for x in args.tree.split(","))
     info = dict(machine(), device=str(device), dtype=args.dtype,
                 gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
     print(info)
+    batches = [int(b) for b in args.batches.split(",")]
+    spec_batches = [int(b) for b in args.spec_batches.split(",")]
+    trees = [tuple(int(x) for x in t.split(",")) for t in args.trees.split(";") if t]
+    floor_batches = sorted(set(batches) | set(spec_batches))
 
-    curve = forward_curve(target, rows, args.context, args.reps, device)
-    curve += forward_curve(draft, rows, args.context, args.reps, device)
-    print(f"\nforward, {args.context}-token context, logits for every row (median of {args.reps})")
-    print_table(curve, [("model", "model", "s"), ("rows", "rows", "d"), ("ms", "ms", ".2f"), ("ratio", "x 1 row", ".2f"),
-                        ("kernels", "kernels", "d"), ("kernel_ms", "kernel ms", ".2f")])
+    floors = [dict(shape=args.target_shape, batch=b, ms=floor_ms(args.target_shape, args.vocab, b, args.context, dtype,
+                                                                 device, args.reps)) for b in floor_batches]
+    floors.append(dict(shape=args.draft_shape, batch=1,
+                       ms=floor_ms(args.draft_shape, args.vocab, 1, args.context, dtype, device, args.reps)))
+    print(f"\nthe floor: a minimal decoder of the same shapes, one captured graph a step, {args.context}-token cache")
+    print_table(floors, [("shape", "shape", "s"), ("batch", "batch", "d"), ("ms", "ms/step", ".2f")])
+    floor_of = {(f["shape"], f["batch"]): f["ms"] for f in floors}
 
+    target = random_model(args.target_shape, args.vocab, dtype, device, seed=0)
+    draft = random_model(args.draft_shape, args.vocab, dtype, device, seed=1)
+    curve = []
+    if args.rows:
+        rows = [int(r) for r in args.rows.split(",")]
+        curve = forward_curve(target, rows, args.context, args.reps, device)
+        print(f"\nforward without graphs, {args.context}-token context, logits for every row (median of {args.reps})")
+        print_table(curve, [("model", "model", "s"), ("rows", "rows", "d"), ("ms", "ms", ".2f"),
+                            ("ratio", "x 1 row", ".2f"), ("kernels", "kernels", "d"), ("kernel_ms", "kernel ms", ".2f")])
     if args.warmup_s > 0:
         warm_up(target, args.warmup_s, device)
-    configs = [(batch, name, d, spec_on, t) for batch in sorted({1, args.batch})
-               for name, d, spec_on, t in (("plain", draft, False, ()), ("mcsd, draft", draft, True, tree),
-                                           ("mcsd, target as draft", target, True, tree))]
+
+    # (name, batch, draft, speculating, tree, method, graphs)
+    configs = [("plain", b, draft, False, (), "mcsd", g) for b in batches for g in (True, False)]
+    for b in spec_batches:
+        for t in trees:
+            configs.append((f"mcsd {','.join(map(str, t))}", b, draft, True, t, "mcsd", True))
+        t0 = trees[0]
+        configs += [("maxgram", b, draft, True, t0, "maxgram", True), ("cascade", b, draft, True, t0, "cascade", True),
+                    (f"mcsd+maxgram {','.join(map(str, t0))}", b, draft, True, t0, "mcsd+maxgram", True),
+                    ("mcsd, target as draft", b, target, True, t0, "mcsd", True),
+                    (f"mcsd {','.join(map(str, t0))}", b, draft, True, t0, "mcsd", False)]
+    runs = run_configs(configs, target, args)
+    for r in runs:
+        floor = floor_of[(args.target_shape, r["batch"])]
+        r["x_floor"] = r["ms_step"] / floor  # a step's time against the floor's step at this batch
+        r["floor_tok_s_ratio"] = r["tok_s"] / (r["batch"] * 1e3 / floor)  # tokens/s against the floor's
+    plain_ms = {(r["batch"], r["graphs"]): r["ms_step"] for r in runs if r["config"] == "plain"}
+    for r in runs:
+        r["x_plain_step"] = r["ms_step"] / plain_ms[(r["batch"], True)] if (r["batch"], True) in plain_ms else None
+    print(f"\nengine steps, greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens (decode only), "
+          f"median of {args.rounds} interleaved rounds; {args.target_shape} target, {args.draft_shape} draft")
+    print_engine_table(runs)
+
+    big = []
+    if args.big_shape:
+        del target
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        floors += [dict(shape=args.big_shape, batch=b, ms=floor_ms(args.big_shape, args.vocab, b, args.context,
+                                                                   dtype, device, args.reps)) for b in (1, 8)]
+        big_target = random_model(args.big_shape, args.vocab, dtype, device, seed=2)
+        t0 = trees[0]
+        big_configs = [("plain", 1, draft, False, (), "mcsd", True), ("plain", 8, draft, False, (), "mcsd", True)]
+        big_configs += [(f"mcsd {','.join(map(str, t))}", 1, draft, True, t, "mcsd", True) for t in trees]
+        big_configs += [("maxgram", 1, draft, True, t0, "maxgram", True),
+                        (f"mcsd+maxgram {','.join(map(str, t0))}", 1, draft, True, t0, "mcsd+maxgram", True)]
+        big = run_configs(big_configs, big_target, args)
+        big_plain = {r["batch"]: r["ms_step"] for r in big if r["config"] == "plain"}
+        for r in big:
+            floor = [f["ms"] for f in floors if f["shape"] == args.big_shape and f["batch"] == r["batch"]][0]
+            r["x_floor"] = r["ms_step"] / floor
+            r["floor_tok_s_ratio"] = r["tok_s"] / (r["batch"] * 1e3 / floor)
+            r["x_plain_step"] = r["ms_step"] / big_plain[r["batch"]] if r["batch"] in big_plain else None
+        print(f"\nthe same with the {args.big_shape} target shape")
+        print_engine_table(big)
+        del big_target
+
+    projection = project(runs, big, args)
+    if args.host_profile:
+        host_profile(random_model(args.target_shape, args.vocab, dtype, device, seed=0), draft, args.prompt_len,
+                     trees[0], args.host_profile)
+    write_json("gpu.json", dict(machine=info, args=vars(args), floor=floors, forward=curve, engine=runs, big=big,
+                                projection=projection), args.out)
+
+
+def run_configs(configs: list[tuple], target: LoadedModel, args) -> list[dict]:
+    """Every configuration in interleaved rounds (each round in another order), each on its own core
+    made once; then one short run per configuration under torch's sync debug mode for the counts."""
+    cores = {}
+    t0 = time.perf_counter()
+    for i, (name, batch, d, spec_on, t, method, graphs) in enumerate(configs):
+        cores[i] = engine_core(target, d, batch, args.prompt_len, args.new_tokens, t, method, graphs)
+    print(f"{len(cores)} engine cores made in {time.perf_counter() - t0:.1f} s (their graphs captured)", flush=True)
     samples: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
     warm: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
-    for rnd in range(args.warmup_rounds + args.rounds):  # interleaved, each round in another order
+    for rnd in range(args.warmup_rounds + args.rounds):
         order = list(range(len(configs)))
         order = order[rnd % len(order):] + order[:rnd % len(order)]
         order = order if rnd % 2 == 0 else order[::-1]
         for i in order:
-            batch, name, d, spec_on, t = configs[i]
-            run = engine_run(target, d, batch, args.prompt_len, args.new_tokens, t, "mcsd", spec_on, False)
+            name, batch, d, spec_on, t, method, graphs = configs[i]
+            run = engine_run(cores[i], batch, args.prompt_len, args.new_tokens, spec_on, False)
             (warm if rnd < args.warmup_rounds else samples)[i].append(run)
         kind = "warm-up round" if rnd < args.warmup_rounds else "round"
         print(f"{kind} {rnd + 1}/{args.warmup_rounds + args.rounds} done", flush=True)
     runs = []
-    for i, (batch, name, d, spec_on, t) in enumerate(configs):
-        s = engine_run(target, d, batch, args.prompt_len, 8, t, "mcsd", spec_on, True)
+    for i, (name, batch, d, spec_on, t, method, graphs) in enumerate(configs):
+        s = engine_run(cores[i], batch, args.prompt_len, 8, spec_on, True)
         med = {k: statistics.median(x[k] for x in samples[i]) for k in ("tok_s", "ms_step", "host_ms_step", "tok_step")}
-        runs.append(dict(samples[i][0], **med, config=name, tree=",".join(map(str, t)) or "-",
-                         declared=s["declared"], cuda_syncs=s["cuda_syncs"],
-                         tok_s_rounds=[x["tok_s"] for x in samples[i]], errors=sum(x["errors"] for x in samples[i]),
-                         tok_s_warmup=[x["tok_s"] for x in warm[i]],
-                         step_ms_rounds=[x["step_ms"] for x in warm[i] + samples[i]]))
-    print(f"\nengine steps, greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens (decode only), "
-          f"median of {args.rounds} interleaved rounds")
-    print_table(runs, [("config", "config", "s"), ("batch", "batch", "d"), ("tree", "tree", "s"),
-                       ("tok_s", "tok/s", ".1f"), ("ms_step", "ms/step", ".2f"), ("host_ms_step", "ms until return", ".2f"),
-                       ("tok_step", "tok/step/seq", ".2f"),
-                       ("declared", "declared syncs/step", ".2f"), ("cuda_syncs", "CUDA syncs/step", ".2f"),
-                       ("errors", "errors", "d")])
-    for r in runs:
-        print(f"{r['config']}, batch {r['batch']}: tok/s by round {[round(x, 1) for x in r['tok_s_rounds']]}"
-              f" (untimed warm-up: {[round(x, 1) for x in r['tok_s_warmup']]})")
-        for k, ms in enumerate(r["step_ms_rounds"]):  # where in a run the time goes: its first steps, or all
-            print(f"    run {k + 1}: ms a step, first 4 {[round(x, 1) for x in ms[:4]]}, "
-                  f"median {statistics.median(ms):.1f}, last 4 {[round(x, 1) for x in ms[-4:]]}")
-    if args.host_profile:
-        host_profile(target, draft, args.prompt_len, tree, args.host_profile)
-    write_json("gpu.json", dict(machine=info, args=vars(args), forward=curve, engine=runs), args.out)
+        captured = cores[i].capture_reports
+        runs.append(dict(samples[i][0], **med, config=name, method=method, graphs=graphs,
+                         tree=",".join(map(str, t)) or "-", declared=s["declared"], waits=s["waits"],
+                         cuda_syncs=s["cuda_syncs"], tok_s_rounds=[x["tok_s"] for x in samples[i]],
+                         errors=sum(x["errors"] for x in samples[i]), tok_s_warmup=[x["tok_s"] for x in warm[i]],
+                         graphs_captured=sum(r.buckets for r in captured.values()),
+                         capture_s=sum(r.seconds for r in captured.values()),
+                         graph_pool_mib=sum(r.pool_bytes for r in captured.values()) / 2**20))
+    del cores
+    return runs
+
+
+def print_engine_table(runs: list[dict]) -> None:
+    print_table(runs, [("config", "config", "s"), ("graphs", "graphs", ""), ("batch", "batch", "d"),
+                       ("tok_s", "tok/s", ".1f"), ("ms_step", "ms/step", ".2f"), ("x_floor", "x floor step", ".2f"),
+                       ("floor_tok_s_ratio", "tok/s / floor's", ".2f"), ("x_plain_step", "x plain step", ".2f"),
+                       ("host_ms_step", "ms until return", ".2f"), ("tok_step", "tok/step/seq", ".2f"),
+                       ("declared", "reads/step", ".2f"), ("waits", "waits/step", ".2f"),
+                       ("cuda_syncs", "CUDA syncs/step", ".2f"), ("graphs_captured", "graphs", "d"),
+                       ("capture_s", "capture s", ".1f"), ("graph_pool_mib", "pool MiB", ".0f"), ("errors", "errors", "d")])
+
+
+def project(runs: list[dict], big: list[dict], args) -> list[dict]:
+    """PROJECTION, not a measurement: tokens per step of each tree measured on the CPU with the real
+    Qwen2.5-Coder pair (``bench_spec.py``), divided by this GPU's step time of that tree at batch 1,
+    against plain decoding's step here.  For the big target the 1.5B pair's acceptance stands in."""
+    out = []
+    files = [f for f in args.acceptance.split(",") if f]
+    for path in files:
+        if not Path(path).exists():
+            print(f"projection: {path} not found (run bench_spec.py, see docs/gpu.md); skipped")
+            continue
+        data = json.loads(Path(path).read_text())
+        source = {"HumanEval": "code", "sharegpt": "chat"}.get(data["args"].get("source"), Path(path).stem)
+        for shape, table in ((args.target_shape, runs), (args.big_shape, big)):
+            plain = [r for r in table if r["config"] == "plain" and r["batch"] == 1 and r["graphs"]]
+            if not plain:
+                continue
+            for row in data["rows"]:
+                name = row["config"]
+                kind, _, widths = name.partition(" ")
+                method = {"tree": "mcsd", "chain": "mcsd", "tree+maxgram": "mcsd+maxgram"}.get(kind)
+                step = [r for r in table if r["batch"] == 1 and r["graphs"] and r["tree"] == widths
+                        and r["method"] == method and r["config"] != "mcsd, target as draft"]
+                if not step or not row.get("block_eff"):
+                    continue
+                speedup = row["block_eff"] * plain[0]["ms_step"] / step[0]["ms_step"]
+                out.append(dict(shape=shape, prompts=source, temperature=row["temperature"], config=name,
+                                tok_step=row["block_eff"], ms_step=step[0]["ms_step"], plain_ms=plain[0]["ms_step"],
+                                projected=speedup))
+    if out:
+        print("\nPROJECTION (not measured): CPU tokens/step of the real pair x this device's step times, batch 1")
+        print_table(out, [("shape", "target", "s"), ("prompts", "prompts", "s"), ("temperature", "T", ".1f"),
+                          ("config", "config", "s"), ("tok_step", "tok/step (CPU)", ".2f"),
+                          ("ms_step", "step ms (here)", ".2f"), ("plain_ms", "plain ms (here)", ".2f"),
+                          ("projected", "projected x plain", ".2f")])
+    return out
 
 
 def warm_up(lm: LoadedModel, seconds: float, device: torch.device) -> None:
@@ -276,9 +498,10 @@ def host_profile(target, draft, prompt_len: int, tree, path: str) -> None:
 
     out = io.StringIO()
     for name, spec_on, t in (("plain", False, ()), ("mcsd", True, tree)):
+        core = engine_core(target, draft, 1, prompt_len, 24, t, "mcsd", True)  # its graphs captured before
         prof = cProfile.Profile()
         prof.enable()
-        engine_run(target, draft, 1, prompt_len, 24, t, "mcsd", spec_on, False)
+        engine_run(core, 1, prompt_len, 24, spec_on, False)
         prof.disable()
         out.write(f"==== {name}\n")
         pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(40)

@@ -133,6 +133,7 @@ def main(argv=None) -> None:
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--prompts", default="benchmarks/prompts/bench.json")
     ap.add_argument("--limit", type=int, default=4)
+    ap.add_argument("--source", help="only the prompts whose id starts with this (HumanEval: code, sharegpt: chat)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="bf16")
@@ -154,7 +155,9 @@ def main(argv=None) -> None:
     hf_t = hf_d = None
     if any(c["kind"].startswith("hf-") for c in configs):
         hf_t, hf_d = hf_model(target.path, target.model.dtype), hf_model(draft.path, draft.model.dtype)
-    prompts = prompt_ids(target.tokenizer, args.prompts, args.limit)
+    prompts = prompt_ids(target.tokenizer, args.prompts, None if args.source else args.limit)
+    if args.source:
+        prompts = [p for p in prompts if p[0].startswith(args.source)][: args.limit]
     heads = [h for h in args.heads.split(",") if h]
     if any(c["heads"] for c in configs) and not heads:
         raise SystemExit("a ':heads' config needs --heads")

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, on a machine with CUDA and the project's dependencies installed:
-# the CUDA tests (tests/engine/test_cuda.py, marker "gpu") and the GPU benchmark (benchmarks/bench_gpu.py).
+# the CUDA tests (tests/engine/test_cuda.py, marker "gpu"), the GPU benchmark (benchmarks/bench_gpu.py: the
+# captured floor, plain and speculative steps with and without CUDA graphs, the 7B shape, the projection)
+# and the HTTP layer's served / engine ratio (benchmarks/bench_served.py).
 #   bash scripts/gpu_check.sh [RESULTS_DIR] [bench_gpu.py arguments...]
-# Logs and the benchmark's JSON go to RESULTS_DIR (default benchmarks/results).  Exits non-zero if
-# either part failed.
+# Logs and the benchmarks' JSON go to RESULTS_DIR (default benchmarks/results).  Exits non-zero if
+# any part failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-benchmarks/results}
@@ -17,7 +19,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 "$PY" -m pytest -q -m gpu -p no:cacheprovider --timeout 300 --durations=5 tests/engine/test_cuda.py 2>&1 \
     | tee "$DIR/gpu_tests.log"
 tests=${PIPESTATUS[0]}
-"$PY" benchmarks/bench_gpu.py --out "$DIR/gpu.json" --host-profile "$DIR/gpu_host_profile.txt" "$@" 2>&1 | tee "$DIR/gpu_bench.log"
+"$PY" benchmarks/bench_gpu.py --out "$DIR/gpu.json" --host-profile "$DIR/gpu_host_profile.txt" "$@" 2>&1 \
+    | tee "$DIR/gpu_bench.log"
 bench=${PIPESTATUS[0]}
-echo "tests: exit $tests; benchmark: exit $bench"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+# the HTTP layer at GPU speeds: served / engine-alone throughput at 8 and 32 streams
+"$PY" benchmarks/bench_served.py --device cuda --shape qwen2.5-1.5b --concurrency 8,32 --max-tokens 128 \
+    --out "$DIR/served.json" 2>&1 | tee "$DIR/gpu_served.log"
+served=${PIPESTATUS[0]}
+echo "tests: exit $tests; benchmark: exit $bench; served: exit $served"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$served" -eq 0 ]

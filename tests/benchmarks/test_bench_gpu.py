@@ -1,31 +1,68 @@
 """``benchmarks/bench_gpu.py`` on the CPU with tiny shapes: it must run end to end between the
-sessions that have a GPU, and its numbers must add up."""
+sessions that have a GPU, and its numbers must add up: ratios to the floor, to plain decoding, and
+the projection's arithmetic from a ``bench_spec.py`` result."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
+import torch
 
 from benchmarks import bench_gpu
 
 
 def test_bench_gpu_runs_on_the_cpu_and_its_figures_add_up(tmp_path, capsys):
     out = tmp_path / "gpu.json"
+    spec = tmp_path / "spec_code.json"
+    spec.write_text(json.dumps(dict(args=dict(source="HumanEval"), rows=[
+        dict(config="plain", temperature=0.0, block_eff=1.0), dict(config="tree 2,1", temperature=0.0, block_eff=2.5),
+        dict(config="chain 1", temperature=0.7, block_eff=1.5), dict(config="tree 9,9", temperature=0.0, block_eff=3.0)])))
     bench_gpu.main(["--device", "cpu", "--dtype", "fp32", "--target-shape", "tiny", "--draft-shape", "tiny",
-                    "--vocab", "101", "--rows", "1,4", "--reps", "1", "--batch", "2", "--new-tokens", "12",
-                    "--rounds", "2", "--warmup-s", "0.1", "--out", str(out)])
+                    "--big-shape", "", "--vocab", "101", "--rows", "1,4", "--reps", "1", "--batches", "1,2",
+                    "--spec-batches", "1", "--trees", "2,1;1", "--new-tokens", "12", "--prompt-len", "16",
+                    "--context", "64", "--rounds", "2", "--warmup-s", "0.1", "--acceptance", str(spec),
+                    "--host-profile", str(tmp_path / "profile.txt"), "--out", str(out)])
     result = json.loads(out.read_text())
-    assert [r["rows"] for r in result["forward"]] == [1, 4, 1, 4]
-    assert all(r["ms"] > 0 for r in result["forward"])
+    assert [r["rows"] for r in result["forward"]] == [1, 4]
+    assert {(f["shape"], f["batch"]) for f in result["floor"]} == {("tiny", 1), ("tiny", 2)}
+    assert all(f["ms"] > 0 for f in result["floor"])
     engine = result["engine"]
-    assert {(r["config"], r["batch"]) for r in engine} == {
-        (c, b) for c in ("plain", "mcsd, draft", "mcsd, target as draft") for b in (1, 2)}
+    assert {(r["config"], r["batch"], r["graphs"]) for r in engine} == {
+        ("plain", 1, True), ("plain", 1, False), ("plain", 2, True), ("plain", 2, False), ("mcsd 2,1", 1, True),
+        ("mcsd 1", 1, True), ("maxgram", 1, True), ("cascade", 1, True), ("mcsd+maxgram 2,1", 1, True),
+        ("mcsd, target as draft", 1, True), ("mcsd 2,1", 1, False)}
+    floor = {f["batch"]: f["ms"] for f in result["floor"]}
     for r in engine:
         assert r["errors"] == 0 and len(r["tok_s_rounds"]) == 2 and len(r["tok_s_warmup"]) == 1
-        assert len(r["step_ms_rounds"]) == 3 and all(ms and min(ms) > 0 for ms in r["step_ms_rounds"])
         assert r["host_ms_step"] <= r["ms_step"] * 1.001
         assert r["tok_s"] > 0 and r["declared"] >= 1
+        assert r["x_floor"] == pytest.approx(r["ms_step"] / floor[r["batch"]])
     plain = [r for r in engine if r["config"] == "plain"]
     assert all(0.8 <= r["tok_step"] <= 1.0 for r in plain)  # one token per sequence and step (fewer as they end)
     self_draft = [r for r in engine if r["config"] == "mcsd, target as draft"]
     assert all(r["tok_step"] > 1.5 for r in self_draft)  # the target drafting for itself is accepted
-    assert "engine steps" in capsys.readouterr().out
+    assert [r["declared"] for r in engine if r["config"] == "mcsd 2,1"] == [1.0, 1.0]  # the tree comes with verification
+    projection = result["projection"]
+    assert [(p["config"], p["temperature"]) for p in projection] == [("tree 2,1", 0.0), ("chain 1", 0.7)]
+    plain_ms = [r["ms_step"] for r in plain if r["batch"] == 1 and r["graphs"]][0]
+    step_ms = [r["ms_step"] for r in engine if r["config"] == "mcsd 2,1" and r["graphs"]][0]
+    assert projection[0]["projected"] == pytest.approx(2.5 * plain_ms / step_ms)
+    assert "==== mcsd" in (tmp_path / "profile.txt").read_text()
+    printed = capsys.readouterr().out
+    assert "engine steps" in printed and "PROJECTION (not measured)" in printed
+
+
+def test_the_floor_decoder_attends_only_to_what_it_cached():
+    model = bench_gpu.FloorDecoder("tiny", 101, 2, 32, torch.float32, torch.device("cpu"))
+    with torch.inference_mode():
+        model.pos.fill_(3)
+        first = model()
+        model.k[:, :, :, 4:] = 100.0  # positions past the one written: masked out
+        model.v[:, :, :, 4:] = 100.0
+        model.k[:, :, :, 3] = 7.0  # overwritten by the step itself
+        again = model()
+        model.k[:, :, :, 2] = 1.0  # a cached position: seen
+        changed = model()
+    assert first.shape == (2, 1, 101) and torch.isfinite(first).all()
+    assert torch.equal(first, again) and not torch.equal(first, changed)

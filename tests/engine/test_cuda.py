@@ -9,6 +9,7 @@
   no more of them than the engine's reads (one per draft level plus one for verification,
   ``test_device.py``).  Before the copies to the device were made non-blocking, a plain decoding
   step at batch 8 had 17 of them against 3 declared;
+* the forwards captured as CUDA graphs give the eager engine's tokens, greedy and seeded;
 * the server, on the device, answers concurrent streams with the official ``openai`` client.
 
 On a machine without CUDA these tests are skipped with that reason (``-ra`` lists them); the CPU
@@ -80,6 +81,26 @@ def test_greedy_speculation_equals_plain_decoding(pair32, method_name, join_ever
     assert all(len(c.tokens) == 20 for c in spec)
     if drafter == "self" and method_name != "maxgram":  # Max-Gram drafts only what the context repeats
         assert sum(c.spec.accepted_tokens for c in spec) > 20  # speculation really ran
+
+
+@pytest.mark.parametrize("method_name", LOSSLESS)
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_graph_replay_equals_eager(pair32, method_name, sampling):
+    """The forwards captured as CUDA graphs (``engine.graphs``) give the tokens of the eager engine,
+    greedy and seeded, in fp32 with TF32 off; the graphs were captured at start and replayed, by the
+    target and by the draft.  The load-aware budget is off: its plans follow timings."""
+    target, draft = pair32
+    params = dict(temperature=0.0) if sampling == "greedy" else dict(temperature=0.9, top_p=0.9, seed=5)
+    runs = []
+    for graphs in (False, True):
+        out, core = run_engine(target, draft, PROMPTS, tree=(3, 2, 2), join_every=1, max_tokens=20, ignore_eos=True,
+                               config=dict(spec_method=method_name, cuda_graphs=graphs, load_aware=False), **params)
+        runs.append([c.tokens for c in out])
+    assert runs[1] == runs[0]
+    assert core.capture_reports["target"].buckets > 0 and not core.capture_reports["target"].failed
+    assert core.cache.captured.replays > 0 and core.cache.captured.graphs
+    if method_name != "maxgram":
+        assert core.runner.proposer.cache.captured.replays > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -1,0 +1,199 @@
+"""Does the HTTP layer keep up with the engine?  Served against engine-alone throughput, in one run.
+
+At GPU speeds a step takes a few milliseconds, and detokenising and SSE-encoding many streams in the
+server's Python competes with the engine thread for the interpreter.  For each ``--concurrency`` C this
+runs the same C greedy requests (``--max-tokens`` each, EOS ignored, random token-id prompts of
+``--prompt-len``) two ways, ABBA-interleaved over ``--rounds``:
+
+* **engine**: an ``EngineCore`` stepped in a loop by this process, nothing else: the tokens/s the
+  engine alone produces;
+* **served**: another core of the same models behind the real server (``server.app`` on uvicorn, in a
+  thread of this process, as ``python -m server`` runs it), C concurrent streamed completions through
+  the official ``openai`` client in a process of its own, tokens counted from each stream's final
+  ``usage``.
+
+It reports both rates and ``served / engine`` (the issue's goal: at least 0.8 at 8 and 32 streams).
+The models: ``--model tiny`` (default), random tiny Llama models made here, whose steps take about as
+long on a CPU as a 1.5B model's captured steps on a GPU, so the HTTP layer meets GPU-like rates; or
+any model the loader takes (a pack name, a path, a GGUF file), or ``--shape``: random weights of a
+real model's shapes (``bench_gpu.py``'s, e.g. ``qwen2.5-1.5b`` on a GPU), on ``--device``.  ``--draft`` adds a
+draft model and speculation (default: plain decoding).
+
+    python benchmarks/bench_served.py --concurrency 8,32 --max-tokens 128 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import machine, print_table, write_json  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
+from engine.request import GenerationRequest, SamplingParams, SpecOptions  # noqa: E402
+
+
+def load_models(args) -> tuple:
+    if args.shape:  # random weights of a real model's shapes (benchmarks/bench_gpu.py), a word-level tokenizer
+        from benchmarks.bench_gpu import random_model
+        from engine.models.loader import parse_device, parse_dtype
+
+        device, dtype = parse_device(args.device), parse_dtype(args.dtype)
+        target = random_model(args.shape, args.vocab, dtype, device, seed=0)
+        draft = random_model(args.draft, args.vocab, dtype, device, seed=1) if args.draft else None
+        return target, draft
+    if args.model == "tiny":
+        from tests.tiny import tiny_loaded
+
+        target = tiny_loaded("llama", seed=0, layers=args.tiny_layers, device=args.device)
+        draft = tiny_loaded("llama", seed=1, layers=1, device=args.device) if args.draft == "tiny" else None
+        return target, draft
+    from engine.models.loader import load_model
+
+    target = load_model(args.model, args.dtype, args.device)
+    draft = load_model(args.draft, args.dtype, args.device, tokenizer_of=target) if args.draft else None
+    return target, draft
+
+
+def make_core(target, draft, args, concurrency: int) -> EngineCore:
+    config = EngineConfig.from_settings(max_batch=concurrency, max_model_len=args.prompt_len + args.max_tokens + 16,
+                                        tree=tuple(int(x) for x in args.tree.split(",")) if draft else (),
+                                        load_aware=False)
+    return EngineCore(target, draft, config, model_name="bench")
+
+
+def prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+def engine_alone(core: EngineCore, ids: list[list[int]], max_tokens: int, spec: bool, tag: str) -> dict:
+    """The requests decoded together by stepping ``core`` here: tokens/s from the first request added
+    to the last token (prefill included, as the served run's wall time includes it)."""
+    t0 = time.perf_counter()
+    for i, p in enumerate(ids):
+        core.add_request(GenerationRequest(f"{tag}-{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                             ignore_eos=True), SpecOptions(enabled=spec)))
+    tokens = 0
+    while core.has_unfinished():
+        tokens += sum(len(o.new_token_ids) for o in core.step())
+    wall = time.perf_counter() - t0
+    return dict(tokens=tokens, seconds=wall, tok_s=tokens / wall)
+
+
+async def served(url: str, ids: list[list[int]], max_tokens: int, spec: bool) -> dict:
+    """The requests as concurrent streamed completions through the ``openai`` client: tokens from each
+    stream's final usage, over the wall time from the first request sent to the last stream's end."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
+
+    async def one(prompt: list[int]) -> int:
+        stream = await client.completions.create(
+            model="bench", prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "speculative": {"enabled": spec}})
+        used = 0
+        async for chunk in stream:
+            if chunk.usage is not None:
+                used = chunk.usage.completion_tokens
+        return used
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(p) for p in ids))
+    wall = time.perf_counter() - t0
+    await client.close()
+    return dict(tokens=sum(counts), seconds=wall, tok_s=sum(counts) / wall)
+
+
+def served_from_another_process(url: str, vocab: int, count: int, prompt_len: int, seed: int, max_tokens: int,
+                                spec: bool) -> dict:
+    """:func:`served` run by a client process of its own, as real clients are: the ``openai`` client's
+    parsing of every chunk does not compete with the server for this interpreter."""
+    cmd = [sys.executable, __file__, "--client", url, "--vocab", str(vocab), "--client-count", str(count),
+           "--prompt-len", str(prompt_len), "--client-seed", str(seed), "--max-tokens", str(max_tokens)]
+    out = subprocess.run(cmd + (["--client-spec"] if spec else []), capture_output=True, text=True, timeout=1800)
+    if out.returncode:
+        raise RuntimeError(f"the client process failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="'tiny' (random, made here) or anything the loader takes")
+    ap.add_argument("--draft", default=None, help="a draft model ('tiny' with --model tiny, a shape with --shape): "
+                    "speculation on")
+    ap.add_argument("--shape", help="random models of bench_gpu.py's shapes instead (e.g. qwen2.5-1.5b)")
+    ap.add_argument("--vocab", type=int, default=151936, help="with --shape")
+    ap.add_argument("--tree", default="2,1,1")
+    ap.add_argument("--tiny-layers", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--concurrency", default="8,32")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2, help="ABBA pairs of (engine, served) per concurrency")
+    ap.add_argument("--out")
+    ap.add_argument("--client", help=argparse.SUPPRESS)  # the client process: a server's URL
+    ap.add_argument("--client-count", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--client-seed", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--client-spec", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.client:
+        ids = prompts(args.vocab, args.client_count, args.prompt_len, args.client_seed)
+        print(json.dumps(asyncio.run(served(args.client, ids, args.max_tokens, args.client_spec))))
+        return
+    from engine.async_engine import AsyncEngine
+    from server.app import create_app
+    from server.settings import Settings
+    from tests.fakes import ServerThread
+
+    target, draft = load_models(args)
+    spec = draft is not None
+    info = dict(machine(), device=args.device, model=args.model, draft=args.draft)
+    print(info)
+    rows = []
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        alone_core = make_core(target, draft, args, c)
+        served_core = make_core(target, draft, args, c)
+        engine_alone(alone_core, prompts(target.config.vocab_size, c, args.prompt_len, 99), 8, spec, "warm")
+        samples: dict[str, list[dict]] = {"engine": [], "served": []}
+        settings = Settings(served_model_name="bench", device=args.device, max_queue=4 * c)
+        with ServerThread(create_app(settings, AsyncEngine(served_core, max_queue=4 * c))) as srv:
+            vocab = target.config.vocab_size
+            served_from_another_process(srv.url, vocab, c, args.prompt_len, 98, 8, spec)
+            for rnd in range(args.rounds):
+                order = ("engine", "served") if rnd % 2 == 0 else ("served", "engine")
+                for kind in order:
+                    if kind == "engine":
+                        ids = prompts(vocab, c, args.prompt_len, rnd)
+                        samples[kind].append(engine_alone(alone_core, ids, args.max_tokens, spec, f"r{rnd}"))
+                    else:
+                        samples[kind].append(served_from_another_process(srv.url, vocab, c, args.prompt_len, rnd,
+                                                                         args.max_tokens, spec))
+                print(f"concurrency {c}: round {rnd + 1}/{args.rounds} done", flush=True)
+        eng = statistics.median(s["tok_s"] for s in samples["engine"])
+        srv_rate = statistics.median(s["tok_s"] for s in samples["served"])
+        rows.append(dict(concurrency=c, engine_tok_s=eng, served_tok_s=srv_rate, ratio=srv_rate / eng,
+                         engine_rounds=[s["tok_s"] for s in samples["engine"]],
+                         served_rounds=[s["tok_s"] for s in samples["served"]],
+                         tokens=samples["served"][0]["tokens"]))
+    print(f"\nserved / engine throughput, {args.max_tokens} tokens a request, median of {args.rounds} rounds")
+    print_table(rows, [("concurrency", "streams", "d"), ("engine_tok_s", "engine tok/s", ".1f"),
+                       ("served_tok_s", "served tok/s", ".1f"), ("ratio", "served / engine", ".2f"),
+                       ("tokens", "tokens a round", "d")])
+    write_json("served.json", dict(machine=info, args=vars(args), rows=rows), args.out)
+
+
+if __name__ == "__main__":
+    main()
