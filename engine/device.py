@@ -8,7 +8,8 @@ that once where it must, so these helpers are the only places a step moves data:
 * :func:`to_device` copies host tensors to the device without waiting for it (through pinned
   memory on CUDA), :func:`to_device_many` several of them in one copy per dtype;
 * :func:`to_host` brings any number of device tensors back behind one synchronization;
-* :func:`synchronize` waits for the device, before a clock is read for a timing.
+* :func:`synchronize` waits for the device, before a clock is read for a timing (start-up
+  measurements); a step times its parts with :class:`DeviceTimer`, which never waits.
 
 The test suite's device-check mode (``tests/device_check.py``) counts the sync points of a step
 through :data:`sync_listeners`.
@@ -16,6 +17,7 @@ through :data:`sync_listeners`.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import Counter
 from contextlib import contextmanager
@@ -117,6 +119,42 @@ def synchronize(device: torch.device) -> None:
         for listener in sync_listeners:
             listener("synchronize")
         torch.cuda.synchronize(device)
+
+
+class DeviceTimer:
+    """Seconds of device work between :meth:`start` and :meth:`stop`, without making the host wait for
+    the device: on CUDA two events recorded in the stream, whose interval is read (:meth:`seconds`) once
+    the host knows the work is done, after a later read of results; elsewhere the host's clock, which
+    is the device's."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._t: list[float] = []
+        self._events: list = []
+
+    def start(self) -> "DeviceTimer":
+        self._mark()
+        return self
+
+    def stop(self) -> None:
+        self._mark()
+
+    def _mark(self) -> None:
+        self._t.append(time.perf_counter())
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._events.append(event)
+
+    def host_seconds(self) -> float:
+        """The host's seconds between the two points (on a device it runs ahead of the work)."""
+        return self._t[1] - self._t[0]
+
+    def seconds(self) -> float:
+        """Call after a host read of results computed after :meth:`stop` (both events are done then)."""
+        if self.cuda:
+            return self._events[0].elapsed_time(self._events[1]) / 1e3
+        return self._t[1] - self._t[0]
 
 
 @dataclass

@@ -107,3 +107,15 @@ def test_adaptive_speculation_reads_its_features_with_the_level(pair, method, mo
     bound = 1 + (3 if method != "cascade" else 4)
     for count, kinds, stacks in steps:
         assert set(kinds) <= {"to_host"} and count <= bound, (kinds, "\n".join(stacks[:2]))
+
+
+def test_the_device_timer_reads_the_host_clock_off_cuda():
+    import time
+
+    from engine.device import DeviceTimer
+    import torch
+
+    timer = DeviceTimer(torch.device("cpu")).start()
+    time.sleep(0.01)
+    timer.stop()
+    assert timer.seconds() == timer.host_seconds() >= 0.01
