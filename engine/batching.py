@@ -38,23 +38,22 @@ def run_blocks(model: Model, cache: KVCache, blocks: list[Block], vocab: Optiona
     own ``tokens`` then only give their lengths."""
     b = len(blocks)
     t = max(len(bl.tokens) for bl in blocks)
-    given, ids = ids, torch.zeros(b, t, dtype=torch.long)
-    pos = torch.zeros(b, t, dtype=torch.long)
     k = max(max(len(bl.logit_rows) for bl in blocks), 1)
-    rows = torch.zeros(b, k, dtype=torch.long)
-    any_mask = any(bl.mask is not None for bl in blocks)
-    pending = [int(cache.pending[bl.slot]) for bl in blocks]
-    width = max(p + t for p in pending)
-    mask = torch.zeros(b, t, width, dtype=torch.bool) if any_mask else None
-    for i, bl in enumerate(blocks):
-        n = len(bl.tokens)
-        if given is None:
-            ids[i, :n] = torch.tensor(bl.tokens)
-        pos[i, :n] = torch.tensor(bl.positions)
-        pos[i, n:] = bl.positions[-1]
-        if bl.logit_rows:
-            rows[i, : len(bl.logit_rows)] = torch.tensor(bl.logit_rows)
-        if mask is not None:
+    # the rectangles are built as Python lists and made tensors once: a few torch calls per forward,
+    # not a few per block (the host's time per step matters most when the device is fast)
+    pos = torch.tensor([[*bl.positions, *[bl.positions[-1]] * (t - len(bl.positions))] for bl in blocks],
+                       dtype=torch.long)
+    rows = torch.tensor([[*bl.logit_rows, *[0] * (k - len(bl.logit_rows))] for bl in blocks], dtype=torch.long)
+    given = ids
+    if given is None:
+        ids = torch.tensor([[*bl.tokens, *[0] * (t - len(bl.tokens))] for bl in blocks], dtype=torch.long)
+    mask = None
+    if any(bl.mask is not None for bl in blocks):
+        pending = [int(cache.pending[bl.slot]) for bl in blocks]
+        width = max(p + t for p in pending)
+        mask = torch.zeros(b, t, width, dtype=torch.bool)
+        for i, bl in enumerate(blocks):
+            n = len(bl.tokens)
             if bl.mask is None:  # causal over pending + block
                 mask[i, :n, : pending[i]] = True
                 mask[i, :n, pending[i]: pending[i] + n] = torch.ones(n, n, dtype=torch.bool).tril()

@@ -152,24 +152,21 @@ def host_inputs(cache: KVCache, bucket: Bucket, width: int, positions: torch.Ten
     start[:b] = lens[:b] + cache.pending[slot_t]
     pos = torch.zeros(B, R, dtype=torch.long)
     pos[:b, :t] = positions
+    pos[:b, t:] = positions[:, t - 1:t]  # padded rows repeat the last (the caller padded up to t likewise)
     cnt = torch.zeros(B, dtype=torch.long)
     cnt[:b] = torch.tensor(counts, dtype=torch.long)
-    for i, n in enumerate(counts):
-        pos[i, n:] = positions[i, n - 1] if n else 0
     tables = torch.zeros(B, bucket.kv // bs, dtype=torch.long)
     width_blocks = min(tables.shape[1], cache.max_blocks)
     tables[:b, :width_blocks] = cache.table[slot_t, :width_blocks]
     mask = torch.zeros(B, R, width, dtype=torch.bool)
-    if block_mask is None:
-        causal = torch.ones(R, R, dtype=torch.bool).tril()
-        for i, n in enumerate(counts):
-            p = int(start[i] - lens[i])
-            mask[i, :n, :p] = True
-            mask[i, :n, p:p + n] = causal[:n, :n]
+    real = torch.arange(t)[None, :, None] < cnt[:b, None, None]  # [b, t, 1]: the sequences' real rows
+    if block_mask is None:  # causal: every pending entry, and the block up to the row
+        row, col = torch.arange(t)[None, :, None], torch.arange(width)[None, None, :]
+        rel = col - (start[:b] - lens[:b])[:, None, None]  # column within the block
+        mask[:b, :t] = real & ((rel < 0) | (rel <= row))
     else:
         w = min(block_mask.shape[-1], width)
-        for i, n in enumerate(counts):
-            mask[i, :n, :w] = block_mask[i, :n, :w]
+        mask[:b, :t, :w] = block_mask[:, :t, :w] & real
     return [pos, tables, lens, start, cnt, mask]
 
 
