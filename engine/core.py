@@ -61,7 +61,6 @@ class EngineCore:
         rows, entries = drafter_limits(cfg, self.topology)
         self.cache = self._new_cache(target, self.max_model_len + rows + 1)
         self.capture_reports: dict[str, CaptureReport] = {}  # what capturing each model's graphs took
-        self._install_graphs("target", target.model, self.cache, rows, rows)
         draft_len = self.max_model_len + entries + 1
         proposer = None
         self.policy: Optional[SpecPolicy] = None
@@ -72,6 +71,8 @@ class EngineCore:
             self.draft_vocab = _draft_vocab(draft, cfg)
             if cfg.draft_int8:  # after the vocabulary cut, which copies bf16 rows of the output layer
                 draft = self._int8_draft(draft)
+            # after every cache exists: a model drafting for itself has its rotary tables sized for both
+            self._install_graphs("target", target.model, self.cache, rows, rows)
             self._install_graphs("draft", draft.model, draft_cache, rows, entries + rows)
             if policy is None and self.config.adaptive:
                 policy = AdaptiveSpeculation.from_config(self.config, self.topology, target, draft, self.cache,
@@ -80,6 +81,8 @@ class EngineCore:
             proposer = DraftModelProposer(draft.model, draft_cache, self.vocab_size, self.config.without_replacement,
                                           self.topology, policy, chunk=self.config.prefill_chunk,
                                           vocab=self.draft_vocab)
+        if draft is None:
+            self._install_graphs("target", target.model, self.cache, rows, rows)
         self.planner = Planner.build(cfg, self.topology, self.policy, self.tokenizer, target.model, self.cache)
         drafters = build_drafters(self.planner.drafter_context(proposer))
         self.runner = ModelRunner(target.model, self.cache, self.vocab_size, proposer, drafters,

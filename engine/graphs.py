@@ -226,6 +226,8 @@ class CapturedForwards:
         if compile:
             self.fn = torch.compile(static_hidden, fullgraph=True, dynamic=False)
         self._by_bucket: dict[Bucket, _Captured] = {}
+        self._failed: set[Bucket] = set()  # buckets whose capture failed: their forwards run dynamically
+        self._rope = model.rope  # the rotary tables the graphs read (replacing them would strand the graphs)
         self._pool = None
         self.replays = 0  # forwards run through a bucket (tests and the benchmark read it)
         self.fallbacks = 0  # forwards that fit no bucket
@@ -236,7 +238,7 @@ class CapturedForwards:
         slot_t = torch.tensor(slots, dtype=torch.long)
         start = cache.lens[slot_t] + cache.pending[slot_t]
         bucket = self.grid.pick(len(slots), rows, int(start.max()) + rows, width)
-        if bucket is not None and bucket.kv > cache.max_blocks * cache.block_size:
+        if bucket is not None and (bucket.kv > cache.max_blocks * cache.block_size or bucket in self._failed):
             bucket = None
         if bucket is None:
             self.fallbacks += 1
@@ -247,6 +249,8 @@ class CapturedForwards:
                block_mask: Optional[torch.Tensor], counts: list[int]) -> torch.Tensor:
         """Hidden states [len(slots), rows, hidden] of one forward run in ``bucket`` (rows past a
         sequence's count are padding).  The caller reserved the slots' blocks; it advances them."""
+        if self.graphs and self.model.rope is not self._rope:
+            raise RuntimeError("the model's rotary tables were rebuilt after its CUDA graphs were captured")
         entry = self._by_bucket.get(bucket)
         if entry is None:
             entry = self._prepare(bucket)
@@ -307,6 +311,7 @@ class CapturedForwards:
                             type(exc).__name__, exc)
                 report.failed.append(str(bucket))
                 self._by_bucket.pop(bucket, None)
+                self._failed.add(bucket)
             if progress is not None:
                 progress(n, len(buckets), bucket)
         if self.graphs:

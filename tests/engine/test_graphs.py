@@ -216,3 +216,27 @@ def test_graph_settings_parse_like_the_tree():
 
 def test_the_read_bounds_cover_every_method():
     assert {m for m, _ in READS} == set(method_names())
+
+
+def test_a_bucket_whose_capture_failed_runs_dynamically(monkeypatch):
+    """A failed capture is logged, reported and left to the dynamic forward; the others still run."""
+    model = tiny_loaded("llama", seed=0).model
+    cache = model.new_cache(2, 64, block_size=4)
+    captured = CapturedForwards(model, cache, BucketGrid((1,), (1, 4), (16,), width=4))
+    real = CapturedForwards._prepare
+
+    def prepare(self, bucket):
+        if bucket.rows == 4:
+            raise RuntimeError("planted capture failure")
+        return real(self, bucket)
+
+    monkeypatch.setattr(CapturedForwards, "_prepare", prepare)
+    report = captured.capture()
+    assert report.buckets == 1 and report.failed == ["1x4@16"]
+    cache.captured = captured
+    slot = cache.allocate()
+    run_blocks(model, cache, [Block(slot, [1, 2, 3], [0, 1, 2], [2])])  # rows bucket 4: failed, dynamic
+    assert (captured.replays, captured.fallbacks) == (0, 1)
+    cache.commit(slot)
+    run_blocks(model, cache, [Block(slot, [4], [3], [0])])  # rows bucket 1: captured
+    assert captured.replays == 1
