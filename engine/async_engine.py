@@ -155,6 +155,12 @@ class RequestGroup:
         self.abort()
 
 
+def _put_all(items: list) -> None:
+    """On the event loop: one step's outputs into their requests' queues, in order."""
+    for queue, out in items:
+        queue.put_nowait(out)
+
+
 class AsyncEngine:
     """Runs one :class:`EngineCore` on a background thread; see the module docstring.
 
@@ -169,6 +175,7 @@ class AsyncEngine:
         self._factory: Callable = core_or_factory if callable(core_or_factory) else (lambda: core_or_factory)
         self.max_queue = max_queue
         self.listener = listener
+        self._outbox: Optional[dict] = None  # during a step: event loop -> [(queue, output)] to hand over at once
         self.core = None
         self.state = EngineState.LOADING
         self.load_error: Optional[str] = None
@@ -342,15 +349,24 @@ class AsyncEngine:
             self._fail([e for e in self._snapshot() if e.admitted], f"engine step failed: {exc}")
             outputs = []
         now = time.perf_counter()
-        for out in outputs:
-            entry = self._entries.get(out.request_id)
-            if entry is None:
-                continue  # aborted during the step
-            entry.record.on_tokens(now, len(out.new_token_ids))
-            if out.finished:
-                self._finish(entry, out)
-            else:
-                self._deliver(entry, out)
+        self._outbox = {}  # the step's outputs go to each event loop in one wake-up, not one per request
+        try:
+            for out in outputs:
+                entry = self._entries.get(out.request_id)
+                if entry is None:
+                    continue  # aborted during the step
+                entry.record.on_tokens(now, len(out.new_token_ids))
+                if out.finished:
+                    self._finish(entry, out)
+                else:
+                    self._deliver(entry, out)
+        finally:
+            outbox, self._outbox = self._outbox, None
+            for loop, items in outbox.items():
+                try:
+                    loop.call_soon_threadsafe(_put_all, items)
+                except RuntimeError:
+                    pass  # the clients' event loop is closed (server shutting down)
         self._drain_stats()
 
     def _snapshot(self) -> list[_Entry]:
@@ -389,11 +405,13 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - metrics must never break serving
                 log.exception("metrics listener failed")
 
-    @staticmethod
-    def _deliver(entry: _Entry, out: RequestOutput) -> None:
+    def _deliver(self, entry: _Entry, out: RequestOutput) -> None:
         if not out.finished:
             entry.record.completion_tokens = out.completion_tokens
             entry.record.spec = out.spec
+        if self._outbox is not None:  # inside a step: sent with the step's other outputs
+            self._outbox.setdefault(entry.loop, []).append((entry.queue, out))
+            return
         try:
             entry.loop.call_soon_threadsafe(entry.queue.put_nowait, out)
         except RuntimeError:
