@@ -223,7 +223,12 @@ class CapturedForwards:
         self.model, self.cache, self.grid = model, cache, grid
         self.graphs = graphs
         self.fn: Callable = static_hidden
-        if compile:
+        if compile:  # one compiled graph per bucket shape: let the compiler keep them all
+            import torch._dynamo.config as dynamo_config
+
+            for limit in ("recompile_limit", "cache_size_limit"):
+                if hasattr(dynamo_config, limit):
+                    setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), len(grid.buckets()) + 8))
             self.fn = torch.compile(static_hidden, fullgraph=True, dynamic=False)
         self._by_bucket: dict[Bucket, _Captured] = {}
         self._failed: set[Bucket] = set()  # buckets whose capture failed: their forwards run dynamically

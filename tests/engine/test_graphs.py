@@ -240,3 +240,22 @@ def test_a_bucket_whose_capture_failed_runs_dynamically(monkeypatch):
     cache.commit(slot)
     run_blocks(model, cache, [Block(slot, [4], [3], [0])])  # rows bucket 1: captured
     assert captured.replays == 1
+
+
+@pytest.mark.slow
+def test_the_compiled_static_forward_equals_the_eager_one():
+    """``graph_compile``: the static forward through torch.compile (Inductor on the CPU, our kernels
+    kept as operators), one compiled graph per bucket shape, gives the eager forward's logits."""
+    torch._dynamo.reset()
+    model = tiny_loaded("llama", seed=0).model
+    outs = []
+    for compiled in (False, True):
+        cache = model.new_cache(2, 64, block_size=4)
+        cache.captured = CapturedForwards(model, cache, BucketGrid((1,), (1, 4), (16,), width=4), compile=compiled)
+        slot = cache.allocate()
+        first = run_blocks(model, cache, [Block(slot, [1, 2, 3], [0, 1, 2], [2])])[1][0]
+        cache.commit(slot)
+        second = run_blocks(model, cache, [Block(slot, [4], [3], [0])])[1][0]
+        assert cache.captured.replays == 2
+        outs.append((first, second))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
