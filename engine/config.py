@@ -65,6 +65,10 @@ class EngineConfig:
     adaptive_threshold: float = setting(0.5, "stop drafting when 1 - prod(p_accept) > h", ge=0.0, le=1.0)
     adaptive_min_depth: int = setting(1, "adaptive: always draft at least this deep", ge=1)
     adaptive_max_depth: Optional[int] = setting(None, "adaptive: never deeper than this (default: the tree's)", ge=1)
+    adaptive_level_stop: bool = setting(True, "adaptive: also stop a tree level by level inside the step (the "
+                                        "SpecDec++ rule reads each draft level on the host); off: the depth the "
+                                        "budget plans from the calibrated acceptance stands, and a tree is read "
+                                        "once (the GPU preset)")
     acceptance_heads: tuple[str, ...] = setting((), "trained acceptance head files, comma separated (one per "
                                                 "temperature); none = online calibration")
     load_aware: bool = setting(True, "measure the cost curve at start-up and choose the budget per step")

@@ -90,6 +90,7 @@ class SpecPolicy:
 
     wants_features = False  # the proposer records NodeFeatures (q_token, depth, rank) per level
     wants_full_features = False  # ... plus entropy, top-k and the draft's hidden states
+    level_stop = True  # keep_drafting is asked after each level (off: the planned depth stands, one read a tree)
 
     def budget(self, seqs: list[SeqView]) -> StepBudget:
         return StepBudget(None, float(len(seqs)))
@@ -224,10 +225,13 @@ class AdaptiveSpeculation(SpecPolicy):
 
     def __init__(self, topology: TreeTopology, threshold: float = 0.5, min_depth: int = 1,
                  max_depth: Optional[int] = None, heads: tuple[AcceptanceHead, ...] = (),
-                 cost: Optional[CostModel] = None, probe_every: int = 64) -> None:
+                 cost: Optional[CostModel] = None, probe_every: int = 64, level_stop: bool = True) -> None:
         """``probe_every``: after this many steps in a row without speculation, one step drafts the
-        smallest tree anyway, so the calibrator keeps learning whether speculation pays again."""
+        smallest tree anyway, so the calibrator keeps learning whether speculation pays again.
+        ``level_stop``: stop a tree level by level inside the step by the threshold rule (which reads
+        each level on the host); off, the depth the budget planned stands and the tree is read once."""
         self.topology = topology
+        self.level_stop = level_stop
         self.threshold = threshold
         self.min_depth = min_depth
         self.max_depth = len(topology.widths) if max_depth is None else max_depth
@@ -274,7 +278,7 @@ class AdaptiveSpeculation(SpecPolicy):
             cost = measure() if key is None else CostModel.stored(key, measure, reuse=config.cost_model_cache)
             log.info("cost model: target %s, draft %s", cost.target, cost.draft)
         return cls(topology, config.adaptive_threshold, config.adaptive_min_depth,
-                   config.adaptive_max_depth, heads, cost)
+                   config.adaptive_max_depth, heads, cost, level_stop=config.adaptive_level_stop)
 
     def head_for(self, seq: SeqView) -> Optional[AcceptanceHead]:
         """The head trained for the request's temperature: the greedy head for greedy requests, else

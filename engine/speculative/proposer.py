@@ -91,10 +91,12 @@ class DraftModelProposer:
         """Whether the step's tokens can stay on the device until its trees are whole (one read for
         the whole tree instead of one per level): nothing on the host reads a level's tokens before
         the next level is drawn, so no grammar (its masks follow each row's path), no penalties (their
-        histories count the path's tokens), no forced first level and no per-level policy decision."""
+        histories count the path's tokens), no forced first level and no per-level policy decision (the
+        policy's features, when it learns from them, are read back with the tree)."""
         if any(f is not None for f in forced):
             return False
-        if self.policy is not None and any(s.request.spec.adaptive is not False for s in seqs):
+        level_stop = self.policy is not None and getattr(self.policy, "level_stop", True)
+        if level_stop and any(s.request.spec.adaptive is not False for s in seqs):
             return False
         return all(s.grammar is None and not s.request.sampling.needs_history for s in seqs)
 
@@ -102,8 +104,8 @@ class DraftModelProposer:
                       step: Optional[StepBudget]) -> None:
         """Asks the policy whether each tree that could grow past depth ``d`` does; cuts the others."""
         deeper = [i for i in deeper if seqs[i].request.spec.adaptive is not False]
-        if self.policy is None or not deeper:
-            return
+        if self.policy is None or not getattr(self.policy, "level_stop", True) or not deeper:
+            return  # (without the per-level stop, the depth was chosen when the step was planned)
         keep = self.policy.keep_drafting([seqs[i] for i in deeper], [trees[i] for i in deeper], d, step)
         for i, k in zip(deeper, keep):
             if not k:
@@ -191,10 +193,7 @@ class DraftModelProposer:
             for r in s_rows:
                 j = row_seq[r]
                 trees[j].q[parent_rows[j][r - first[j]]] = probs[r]
-        if kept is not None:
-            kept.place(which, trees, d, parent_rows, first, chosen)
-            return
-        # the level's one read: its tokens, and what the policy learns from them (it runs on the host)
+        # what the policy learns from the level, on the device (it runs on the host)
         features = self.policy is not None and self.policy.wants_features
         full = features and self.policy.wants_full_features
         device_side = [chosen]
@@ -202,12 +201,16 @@ class DraftModelProposer:
             stats = parent_stats(x, probs, st.greedy, chosen, full)
             device_side += [stats.q_children] + ([stats.entropy, stats.top_probs] if full else [])
             device_side += [h for _, h in frontier] if full else []
+        if kept is not None:  # read with the whole tree, later
+            kept.place(which, trees, d, parent_rows, first, chosen)
+            if features:
+                kept.keep_features(which, d, parent_rows, first, full, device_side[1:])
+            return
+        # the level's one read: its tokens, and the policy's features
         host = to_host(*device_side)
         self._place(trees, d, parent_rows, host[0].tolist(), first)
         if features:
-            stats = ParentStats(host[1], host[2] if full else None, host[3] if full else None)
-            hidden = host[4:] if full else [None] * len(trees)
-            self._record_features(trees, d, parent_rows, first, hidden, stats)
+            record_features(trees, d, parent_rows, first, full, host[1:])
 
     def _constrain(self, seqs: list[SeqView], trees: list[DraftTree], parent_rows: list[list[int]],
                    x: torch.Tensor) -> torch.Tensor:
@@ -224,15 +227,6 @@ class DraftModelProposer:
                 part = mask_rows(part, allowed)
             parts.append(part)
         return torch.cat(parts)
-
-    def _record_features(self, trees: list[DraftTree], d: int, parent_rows: list[list[int]], first: list[int],
-                         hidden: list[Optional[torch.Tensor]], stats: ParentStats) -> None:
-        """Host-side features of the level (``hidden[j]``: tree j's parents' draft hidden states, when
-        the policy wants them)."""
-        for j, tree in enumerate(trees):
-            rows = slice(first[j], first[j] + len(parent_rows[j]))
-            tree.features.append(level_features(stats, rows, tree.sub.widths[d - 1], d,
-                                                tree.tokens[tree.sub.level(d)], hidden[j]))
 
     @staticmethod
     def _place(trees: list[DraftTree], d: int, parent_rows: list[list[int]], chosen: list[list[int]],
@@ -293,6 +287,19 @@ class DraftModelProposer:
         return torch.cat([logits, pad], dim=-1)
 
 
+def record_features(trees: list[DraftTree], d: int, parent_rows: list[list[int]], first: list[int], full: bool,
+                    host: list[torch.Tensor]) -> None:
+    """The level's features, for the policy, from the host copies of what ``_sample_level`` computed:
+    q of the children, then (``full``) entropy, top probabilities and each tree's parents' draft hidden
+    states.  The trees' tokens must be on the host."""
+    stats = ParentStats(host[0], host[1] if full else None, host[2] if full else None)
+    hidden = host[3:] if full else [None] * len(trees)
+    for j, tree in enumerate(trees):
+        rows = slice(first[j], first[j] + len(parent_rows[j]))
+        tree.features.append(level_features(stats, rows, tree.sub.widths[d - 1], d,
+                                            tree.tokens[tree.sub.level(d)], hidden[j]))
+
+
 class DeviceTokens:
     """The drafted tokens of a step's trees, on the device while the trees grow: each level's children
     are placed from the sampled ``chosen`` rows by a gather (a child of a dead node is dead), and the
@@ -313,6 +320,10 @@ class DeviceTokens:
         flat[total] = 0
         self.flat = to_device(flat, device)
         self.trees: list[DraftTree] = []
+        self.all_trees = trees  # every tree of the step, in the proposer's order (``which`` indexes it)
+        # per sampled level, the policy's features still on the device: (which, depth, parent rows, first
+        # rows, full, tensors); recorded once the tokens are read
+        self.levels: list[tuple] = []
 
     def place(self, which: list[int], trees: list[DraftTree], d: int, parent_rows: list[list[int]],
               first: list[int], chosen: torch.Tensor) -> None:
@@ -343,6 +354,15 @@ class DeviceTokens:
         ids = self.flat.index_select(0, to_device(at.reshape(-1), self.flat.device)).view(at.shape)
         return ids.clamp(min=0)
 
+    def keep_features(self, which: list[int], d: int, parent_rows: list[list[int]], first: list[int], full: bool,
+                      tensors: list[torch.Tensor]) -> None:
+        """A level's features for the policy (``record_features``), read back with the tokens."""
+        self.levels.append((list(which), d, parent_rows, first, full, tensors))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the host reads back: the tokens, then every kept level's features."""
+        return [self.flat] + [t for level in self.levels for t in level[5]]
+
     def hold(self, trees: list[DraftTree]) -> None:
         """The trees are whole: their tokens stay here until read (``DraftTree.unread``)."""
         self.trees = list(trees)
@@ -355,15 +375,23 @@ class DeviceTokens:
         return self._offset_of[id(tree)]
 
     def read(self) -> None:
-        """Reads every held tree's tokens now (one host read)."""
-        self.fill(to_host(self.flat)[0].tolist())
+        """Reads every held tree's tokens (and kept features) now, in one host read."""
+        self.fill(to_host(*self.tensors()))
 
-    def fill(self, host: list[int]) -> None:
-        """Every held tree's tokens from ``host``, :attr:`flat` read back with other results."""
+    def fill(self, host: list[torch.Tensor]) -> None:
+        """Every held tree's tokens, then its kept features, from ``host``: :meth:`tensors` read back
+        (with other results, or by :meth:`read`)."""
+        if all(tree.unread is not self for tree in self.trees):
+            return  # filled already
+        flat = host[0].tolist()
         for off, tree in zip(self.offsets, self.trees):
             if tree.unread is self:
                 tree.unread = None
-                tree.tokens = host[off: off + tree.num_nodes]
+                tree.tokens = flat[off: off + tree.num_nodes]
+        at = 1
+        for which, d, parent_rows, first, full, tensors in self.levels:
+            record_features([self.all_trees[i] for i in which], d, parent_rows, first, full, host[at: at + len(tensors)])
+            at += len(tensors)
 
 
 @register_drafter

@@ -372,13 +372,16 @@ def with_held_tokens(trees: Sequence[DraftTree], pending: Pending) -> Pending:
     if not holders:
         return pending
     n, finish = len(pending.tensors), pending.finish
+    held = [h.tensors() for h in holders]
 
     def fill_then_finish(host: list[torch.Tensor]):
-        for holder, flat in zip(holders, host[n:]):
-            holder.fill(flat.tolist())
+        at = n
+        for holder, tensors in zip(holders, held):
+            holder.fill(host[at: at + len(tensors)])
+            at += len(tensors)
         return finish(host[:n])
 
-    return Pending(pending.tensors + [h.flat for h in holders], fill_then_finish)
+    return Pending(pending.tensors + [t for ts in held for t in ts], fill_then_finish)
 
 
 def build_rules(config: "EngineConfig", vocab_size: int) -> dict[str, VerifyRule]:

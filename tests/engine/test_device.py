@@ -109,6 +109,23 @@ def test_adaptive_speculation_reads_its_features_with_the_level(pair, method, mo
         assert set(kinds) <= {"to_host"} and count <= bound, (kinds, "\n".join(stacks[:2]))
 
 
+@pytest.mark.parametrize("method,bound", [("mcsd", 1), ("mcsd+maxgram", 2)])
+def test_adaptive_speculation_without_the_level_stop_reads_once(pair, method, bound, monkeypatch):
+    """``adaptive_level_stop=False`` (the GPU preset): the budget plans each step's depth, the tree is
+    not cut level by level, and its features come back with the tree in verification's read, so the
+    calibrator still learns; no penalties in the batch (their histories read each level)."""
+    flat = CostModel(target=CostCurve((1.0, 64.0), (0.010, 0.011)), draft=CostCurve((1.0, 64.0), (0.001, 0.002)))
+    monkeypatch.setattr(CostModel, "measure", classmethod(lambda cls, *args, **kwargs: flat))
+    features = [f for f in FEATURES if f != "penalties"]
+    core, steps = run_checked(pair, method, features, adaptive=True, adaptive_level_stop=False)
+    policy = core.planner.policy
+    assert policy is not None and not policy.level_stop
+    assert policy.calibrators[False].seen.sum() > 0  # the features were read and learned from
+    for count, kinds, stacks in steps:
+        assert set(kinds) <= {"to_host"} and count <= bound, (kinds, "\n".join(stacks[:2]))
+    assert max(count for count, _, _ in steps) == bound
+
+
 def test_the_device_timer_reads_the_host_clock_off_cuda():
     import time
 
