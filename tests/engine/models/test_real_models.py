@@ -69,6 +69,22 @@ def test_greedy_speculation_equals_plain_on_smollm(smollm):
     assert [o.tokens for o in chain] == [o.tokens for o in plain]
 
 
+def test_the_static_path_gives_the_same_tokens_on_smollm(smollm):
+    """SmolLM2 in its GGUF blocks through the fixed-shape forward a CUDA graph replays (run eagerly
+    here): the greedy tokens of plain decoding and of speculation are today's, batched, and most
+    forwards ran in a bucket."""
+    _, lm = smollm
+    prompts = [lm.tokenizer.encode(t) for t in ("def add(a, b):", "The capital of France is",
+                                                "import numpy as np\n\n# compute the mean of")]
+    for tree in ((), (2, 2, 1)):
+        draft = lm if tree else None
+        dynamic, _ = run_engine(lm, draft, prompts, tree=tree, max_tokens=24, ignore_eos=True, join_every=1)
+        static, core = run_engine(lm, draft, prompts, tree=tree, max_tokens=24, ignore_eos=True, join_every=1,
+                                  config=dict(static_shapes=True))
+        assert [o.tokens for o in static] == [o.tokens for o in dynamic]
+        assert core.cache.captured.replays > core.cache.captured.fallbacks
+
+
 def test_q4_k_quantization_on_load_stays_close_to_the_dense_model(smollm):
     """--quantize q4_k on SmolLM2's dense weights: ffn_down (K = 1536) in Q4_K, the linears of K = 576
     (not whole 256-weight blocks) in Q8_0.  The logits of a chat prompt stay close to the dense
