@@ -14,10 +14,12 @@ not speedups:
   graphs captured once, at its start), in ``--rounds`` interleaved rounds after ``--warmup-rounds``
   untimed ones: plain decoding at ``--batches`` with graphs and without, and at ``--spec-batches``
   the draft-model trees ``--trees``, Max-Gram, mcsd+maxgram, the cascade, the target as its own draft
-  (every token accepted: the ceiling of tokens per step) and the first tree without graphs.  Per
-  step: milliseconds, against the floor and against plain decoding's step, the host reads the engine
-  declares, its device-wide waits before reading a clock, and the synchronizing CUDA calls torch's
-  sync debug mode counts; the graphs captured, the seconds and graph-pool memory it took;
+  (every token accepted: the ceiling of tokens per step), the GPU preset's adaptive speculation (which
+  should fall back to about plain decoding's step where, as with random weights, drafting cannot
+  pay) and the first tree without graphs.  Per step: milliseconds, against the floor and against
+  plain decoding's step, the host reads the engine declares, its device-wide waits, and the
+  synchronizing CUDA calls torch's sync debug mode counts; the graphs captured, the seconds and
+  graph-pool memory capturing took;
 * **projection** (labelled so, not a measurement): tokens per step of each tree measured on the CPU
   with the real pair by ``bench_spec.py`` (``--acceptance``: code and chat prompts, greedy and
   T=0.7) times plain decoding's step over the tree's step here.
@@ -223,13 +225,22 @@ def kernel_time(once, r: int) -> tuple[int | None, float | None]:
         return None, None
 
 
+#: the GPU preset's speculation (configs/gpu.toml): mcsd+maxgram, adaptive depth planned per step from
+#: the calibrated acceptance and the cost curve measured at start, no level-by-level stop
+ADAPTIVE = "adaptive mcsd+maxgram"
+
+
 def engine_core(target, draft, batch: int, prompt_len: int, new_tokens: int, tree, method: str,
                 graphs: bool) -> EngineCore:
     """A core for one configuration, made once and reused by every round (capturing its graphs is a
-    start-up cost, not a step's): greedy, fixed trees (no adaptive depth, no load-aware budget), the
-    graphs captured at this batch only."""
+    start-up cost, not a step's): greedy, the graphs captured at this batch only, fixed trees (no
+    adaptive depth, no load-aware budget) unless ``method`` is :data:`ADAPTIVE`, which measures its cost
+    curve at start and may choose plain decoding or Max-Gram where the draft cannot pay (with random
+    weights it cannot)."""
+    adaptive = method == ADAPTIVE
     config = EngineConfig.from_settings(max_batch=batch, max_model_len=prompt_len + new_tokens + 64, tree=tree,
-                                        spec_method=method, adaptive=False, load_aware=False, cuda_graphs=graphs,
+                                        spec_method="mcsd+maxgram" if adaptive else method, adaptive=adaptive,
+                                        load_aware=adaptive, adaptive_level_stop=False, cuda_graphs=graphs,
                                         graph_batches=(batch,))
     return EngineCore(target, draft, config)
 
@@ -346,6 +357,7 @@ def main(argv=None) -> None:
         t0 = trees[0]
         configs += [("maxgram", b, draft, True, t0, "maxgram", True), ("cascade", b, draft, True, t0, "cascade", True),
                     (f"mcsd+maxgram {','.join(map(str, t0))}", b, draft, True, t0, "mcsd+maxgram", True),
+                    ("adaptive (GPU preset)", b, draft, True, t0, ADAPTIVE, True),
                     ("mcsd, target as draft", b, target, True, t0, "mcsd", True),
                     (f"mcsd {','.join(map(str, t0))}", b, draft, True, t0, "mcsd", False)]
     runs = run_configs(configs, target, args)
@@ -372,6 +384,7 @@ def main(argv=None) -> None:
         big_configs = [("plain", 1, draft, False, (), "mcsd", True), ("plain", 8, draft, False, (), "mcsd", True)]
         big_configs += [(f"mcsd {','.join(map(str, t))}", 1, draft, True, t, "mcsd", True) for t in trees]
         big_configs += [("maxgram", 1, draft, True, t0, "maxgram", True),
+                        ("adaptive (GPU preset)", 1, draft, True, t0, ADAPTIVE, True),
                         (f"mcsd+maxgram {','.join(map(str, t0))}", 1, draft, True, t0, "mcsd+maxgram", True)]
         big = run_configs(big_configs, big_target, args)
         big_plain = {r["batch"]: r["ms_step"] for r in big if r["config"] == "plain"}

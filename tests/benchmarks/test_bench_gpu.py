@@ -31,6 +31,7 @@ def test_bench_gpu_runs_on_the_cpu_and_its_figures_add_up(tmp_path, capsys):
     assert {(r["config"], r["batch"], r["graphs"]) for r in engine} == {
         ("plain", 1, True), ("plain", 1, False), ("plain", 2, True), ("plain", 2, False), ("mcsd 2,1", 1, True),
         ("mcsd 1", 1, True), ("maxgram", 1, True), ("cascade", 1, True), ("mcsd+maxgram 2,1", 1, True),
+        ("adaptive (GPU preset)", 1, True),
         ("mcsd, target as draft", 1, True), ("mcsd 2,1", 1, False)}
     floor = {f["batch"]: f["ms"] for f in result["floor"]}
     for r in engine:
