@@ -153,7 +153,10 @@ class DeviceTimer:
     def seconds(self) -> float:
         """Call after a host read of results computed after :meth:`stop` (both events are done then)."""
         if self.cuda:
-            return self._events[0].elapsed_time(self._events[1]) / 1e3
+            start, end = self._events
+            if not end.query():  # no read came after it (a step whose every verification failed): wait
+                end.synchronize()
+            return start.elapsed_time(end) / 1e3
         return self._t[1] - self._t[0]
 
 
