@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -116,13 +117,19 @@ async def served(url: str, ids: list[list[int]], max_tokens: int, spec: bool) ->
     return dict(tokens=sum(counts), seconds=wall, tok_s=sum(counts) / wall)
 
 
+#: the CPUs the client process runs on (``--cpus``; empty: wherever the system puts it)
+CLIENT_CPUS: set[int] = set()
+
+
 def served_from_another_process(url: str, vocab: int, count: int, prompt_len: int, seed: int, max_tokens: int,
                                 spec: bool) -> dict:
     """:func:`served` run by a client process of its own, as real clients are: the ``openai`` client's
     parsing of every chunk does not compete with the server for this interpreter."""
     cmd = [sys.executable, __file__, "--client", url, "--vocab", str(vocab), "--client-count", str(count),
            "--prompt-len", str(prompt_len), "--client-seed", str(seed), "--max-tokens", str(max_tokens)]
-    out = subprocess.run(cmd + (["--client-spec"] if spec else []), capture_output=True, text=True, timeout=1800)
+    cpus = CLIENT_CPUS
+    out = subprocess.run(cmd + (["--client-spec"] if spec else []), capture_output=True, text=True, timeout=1800,
+                         preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     if out.returncode:
         raise RuntimeError(f"the client process failed: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -143,6 +150,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="ABBA pairs of (engine, served) per concurrency")
+    ap.add_argument("--cpus", help="SERVER:CLIENT CPU lists, e.g. 0:1 (Linux): the engine, alone or served, "
+                    "runs on the first with one torch thread, the client process on the second, so they do "
+                    "not take each other's cores")
     ap.add_argument("--out")
     ap.add_argument("--client", help=argparse.SUPPRESS)  # the client process: a server's URL
     ap.add_argument("--client-count", type=int, help=argparse.SUPPRESS)
@@ -153,11 +163,18 @@ def main(argv: Optional[list[str]] = None) -> None:
         ids = prompts(args.vocab, args.client_count, args.prompt_len, args.client_seed)
         print(json.dumps(asyncio.run(served(args.client, ids, args.max_tokens, args.client_spec))))
         return
+    if args.cpus:
+        server_cpus, client_cpus = ({int(c) for c in part.split(",")} for part in args.cpus.split(":"))
+        os.sched_setaffinity(0, server_cpus)
+        torch.set_num_threads(len(server_cpus))
+        CLIENT_CPUS.update(client_cpus)
     from engine.async_engine import AsyncEngine
     from server.app import create_app
     from server.settings import Settings
     from tests.fakes import ServerThread
 
+    # as ``python -m server`` does: the engine thread gets the interpreter back soon after the event loop took it
+    sys.setswitchinterval(Settings.model_fields["gil_switch_interval"].default)
     target, draft = load_models(args)
     spec = draft is not None
     info = dict(machine(), device=args.device, model=args.model, draft=args.draft)
