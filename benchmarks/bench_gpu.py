@@ -336,6 +336,12 @@ def main(argv=None) -> None:
     print(f"\nthe floor: a minimal decoder of the same shapes, one captured graph a step, {args.context}-token cache")
     print_table(floors, [("shape", "shape", "s"), ("batch", "batch", "d"), ("ms", "ms/step", ".2f")])
     floor_of = {(f["shape"], f["batch"]): f["ms"] for f in floors}
+    result = dict(machine=info, args=vars(args), floor=floors, forward=[], engine=[], big=[], projection=[])
+
+    def save() -> None:  # after every part: a run cut short (a device call's time limit) keeps what it measured
+        write_json("gpu.json", result, args.out)
+
+    save()
 
     target = random_model(args.target_shape, args.vocab, dtype, device, seed=0)
     draft = random_model(args.draft_shape, args.vocab, dtype, device, seed=1)
@@ -346,6 +352,8 @@ def main(argv=None) -> None:
         print(f"\nforward without graphs, {args.context}-token context, logits for every row (median of {args.reps})")
         print_table(curve, [("model", "model", "s"), ("rows", "rows", "d"), ("ms", "ms", ".2f"),
                             ("ratio", "x 1 row", ".2f"), ("kernels", "kernels", "d"), ("kernel_ms", "kernel ms", ".2f")])
+        result["forward"] = curve
+        save()
     if args.warmup_s > 0:
         warm_up(target, args.warmup_s, device)
 
@@ -371,6 +379,9 @@ def main(argv=None) -> None:
     print(f"\nengine steps, greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens (decode only), "
           f"median of {args.rounds} interleaved rounds; {args.target_shape} target, {args.draft_shape} draft")
     print_engine_table(runs)
+    result["engine"] = runs
+    result["projection"] = project(runs, [], args)
+    save()
 
     big = []
     if args.big_shape:
@@ -396,13 +407,13 @@ def main(argv=None) -> None:
         print(f"\nthe same with the {args.big_shape} target shape")
         print_engine_table(big)
         del big_target
+        result["big"] = big
+        result["projection"] += project([], big, args)
+        save()
 
-    projection = project(runs, big, args)
     if args.host_profile:
         host_profile(random_model(args.target_shape, args.vocab, dtype, device, seed=0), draft, args.prompt_len,
                      trees[0], args.host_profile)
-    write_json("gpu.json", dict(machine=info, args=vars(args), floor=floors, forward=curve, engine=runs, big=big,
-                                projection=projection), args.out)
 
 
 def run_configs(configs: list[tuple], target: LoadedModel, args) -> list[dict]:
