@@ -101,6 +101,10 @@ class ServerMetrics:
         self.kv_blocks = Gauge(P + "kv_cache_blocks", "KV cache pool blocks by state (used, cached, free).",
                                ["state"], registry=r)
         self.budget = g("spec_decode_budget", "Tree budget (nodes per sequence) of the last step.")
+        graph = lambda name, doc: Gauge(P + name, doc, ["model"], registry=r)  # noqa: E731
+        self.cuda_graphs = graph("cuda_graphs", "CUDA graphs captured at start-up, by model (target, draft).")
+        self.cuda_graph_pool = graph("cuda_graph_pool_bytes", "Device memory capturing the CUDA graphs took.")
+        self.cuda_graph_seconds = graph("cuda_graph_capture_seconds", "Seconds capturing the CUDA graphs took.")
         h = lambda name, doc, buckets: Histogram(P + name, doc, buckets=buckets, registry=r)  # noqa: E731
         self.ttft = h("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
         self.itl = h("inter_token_latency_seconds", "Per-token interval after the first token.", ITL_BUCKETS)
@@ -167,6 +171,11 @@ class ServerMetrics:
         used, cached, total = g.kv_blocks
         for state, n in (("used", used), ("cached", cached), ("free", total - used - cached)):
             self.kv_blocks.labels(state=state).set(n)
+        core = engine.core  # set once the models are loaded; its capture reports never change after
+        for model, report in (getattr(core, "capture_reports", None) or {}).items():
+            self.cuda_graphs.labels(model=model).set(report.buckets)
+            self.cuda_graph_pool.labels(model=model).set(report.pool_bytes)
+            self.cuda_graph_seconds.labels(model=model).set(report.seconds)
         return generate_latest(self.registry)
 
 

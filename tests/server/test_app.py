@@ -358,6 +358,20 @@ def test_metrics_consistent_with_usage():
     assert m["mcsd:spec_decode_verify_seconds_total"] > 0
 
 
+def test_metrics_report_the_cuda_graphs_captured_at_start():
+    """Each model's capture report (engine.graphs, made at start-up on CUDA) as three gauges."""
+    from engine.graphs import CaptureReport
+
+    core = FakeCore(max_batch=2)
+    core.capture_reports = {"target": CaptureReport(buckets=24, seconds=3.5, pool_bytes=1 << 20),
+                            "draft": CaptureReport(buckets=20, seconds=2.0, pool_bytes=1 << 19)}
+    with serve(core) as s:
+        m = scrape(s)
+    assert m["mcsd:cuda_graphs{model=target}"] == 24 and m["mcsd:cuda_graphs{model=draft}"] == 20
+    assert m["mcsd:cuda_graph_pool_bytes{model=target}"] == 1 << 20
+    assert m["mcsd:cuda_graph_capture_seconds{model=draft}"] == 2.0
+
+
 def test_engine_step_failure_is_reported_and_serving_continues():
     core = FakeCore(max_batch=2, step_delay=0.02)
     with serve(core) as s:
