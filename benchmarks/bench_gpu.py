@@ -32,6 +32,7 @@ Prints tables and writes JSON::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -245,7 +246,7 @@ def engine_core(target, draft, batch: int, prompt_len: int, new_tokens: int, tre
     return EngineCore(target, draft, config)
 
 
-_runs = iter(range(1 << 30))
+_runs = itertools.count()  # request ids stay unique across the runs of one core
 
 
 def engine_run(core: EngineCore, batch: int, prompt_len: int, new_tokens: int, spec_on: bool,

@@ -30,6 +30,12 @@ class Block:
     mask: Optional[torch.Tensor] = None
 
 
+def block_ids(blocks: list[Block]) -> torch.Tensor:
+    """The blocks' token ids [blocks, longest block] on the host, padded with 0."""
+    t = max(len(bl.tokens) for bl in blocks)
+    return torch.tensor([[*bl.tokens, *[0] * (t - len(bl.tokens))] for bl in blocks], dtype=torch.long)
+
+
 def run_blocks(model: Model, cache: KVCache, blocks: list[Block], vocab: Optional[OutputVocab] = None,
                ids: Optional[torch.Tensor] = None) -> tuple[ForwardOutput, list[torch.Tensor]]:
     """One forward over all blocks; returns the raw output and each block's logits [rows, vocab]
@@ -44,9 +50,6 @@ def run_blocks(model: Model, cache: KVCache, blocks: list[Block], vocab: Optiona
     pos = torch.tensor([[*bl.positions, *[bl.positions[-1]] * (t - len(bl.positions))] for bl in blocks],
                        dtype=torch.long)
     rows = torch.tensor([[*bl.logit_rows, *[0] * (k - len(bl.logit_rows))] for bl in blocks], dtype=torch.long)
-    given = ids
-    if given is None:
-        ids = torch.tensor([[*bl.tokens, *[0] * (t - len(bl.tokens))] for bl in blocks], dtype=torch.long)
     mask = None
     if any(bl.mask is not None for bl in blocks):
         pending = [int(cache.pending[bl.slot]) for bl in blocks]
@@ -59,7 +62,8 @@ def run_blocks(model: Model, cache: KVCache, blocks: list[Block], vocab: Optiona
                 mask[i, :n, pending[i]: pending[i] + n] = torch.ones(n, n, dtype=torch.bool).tril()
             else:
                 mask[i, :n, : bl.mask.shape[1]] = bl.mask
-    out = model(to_device(ids, model.device) if given is None else given, pos, cache, [bl.slot for bl in blocks], block_mask=mask,
+    ids = to_device(block_ids(blocks), model.device) if ids is None else ids
+    out = model(ids, pos, cache, [bl.slot for bl in blocks], block_mask=mask,
                 num_new=[len(bl.tokens) for bl in blocks], logits_rows=rows,
                 num_logits=[len(bl.logit_rows) for bl in blocks], vocab=vocab)
     per_block = [out.logits[i, : len(bl.logit_rows)] for i, bl in enumerate(blocks)]

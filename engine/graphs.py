@@ -237,12 +237,14 @@ class CapturedForwards:
         self.replays = 0  # forwards run through a bucket (tests and the benchmark read it)
         self.fallbacks = 0  # forwards that fit no bucket
 
-    def bucket_for(self, slots: list[int], rows: int, width: int) -> Optional[Bucket]:
-        """The bucket a forward of ``rows`` new tokens per slot fits, or None (it runs dynamically)."""
+    def bucket_for(self, slots: list[int], rows: int) -> Optional[Bucket]:
+        """The bucket a forward of ``rows`` new tokens per slot fits (its mask spans the slots' pending
+        entries and the block), or None (it runs dynamically)."""
         cache = self.cache
         slot_t = torch.tensor(slots, dtype=torch.long)
-        start = cache.lens[slot_t] + cache.pending[slot_t]
-        bucket = self.grid.pick(len(slots), rows, int(start.max()) + rows, width)
+        pending = cache.pending[slot_t]
+        start = cache.lens[slot_t] + pending
+        bucket = self.grid.pick(len(slots), rows, int(start.max()) + rows, int(pending.max()) + rows)
         if bucket is not None and (bucket.kv > cache.max_blocks * cache.block_size or bucket in self._failed):
             bucket = None
         if bucket is None:

@@ -15,12 +15,12 @@ from typing import Sequence as Sequence_
 
 import torch
 
-from engine.batching import Block, run_blocks
+from engine.batching import Block, block_ids, run_blocks
 from engine.device import DeviceTimer, Pending, finish_all, tensor as device_tensor, to_device, to_device_many
 from engine.kv_cache import KVCache
 from engine.models.model import Model
 from engine.sequence import Sequence
-from engine.speculative.draft_tree import DEAD, DraftTree
+from engine.speculative.draft_tree import DEAD, DraftTree, holders
 from engine.speculative.drafter import Drafter
 from engine.registry import method
 from engine.speculative.methods import DraftPlan
@@ -311,12 +311,10 @@ def verification_ids(blocks: list[Block], trees: list[DraftTree], device: torch.
     """Token ids [len(blocks), longest block] on the device: the blocks' own tokens, and the tokens of
     trees still on the device (``DraftTree.unread``) gathered there, so the host need not read them
     before the target runs."""
-    b, t = len(blocks), max(len(bl.tokens) for bl in blocks)
-    base = torch.zeros(b, t, dtype=torch.long)
-    for i, bl in enumerate(blocks):
-        base[i, : len(bl.tokens)] = torch.tensor(bl.tokens)
+    base = block_ids(blocks)
+    b, t = base.shape
     ids = to_device(base, device)
-    for holder in {id(tr.unread): tr.unread for tr in trees if tr.unread is not None}.values():
+    for holder in holders(trees):
         at = torch.full((b, t), holder.root, dtype=torch.long)  # the root stand-in: a live 0, unused
         use = torch.zeros(b, t, dtype=torch.bool)
         for i, tr in enumerate(trees):

@@ -334,8 +334,7 @@ class LlamaModel(nn.Module):
         cache.reserve(slots, counts)
         bucket = None
         if cache.captured is not None:  # a captured shape (engine.graphs): replayed, padded to its bucket
-            width = int(cache.pending[torch.tensor(slots, dtype=torch.long)].max()) + t
-            bucket = cache.captured.bucket_for(slots, t, width)
+            bucket = cache.captured.bucket_for(slots, t)
         if bucket is not None:
             self._check_positions(cache, positions)
             packing = None

@@ -213,6 +213,12 @@ class DraftTree:
         return out
 
 
+def holders(trees) -> list:
+    """The distinct holders (``DraftTree.unread``) of the ``trees`` whose tokens are still on the
+    device, in the trees' order."""
+    return list({id(t.unread): t.unread for t in trees if t.unread is not None}.values())
+
+
 def _read_tokens(tree: DraftTree) -> list[int]:
     if tree.unread is not None:  # the first host read of a tree whose tokens are still on the device
         tree.unread.read()

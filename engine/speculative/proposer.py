@@ -84,7 +84,7 @@ class DraftModelProposer:
             if to_run:
                 frontier = dict(zip(to_run, self._run_level(seqs, trees, to_run, d, kept)))
         if kept is not None:  # read with the step's verification (LosslessRule), or by whoever reads them first
-            kept.hold(trees)
+            kept.hold()
         return trees
 
     def _on_device(self, seqs: list[SeqView], forced: list) -> bool:
@@ -95,16 +95,20 @@ class DraftModelProposer:
         policy's features, when it learns from them, are read back with the tree)."""
         if any(f is not None for f in forced):
             return False
-        level_stop = self.policy is not None and getattr(self.policy, "level_stop", True)
-        if level_stop and any(s.request.spec.adaptive is not False for s in seqs):
+        if self._level_stop and any(s.request.spec.adaptive is not False for s in seqs):
             return False
         return all(s.grammar is None and not s.request.sampling.needs_history for s in seqs)
+
+    @property
+    def _level_stop(self) -> bool:
+        """Whether the policy is asked after each level whether a tree grows another (``SpecPolicy``)."""
+        return self.policy is not None and getattr(self.policy, "level_stop", True)
 
     def _apply_policy(self, seqs: list[SeqView], trees: list[DraftTree], deeper: list[int], d: int,
                       step: Optional[StepBudget]) -> None:
         """Asks the policy whether each tree that could grow past depth ``d`` does; cuts the others."""
         deeper = [i for i in deeper if seqs[i].request.spec.adaptive is not False]
-        if self.policy is None or not getattr(self.policy, "level_stop", True) or not deeper:
+        if not self._level_stop or not deeper:
             return  # (without the per-level stop, the depth was chosen when the step was planned)
         keep = self.policy.keep_drafting([seqs[i] for i in deeper], [trees[i] for i in deeper], d, step)
         for i, k in zip(deeper, keep):
@@ -319,8 +323,8 @@ class DeviceTokens:
         flat = torch.full((total + 1,), DEAD, dtype=torch.long)
         flat[total] = 0
         self.flat = to_device(flat, device)
-        self.trees: list[DraftTree] = []
-        self.all_trees = trees  # every tree of the step, in the proposer's order (``which`` indexes it)
+        self.trees = trees  # every tree of the step, in the proposer's order (``which`` indexes it)
+        self._offset_of = {id(t): off for t, off in zip(trees, self.offsets)}
         # per sampled level, the policy's features still on the device: (which, depth, parent rows, first
         # rows, full, tensors); recorded once the tokens are read
         self.levels: list[tuple] = []
@@ -363,11 +367,9 @@ class DeviceTokens:
         """What the host reads back: the tokens, then every kept level's features."""
         return [self.flat] + [t for level in self.levels for t in level[5]]
 
-    def hold(self, trees: list[DraftTree]) -> None:
+    def hold(self) -> None:
         """The trees are whole: their tokens stay here until read (``DraftTree.unread``)."""
-        self.trees = list(trees)
-        self._offset_of = {id(t): off for t, off in zip(trees, self.offsets)}
-        for t in trees:
+        for t in self.trees:
             t.unread = self
 
     def offset_of(self, tree: DraftTree) -> int:
@@ -390,7 +392,7 @@ class DeviceTokens:
                 tree.tokens = flat[off: off + tree.num_nodes]
         at = 1
         for which, d, parent_rows, first, full, tensors in self.levels:
-            record_features([self.all_trees[i] for i in which], d, parent_rows, first, full, host[at: at + len(tensors)])
+            record_features([self.trees[i] for i in which], d, parent_rows, first, full, host[at: at + len(tensors)])
             at += len(tensors)
 
 

@@ -47,7 +47,7 @@ from engine.sampler import (
     SamplingTensors, draw_uniforms, finish_probs, process_logits, raw_logprobs, sample_from_probs,
 )
 from engine.speculative.constrained import allowed_rows
-from engine.speculative.draft_tree import DEAD, SAMPLED, DraftTree
+from engine.speculative.draft_tree import DEAD, SAMPLED, DraftTree, holders
 from engine.speculative.history import batch_histories
 from engine.speculative.view import SeqView
 from engine.speculative.walk import SeqStepResult, VerifyResult
@@ -87,8 +87,8 @@ class TreeBatch:
         b = len(trees)
         r = max(1 + t.num_nodes for t in trees)
         depth = max((max(t.depths()) for t in trees if t.num_nodes), default=0)
-        holders = list({id(t.unread): t.unread for t in trees if t.unread is not None}.values())
-        base = dict(zip(map(id, holders), itertools.accumulate([0] + [h.flat.numel() for h in holders])))
+        held_by = holders(trees)
+        base = dict(zip(map(id, held_by), itertools.accumulate([0] + [h.flat.numel() for h in held_by])))
         tokens = torch.zeros(b, r, dtype=torch.long)
         tok_src = torch.full((b, r), -1, dtype=torch.long)  # where a token still on the device is (flat index)
         num_events = torch.zeros(b, r, dtype=torch.long)
@@ -140,12 +140,12 @@ class TreeBatch:
             q[device_tensor(q_at, device)] = torch.stack([part[:vocab_size] for part in q_parts]).to(device)
         active = [sum(1 for x in rows if len(x[2]) > j) for j in range(e)]
         kinds = [(bool(ev_sampled[:k_j, j].any()), not bool(ev_sampled[:k_j, j].all())) for j, k_j in enumerate(active)]
-        if not holders:
+        if not held_by:
             tensors = to_device_many([tokens, num_events, event_node, ev_rows, ev_token, ev_sampled], device)
             return cls(b, r, depth, *tensors, active, kinds, q, shapes)
         (tokens, event_node, ev_rows, ev_token, ev_sampled, ev_valid, ev_src, tok_src) = to_device_many(
             [tokens, event_node, ev_rows, ev_token, ev_sampled, ev_valid, ev_src, tok_src], device)
-        flat = torch.cat([h.flat for h in holders])
+        flat = torch.cat([h.flat for h in held_by])
         held = flat.index_select(0, ev_src.clamp(min=0).view(-1)).view(k, e)
         on_device = ev_src >= 0
         ev_live = torch.where(on_device, held != DEAD, ev_valid)
@@ -368,15 +368,15 @@ class VerifyRule(Protocol):
 def with_held_tokens(trees: Sequence[DraftTree], pending: Pending) -> Pending:
     """``pending`` reading back, in the same synchronization, the tokens of ``trees`` still on the
     device (``DraftTree.unread``), which it fills in before its own answer is made."""
-    holders = list({id(t.unread): t.unread for t in trees if t.unread is not None}.values())
-    if not holders:
+    held_by = holders(trees)
+    if not held_by:
         return pending
     n, finish = len(pending.tensors), pending.finish
-    held = [h.tensors() for h in holders]
+    held = [h.tensors() for h in held_by]
 
     def fill_then_finish(host: list[torch.Tensor]):
         at = n
-        for holder, tensors in zip(holders, held):
+        for holder, tensors in zip(held_by, held):
             holder.fill(host[at: at + len(tensors)])
             at += len(tensors)
         return finish(host[:n])

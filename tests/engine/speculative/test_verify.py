@@ -253,7 +253,7 @@ def held(trees: list[DraftTree]) -> DeviceTokens:
     holder.flat = torch.tensor([t for tree in trees for t in tree.tokens] + [0])
     for tree in trees:
         tree.tokens = [DEAD] * tree.num_nodes
-    holder.hold(trees)
+    holder.hold()
     return holder
 
 
