@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import machine, print_table, prompt_ids, write_json  # noqa: E402
 from engine.request import GenerationRequest, SamplingParams, SpecOptions  # noqa: E402
-from server.__main__ import build_core  # noqa: E402
+from server.build import build_core  # noqa: E402
 from server.settings import load_settings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

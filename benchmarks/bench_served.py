@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import statistics
@@ -54,6 +56,8 @@ def load_models(args) -> tuple:
         target = random_model(args.shape, args.vocab, dtype, device, seed=0)
         draft = random_model(args.draft, args.vocab, dtype, device, seed=1) if args.draft else None
         return target, draft
+    if args.model == "fake":  # built per core in make_core
+        return None, None
     if args.model == "tiny":
         from tests.tiny import tiny_loaded
 
@@ -68,10 +72,25 @@ def load_models(args) -> tuple:
 
 
 def make_core(target, draft, args, concurrency: int) -> EngineCore:
+    if args.model == "fake":
+        from tests.fakes import FakeCore
+
+        return FakeCore(max_batch=concurrency, max_model_len=args.prompt_len + args.max_tokens + 16, depth=0,
+                        step_delay=args.fake_step_ms / 1000)
     config = EngineConfig.from_settings(max_batch=concurrency, max_model_len=args.prompt_len + args.max_tokens + 16,
                                         tree=tuple(int(x) for x in args.tree.split(",")) if draft else (),
                                         load_aware=False)
     return EngineCore(target, draft, config, model_name="bench")
+
+
+def process_core(args, concurrency: int, cpus: Optional[set[int]]) -> EngineCore:
+    """The served core of ``--engine-process``, built in the engine process (the same seeds, so the same
+    models), pinned to ``cpus`` with one torch thread per CPU as the engine-alone runs are."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(len(cpus))
+    target, draft = load_models(args)
+    return make_core(target, draft, args, concurrency)
 
 
 def prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -144,15 +163,22 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--vocab", type=int, default=151936, help="with --shape")
     ap.add_argument("--tree", default="2,1,1")
     ap.add_argument("--tiny-layers", type=int, default=2)
+    ap.add_argument("--fake-step-ms", type=float, default=3.0, help="--model fake: the test suite's fake engine, "
+                    "whose step sleeps this long (no CPU, as a GPU's step leaves the host's core idle) and then "
+                    "detokenises every sequence's token")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--concurrency", default="8,32")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="ABBA pairs of (engine, served) per concurrency")
-    ap.add_argument("--cpus", help="SERVER:CLIENT CPU lists, e.g. 0:1 (Linux): the engine, alone or served, "
+    ap.add_argument("--cpus", help="SERVER:CLIENT[:API] CPU lists, e.g. 0:1 (Linux): the engine, alone or served, "
                     "runs on the first with one torch thread, the client process on the second, so they do "
-                    "not take each other's cores")
+                    "not take each other's cores; with --serve process the server's HTTP side runs on the "
+                    "third (default: the client's)")
+    ap.add_argument("--serve", default="thread", help="how the server runs its engine, a list: 'thread' (in the "
+                    "server's process, the default) and 'process' (a process of its own, the server's "
+                    "--engine-process); each is measured against the same engine-alone runs")
     ap.add_argument("--out")
     ap.add_argument("--client", help=argparse.SUPPRESS)  # the client process: a server's URL
     ap.add_argument("--client-count", type=int, help=argparse.SUPPRESS)
@@ -163,12 +189,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         ids = prompts(args.vocab, args.client_count, args.prompt_len, args.client_seed)
         print(json.dumps(asyncio.run(served(args.client, ids, args.max_tokens, args.client_spec))))
         return
+    server_cpus: set[int] = set()
+    api_cpus: set[int] = set()
     if args.cpus:
-        server_cpus, client_cpus = ({int(c) for c in part.split(",")} for part in args.cpus.split(":"))
+        parts = [{int(c) for c in part.split(",")} for part in args.cpus.split(":")]
+        server_cpus, client_cpus = parts[0], parts[1]
+        api_cpus = parts[2] if len(parts) > 2 else client_cpus
         os.sched_setaffinity(0, server_cpus)
         torch.set_num_threads(len(server_cpus))
         CLIENT_CPUS.update(client_cpus)
     from engine.async_engine import AsyncEngine
+    from engine.engine_process import ProcessEngine
     from server.app import create_app
     from server.settings import Settings
     from tests.fakes import ServerThread
@@ -177,38 +208,52 @@ def main(argv: Optional[list[str]] = None) -> None:
     sys.setswitchinterval(Settings.model_fields["gil_switch_interval"].default)
     target, draft = load_models(args)
     spec = draft is not None
-    info = dict(machine(), device=args.device, model=args.model, draft=args.draft)
+    vocab = target.config.vocab_size if target is not None else len(make_core(None, None, args, 1).tokenizer)
+    modes = args.serve.split(",")
+    info = dict(machine(), device=args.device, model=args.model, draft=args.draft, serve=modes, cpus=args.cpus)
     print(info)
     rows = []
     for c in [int(x) for x in args.concurrency.split(",")]:
         alone_core = make_core(target, draft, args, c)
-        served_core = make_core(target, draft, args, c)
-        engine_alone(alone_core, prompts(target.config.vocab_size, c, args.prompt_len, 99), 8, spec, "warm")
-        samples: dict[str, list[dict]] = {"engine": [], "served": []}
+        engine_alone(alone_core, prompts(vocab, c, args.prompt_len, 99), 8, spec, "warm")
         settings = Settings(served_model_name="bench", device=args.device, max_queue=4 * c)
-        with ServerThread(create_app(settings, AsyncEngine(served_core, max_queue=4 * c))) as srv:
-            vocab = target.config.vocab_size
-            served_from_another_process(srv.url, vocab, c, args.prompt_len, 98, 8, spec)
+        samples: dict[str, list[dict]] = {kind: [] for kind in ["engine"] + modes}
+        with contextlib.ExitStack() as stack:
+            urls = {}
+            for mode in modes:
+                if mode == "process":
+                    engine = ProcessEngine(functools.partial(process_core, args, c, server_cpus), max_queue=4 * c)
+                    if api_cpus:  # the server's threads (and the engine process they start) inherit this
+                        os.sched_setaffinity(0, api_cpus)
+                else:
+                    engine = AsyncEngine(make_core(target, draft, args, c), max_queue=4 * c)
+                urls[mode] = stack.enter_context(ServerThread(create_app(settings, engine))).url
+                if server_cpus:
+                    os.sched_setaffinity(0, server_cpus)
+                if not engine.wait_ready(600):
+                    raise RuntimeError(f"the {mode} engine failed to load: {engine.load_error}")
+                served_from_another_process(urls[mode], vocab, c, args.prompt_len, 98, 8, spec)
+            kinds = list(samples)
             for rnd in range(args.rounds):
-                order = ("engine", "served") if rnd % 2 == 0 else ("served", "engine")
-                for kind in order:
+                for kind in kinds if rnd % 2 == 0 else kinds[::-1]:
                     if kind == "engine":
                         ids = prompts(vocab, c, args.prompt_len, rnd)
                         samples[kind].append(engine_alone(alone_core, ids, args.max_tokens, spec, f"r{rnd}"))
                     else:
-                        samples[kind].append(served_from_another_process(srv.url, vocab, c, args.prompt_len, rnd,
+                        samples[kind].append(served_from_another_process(urls[kind], vocab, c, args.prompt_len, rnd,
                                                                          args.max_tokens, spec))
                 print(f"concurrency {c}: round {rnd + 1}/{args.rounds} done", flush=True)
         eng = statistics.median(s["tok_s"] for s in samples["engine"])
-        srv_rate = statistics.median(s["tok_s"] for s in samples["served"])
-        rows.append(dict(concurrency=c, engine_tok_s=eng, served_tok_s=srv_rate, ratio=srv_rate / eng,
-                         engine_rounds=[s["tok_s"] for s in samples["engine"]],
-                         served_rounds=[s["tok_s"] for s in samples["served"]],
-                         tokens=samples["served"][0]["tokens"]))
+        for mode in modes:
+            srv_rate = statistics.median(s["tok_s"] for s in samples[mode])
+            rows.append(dict(concurrency=c, serve=mode, engine_tok_s=eng, served_tok_s=srv_rate, ratio=srv_rate / eng,
+                             engine_rounds=[s["tok_s"] for s in samples["engine"]],
+                             served_rounds=[s["tok_s"] for s in samples[mode]],
+                             tokens=samples[mode][0]["tokens"]))
     print(f"\nserved / engine throughput, {args.max_tokens} tokens a request, median of {args.rounds} rounds")
-    print_table(rows, [("concurrency", "streams", "d"), ("engine_tok_s", "engine tok/s", ".1f"),
-                       ("served_tok_s", "served tok/s", ".1f"), ("ratio", "served / engine", ".2f"),
-                       ("tokens", "tokens a round", "d")])
+    print_table(rows, [("concurrency", "streams", "d"), ("serve", "engine runs in", "s"),
+                       ("engine_tok_s", "engine alone tok/s", ".1f"), ("served_tok_s", "served tok/s", ".1f"),
+                       ("ratio", "served / engine", ".2f"), ("tokens", "tokens a round", "d")])
     write_json("served.json", dict(machine=info, args=vars(args), rows=rows), args.out)
 
 

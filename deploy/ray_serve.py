@@ -162,7 +162,7 @@ class EngineReplica:
 
     def __init__(self, server_args: list[str], pin: bool = False) -> None:
         from engine.async_engine import AsyncEngine
-        from server.__main__ import build_core
+        from server.build import build_core
         from server.app import create_app
         from server.settings import load_settings
 

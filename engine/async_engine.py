@@ -114,8 +114,8 @@ class EngineListener(Protocol):
 class _Entry:
     req: GenerationRequest
     record: RequestRecord
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    loop: Optional[asyncio.AbstractEventLoop]  # None in an engine process: outputs go down its pipe
+    queue: Optional[asyncio.Queue]
     admitted: bool = False
 
 
@@ -210,7 +210,12 @@ class AsyncEngine:
         """Queues all of ``reqs`` or none of them (raises EngineOverloaded / EngineUnavailable)."""
         if self.state is not EngineState.READY or not self._accepting:
             raise EngineUnavailable(self.unavailable_reason())
-        loop, queue, now = asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter()
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        self._enqueue(reqs, loop, queue, time.perf_counter())
+        return RequestGroup(self, [r.request_id for r in reqs], queue)
+
+    def _enqueue(self, reqs: list[GenerationRequest], loop: Optional[asyncio.AbstractEventLoop],
+                 queue: Optional[asyncio.Queue], now: float) -> None:
         with self._cond:
             # what will wait: everything queued that the running batch cannot take at the next step
             # (so up to max_batch + max_queue requests are in flight)
@@ -227,7 +232,6 @@ class AsyncEngine:
                 self._entries[r.request_id] = entry
                 self._pending.append(entry)
             self._cond.notify()
-        return RequestGroup(self, [r.request_id for r in reqs], queue)
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """The deltas of one request; closing the iterator early aborts the request."""
@@ -244,18 +248,25 @@ class AsyncEngine:
     async def shutdown(self, grace_seconds: float = 5.0) -> None:
         """Stops accepting requests, cancels queued ones, lets running ones finish for up to
         ``grace_seconds``, aborts the rest (finish_reason "abort") and joins the thread."""
+        self._stop_accepting()
+        deadline = time.monotonic() + grace_seconds
+        while self._entries and self.state is EngineState.READY and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await asyncio.to_thread(self._stop_thread)
+
+    def _stop_accepting(self) -> None:
         with self._cond:
             self._accepting = False
             self._aborts.extend(e.req.request_id for e in self._pending)
             self._cond.notify()
-        deadline = time.monotonic() + grace_seconds
-        while self._entries and self.state is EngineState.READY and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+
+    def _stop_thread(self) -> None:
+        """Ends the engine thread after its current step; what is still running ends with a shutdown error."""
         with self._cond:
             self._stop_now = True
             self._cond.notify()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30.0)
+            self._thread.join(30.0)
         self.state = EngineState.STOPPED
 
     @property
@@ -363,10 +374,7 @@ class AsyncEngine:
         finally:
             outbox, self._outbox = self._outbox, None
             for loop, items in outbox.items():
-                try:
-                    loop.call_soon_threadsafe(_put_all, items)
-                except RuntimeError:
-                    pass  # the clients' event loop is closed (server shutting down)
+                self._post(loop, items)
         self._drain_stats()
 
     def _snapshot(self) -> list[_Entry]:
@@ -412,10 +420,14 @@ class AsyncEngine:
         if self._outbox is not None:  # inside a step: sent with the step's other outputs
             self._outbox.setdefault(entry.loop, []).append((entry.queue, out))
             return
+        self._post(entry.loop, [(entry.queue, out)])
+
+    def _post(self, loop: Optional[asyncio.AbstractEventLoop], items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+        """Hands outputs to the event loop their requests came from, in one wake-up."""
         try:
-            entry.loop.call_soon_threadsafe(entry.queue.put_nowait, out)
+            loop.call_soon_threadsafe(_put_all, items)
         except RuntimeError:
-            pass  # the client's event loop is closed (server shutting down)
+            pass  # the clients' event loop is closed (server shutting down)
 
     def _drain_stats(self) -> None:
         stats = self.core.drain_step_stats()

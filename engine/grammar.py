@@ -247,6 +247,13 @@ class Grammars:
         self._cache: dict[GrammarSpec, CompiledGrammar] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:
+        """Pickles as its tokenizer and options (for an engine process): the compiler and cache are rebuilt."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_compiler", "_cache", "_lock")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _compiler=None, _cache={}, _lock=threading.Lock())
+
     def compiler(self):
         """xgrammar's compiler over this tokenizer (built on first use, which takes a moment for a large vocabulary)."""
         with self._lock:

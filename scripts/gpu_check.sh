@@ -29,12 +29,13 @@ timeout "${TESTS_S:-200}" "$PY" -m pytest -q -m gpu -p no:cacheprovider --timeou
 tests=${PIPESTATUS[0]}
 # without arguments: a run sized to fit (fewer new tokens and repetitions than bench_gpu.py's defaults)
 [ "$#" -gt 0 ] || set -- --new-tokens 32 --reps 5 --rows 1,8,32
-timeout "${BENCH_S:-280}" "$PY" benchmarks/bench_gpu.py --out "$DIR/gpu.json" \
+timeout "${BENCH_S:-260}" "$PY" benchmarks/bench_gpu.py --out "$DIR/gpu.json" \
     --host-profile "$DIR/gpu_host_profile.txt" "$@" 2>&1 | tee "$DIR/gpu_bench.log"
 bench=${PIPESTATUS[0]}
 # the HTTP layer at GPU speeds: served / engine-alone throughput at 8 and 32 streams
-timeout "${SERVED_S:-90}" "$PY" benchmarks/bench_served.py --device cuda --shape qwen2.5-1.5b --concurrency 8,32 \
-    --max-tokens 128 --out "$DIR/served.json" 2>&1 | tee "$DIR/gpu_served.log"
+# , with the engine in the server's process and in one of its own (--engine-process)
+timeout "${SERVED_S:-110}" "$PY" benchmarks/bench_served.py --device cuda --shape qwen2.5-1.5b --concurrency 8,32 \
+    --max-tokens 128 --rounds 2 --serve thread,process --out "$DIR/served.json" 2>&1 | tee "$DIR/gpu_served.log"
 served=${PIPESTATUS[0]}
 echo "tests: exit $tests; benchmark: exit $bench; served: exit $served (124: cut at its time limit)"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$served" -eq 0 ]

@@ -7,7 +7,7 @@ reason is logged and the process exits with status 1.
 
 from __future__ import annotations
 
-import gc
+import functools
 import logging
 import sys
 import threading
@@ -16,39 +16,13 @@ from typing import Optional, Sequence
 import uvicorn
 
 from engine.async_engine import AsyncEngine
+from engine.engine_process import ProcessEngine
 from server.app import GracefulServer, create_app
+from server.build import build_core
 from server.head_timeout import http_protocol
-from server.settings import Settings, SettingsError, load_settings
+from server.settings import SettingsError, load_settings
 
 log = logging.getLogger("server")
-
-
-def build_core(settings: Settings):
-    """Loads target and draft and builds the :class:`EngineCore` (runs on the engine thread)."""
-    import torch
-
-    from engine.core import EngineCore
-    from engine.models.loader import load_model
-
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    log.info("loading target %s (%s, %s)", settings.model, settings.dtype, settings.device)
-    weights = dict(gguf_weights=settings.gguf_weights, quantize=settings.quantize)
-    target = load_model(settings.model, settings.dtype, settings.device, **weights)
-    draft = None
-    if settings.draft_model:
-        log.info("loading draft %s", settings.draft_model)
-        draft = load_model(settings.draft_model, settings.dtype, settings.device, tokenizer_of=target, **weights)
-    config = settings.engine_config()
-    core = EngineCore(target, draft, config, model_name=settings.model_id)
-    log.info("engine ready: context %d tokens, tree %s, default method %s, max batch %d", core.max_model_len,
-             list(settings.tree) if draft else "none (no draft model)", settings.spec_method, settings.max_batch)
-    # What loading built (a few hundred thousand objects: tokenizer tables, modules, configs) lives as
-    # long as the server: out of the garbage collector's scans from now on.  A full collection over it
-    # is a stall of a large part of a step in every stream whenever one runs.
-    gc.collect()
-    gc.freeze()
-    return core
 
 
 def _exit_if_load_fails(engine: AsyncEngine, server: uvicorn.Server, status: list[int]) -> None:
@@ -68,7 +42,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.setswitchinterval(settings.gil_switch_interval)
-    engine = AsyncEngine(lambda: build_core(settings), max_queue=settings.max_queue)
+    if settings.engine_process:
+        engine = ProcessEngine(functools.partial(build_core, settings), max_queue=settings.max_queue,
+                               log_level=settings.log_level)
+    else:
+        engine = AsyncEngine(lambda: build_core(settings), max_queue=settings.max_queue)
     app = create_app(settings, engine)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=int(settings.shutdown_grace) + 5,

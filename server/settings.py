@@ -76,6 +76,10 @@ class ServerSettings(BaseModel):
                                        "request's line and headers (at connect and between keep-alive "
                                        "requests) before it is closed")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    engine_process: bool = Field(
+        False, description="run the engine core in a process of its own, so the HTTP layer's Python does not "
+        "take turns with the engine's for one interpreter lock (vLLM's engine-core process): for many "
+        "concurrent streams when the machine has a core to spare for the server")
     gil_switch_interval: float = Field(
         0.0005, gt=0, le=0.1, description="seconds a thread may hold the GIL while another waits for it (CPython's "
         "default is 0.005): the engine thread needs it between operators while the event loop runs Python")
