@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -36,7 +37,7 @@ from server.settings import Settings
 from server.tools import Event as ToolEvent
 from server.tools import ToolCallParser, template_supports_tools
 from server.tools import parse as parse_tool_calls
-from server.sse import sse_response
+from server.sse import TextEvents, sse_response
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 PROMPT_WORKERS = 2  # threads that tokenize and render chat templates
@@ -366,28 +367,31 @@ class OpenAIServing:
             choices[index].add(out)
         response = self._completion_response(call_id, body, prompts, choices, fmt)
         for choice in response.choices:
-            yield CompletionChunk(id=call_id, model=self.settings.model_id, choices=[choice])
+            yield CompletionChunk(id=call_id, model=self.settings.model_id, created=response.created, choices=[choice])
         if body.include_usage:
-            yield CompletionChunk(id=call_id, model=self.settings.model_id, choices=[], usage=response.usage)
+            yield CompletionChunk(id=call_id, model=self.settings.model_id, created=response.created, choices=[],
+                                  usage=response.usage)
 
     async def _completion_chunks(self, call_id, body, prompts, choices, group, fmt):
+        created, model = int(time.time()), self.settings.model_id  # one ``created`` for the stream, as OpenAI
+        text_events = TextEvents(call_id, "text_completion", model, created)
         offsets = [0] * len(choices)
         if body.echo:
             for c in choices:
                 text = prompts[c.index // body.n].text
                 offsets[c.index] = len(text)
-                yield CompletionChunk(id=call_id, model=self.settings.model_id,
-                                      choices=[CompletionChoice(index=c.index, text=text, logprobs=None,
-                                                                finish_reason=None)])
+                yield text_events.completion(c.index, text)
         async for index, out in self.outputs(group):
             choices[index].add(out)
             lp = fmt.completion(out.logprobs or [], offsets[index]) if body.logprobs is not None else None
             offsets[index] += len(out.new_text)
-            if out.new_text or out.finished or out.logprobs:
-                yield CompletionChunk(id=call_id, model=self.settings.model_id, choices=[CompletionChoice(
+            if lp is None and out.new_text and not out.finished:
+                yield text_events.completion(index, out.new_text)
+            elif out.new_text or out.finished or out.logprobs:
+                yield CompletionChunk(id=call_id, model=model, created=created, choices=[CompletionChoice(
                     index=index, text=out.new_text, logprobs=lp, finish_reason=out.finish_reason)])
         if body.include_usage:
-            yield CompletionChunk(id=call_id, model=self.settings.model_id, choices=[],
+            yield CompletionChunk(id=call_id, model=model, created=created, choices=[],
                                   usage=make_usage(prompts, choices))
 
     # ------------------------------------------------------------------ chat
@@ -427,8 +431,11 @@ class OpenAIServing:
         return message, tool_finish(body, c.finish_reason)
 
     async def _chat_chunks(self, call_id, body, prompts, choices, group, fmt):
+        created, model = int(time.time()), self.settings.model_id  # one ``created`` for the stream, as OpenAI
+        text_events = TextEvents(call_id, "chat.completion.chunk", model, created)
+
         def chunk(index: int, delta: DeltaMessage, finish: Optional[str] = None, lp=None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=call_id, model=self.settings.model_id, choices=[
+            return ChatCompletionChunk(id=call_id, model=model, created=created, choices=[
                 ChatChunkChoice(index=index, delta=delta, logprobs=lp, finish_reason=finish)])
 
         for c in choices:
@@ -438,7 +445,9 @@ class OpenAIServing:
             choices[index].add(out)
             lp = fmt.chat(out.logprobs or []) if body.logprobs and out.logprobs else None
             if parsers is None:
-                if out.new_text or out.logprobs:
+                if lp is None and out.new_text:
+                    yield text_events.chat(index, out.new_text)
+                elif out.new_text or out.logprobs:
                     yield chunk(index, DeltaMessage(content=out.new_text), lp=lp)
             else:  # content and tool-call deltas, as the parser finds them (a partial tag is held back)
                 events = parsers[index].feed(out.new_text) if out.new_text else []
@@ -453,7 +462,7 @@ class OpenAIServing:
                     finish = tool_finish(body, finish)
                 yield chunk(index, DeltaMessage(), finish=finish)
         if body.include_usage:
-            yield ChatCompletionChunk(id=call_id, model=self.settings.model_id, choices=[],
+            yield ChatCompletionChunk(id=call_id, model=model, created=created, choices=[],
                                       usage=make_usage(prompts, choices))
 
 
