@@ -49,6 +49,8 @@ def parse_configs(spec: str) -> list[dict]:
                                           frequent tokens (``configs/draft_vocab/qwen2.5.safetensors``)
     ...:q8                                any drafting config with the draft's weights in int8 (draft_int8)
     adaptive+maxgram:W[:heads]            the same with Max-Gram (the default preset's engine)
+    ...+maxgram:W:tN                      Max-Gram's tail below the deepest drafted path at most N tokens
+                                          (default 2; t0: its branches from the root only)
     """
     out = []
     for item in spec.split(";"):
@@ -71,11 +73,15 @@ def parse_configs(spec: str) -> list[dict]:
             q8 = extra.count("q8")
             if q8:
                 c["config"]["draft_int8"] = True
-            if (len(extra) != c["heads"] + len(hs) + len(vs) + q8 or len(hs) > 1 or len(vs) > 1 or q8 > 1
-                    or ((c["heads"] or hs) and not c["adaptive"])):
+            ts = [x for x in extra if x.startswith("t") and x[1:].isdigit()]
+            if (len(extra) != c["heads"] + len(hs) + len(vs) + q8 + len(ts) or len(hs) > 1 or len(vs) > 1
+                    or q8 > 1 or len(ts) > 1 or ((c["heads"] or hs) and not c["adaptive"])
+                    or (ts and not kind.endswith("+maxgram"))):
                 raise SystemExit(f"unknown config {item!r}")
             if kind.endswith("+maxgram"):
                 c.update(method="mcsd+maxgram", config={**MAXGRAM, **c["config"]})
+                if ts:
+                    c["config"]["maxgram_tail"] = int(ts[0][1:])
             if not c["adaptive"]:
                 c["config"]["load_aware"] = False  # fixed: no load-aware caps on Max-Gram either
         else:
