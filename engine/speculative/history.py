@@ -7,47 +7,66 @@ Built only for requests that use penalties.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from engine.device import to_device
+from engine.device import to_device, to_device_many
 from engine.speculative.view import SeqView
 
 
-def path_tokens(row: int, tokens: list[int], parent: list[int]) -> list[int]:
-    """Tokens of the nodes from the root's first child down to block row ``row``'s node."""
-    out, node = [], row - 1
-    while node >= 0:
-        if tokens[node] >= 0:
-            out.append(tokens[node])
-        node = parent[node]
-    return out[::-1]
+class PathCounts:
+    """Penalty counts of tree rows: a row's count of token ``t`` is the sequence's output count plus
+    the occurrences of ``t`` on the drafted path down to the row's node.
 
+    A path's tokens come from the host when its tree has been read, or are gathered on the device
+    from where the draft left them (``flat``, ``proposer.DeviceTokens``): then counting needs no read,
+    so a batch with penalties still reads once a step.  ``add`` lists rows; ``into`` adds them up.
+    """
 
-@dataclass
-class RowHistory:
-    counts: torch.Tensor  # [rows, vocab] int32 generated-token counts
-    prompt_mask: Optional[torch.Tensor]  # [rows, vocab] bool, or None
+    def __init__(self) -> None:
+        self._host_at: list[int] = []
+        self._host_tokens: list[int] = []
+        self._device: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # id(flat) -> (flat, at, entries)
 
-    @classmethod
-    def for_rows(cls, seq: SeqView, tokens: list[int], parent: list[int], rows: list[int]) -> "RowHistory":
-        """``parent[i]``: node ``i``'s parent node (-1 = the root)."""
-        base = seq.output_counts  # [vocab]
-        counts = base.expand(len(rows), -1).clone()
-        at, toks = [], []
+    def add(self, at: int, row: int, parent: list[int], tokens: Optional[list[int]] = None,
+            flat: Optional[torch.Tensor] = None, offset: int = 0) -> None:
+        """Row ``at`` of the counts gets block row ``row``'s path: ``parent[i]`` is node ``i``'s parent
+        (-1 = the root); the nodes' tokens are ``tokens`` (host), or ``flat[offset + i]`` (device)."""
+        node = row - 1
+        if flat is None:
+            while node >= 0:
+                if tokens[node] >= 0:
+                    self._host_at.append(at)
+                    self._host_tokens.append(tokens[node])
+                node = parent[node]
+            return
+        _, ats, entries = self._device.setdefault(id(flat), (flat, [], []))
+        while node >= 0:
+            ats.append(at)
+            entries.append(offset + node)
+            node = parent[node]
+
+    def add_tree(self, at: int, rows: list[int], tree, flat: Optional[torch.Tensor] = None, offset: int = 0) -> None:
+        """Rows ``rows`` of ``tree`` into counts rows ``at, at + 1, ...``: its tokens from the host,
+        or from ``flat`` (default: where a held tree's tokens are, ``tree.unread``)."""
+        if flat is None and tree.unread is not None:
+            flat, offset = tree.unread.flat, tree.unread.offset_of(tree)
+        parent = tree.parents()
+        tokens = tree.tokens if flat is None else None
         for j, row in enumerate(rows):
-            path = path_tokens(row, tokens, parent)
-            at += [j] * len(path)
-            toks += path
-        if toks:
-            _count(counts, at, toks)
-        mask = seq.prompt_mask.expand(len(rows), -1) if seq.prompt_mask is not None else None
-        return cls(counts, mask)
+            self.add(at + j, row, parent, tokens, flat, offset)
 
-    def tensors(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        return self.counts, self.prompt_mask
+    def into(self, counts: torch.Tensor) -> torch.Tensor:
+        """``counts`` [rows, vocab] with every listed path added (in place)."""
+        if self._host_tokens:
+            _count(counts, self._host_at, self._host_tokens)
+        for flat, ats, entries in self._device.values():
+            at, entry = to_device_many([torch.tensor(ats, dtype=torch.long), torch.tensor(entries, dtype=torch.long)],
+                                       counts.device)
+            tok = flat.index_select(0, entry)  # DEAD (-1) where a node was not drawn: counts nothing
+            counts.index_put_((at, tok.clamp(min=0)), (tok >= 0).to(counts.dtype), accumulate=True)
+        return counts
 
 
 def batch_histories(seqs: list[SeqView], trees: list, rows: int, vocab_size: int,
@@ -55,22 +74,16 @@ def batch_histories(seqs: list[SeqView], trees: list, rows: int, vocab_size: int
     """Penalty inputs for ``rows`` block rows of every sequence's tree (``trees[b]``: a
     ``DraftTree``), flattened ``b * rows + r``: generated-token counts [B * rows, vocab] int32 and
     the prompt mask [B * rows, vocab] bool.  Sequences without penalties get zeros (their penalty
-    parameters are neutral, so the rows are unchanged)."""
+    parameters are neutral, so the rows are unchanged).  Held trees are counted on the device."""
     b = len(seqs)
     base = torch.stack([s.output_counts if s.output_counts is not None
                         else torch.zeros(vocab_size, dtype=torch.int32, device=device) for s in seqs])
     counts = base[:, None, :].expand(b, rows, vocab_size).reshape(b * rows, vocab_size).clone()
-    at, toks = [], []
+    paths = PathCounts()
     for i, (seq, tree) in enumerate(zip(seqs, trees)):
-        if seq.output_counts is None:
-            continue
-        parents = tree.parents()
-        for row in range(1 + tree.num_nodes):
-            path = path_tokens(row, tree.tokens, parents)
-            at += [i * rows + row] * len(path)
-            toks += path
-    if toks:
-        _count(counts, at, toks)
+        if seq.output_counts is not None:
+            paths.add_tree(i * rows, list(range(1 + tree.num_nodes)), tree)
+    paths.into(counts)
     masks = torch.stack([s.prompt_mask if s.prompt_mask is not None
                          else torch.zeros(vocab_size, dtype=torch.bool, device=device) for s in seqs])
     return counts, masks[:, None, :].expand(b, rows, vocab_size).reshape(b * rows, vocab_size)

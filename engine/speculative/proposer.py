@@ -34,7 +34,7 @@ from engine.speculative.constrained import mask_rows, path_masks, tree_row_paths
 from engine.speculative.draft_tree import DEAD, DraftTree
 from engine.speculative.drafter import DrafterContext
 from engine.speculative.features import ParentStats, level_features, parent_stats
-from engine.speculative.history import RowHistory
+from engine.speculative.history import PathCounts
 from engine.speculative.methods import DraftPlan, PlanInput
 from engine.speculative.tree import SubTree, TreeTopology
 from engine.speculative.view import SeqView
@@ -90,14 +90,14 @@ class DraftModelProposer:
     def _on_device(self, seqs: list[SeqView], forced: list) -> bool:
         """Whether the step's tokens can stay on the device until its trees are whole (one read for
         the whole tree instead of one per level): nothing on the host reads a level's tokens before
-        the next level is drawn, so no grammar (its masks follow each row's path), no penalties (their
-        histories count the path's tokens), no forced first level and no per-level policy decision (the
-        policy's features, when it learns from them, are read back with the tree)."""
+        the next level is drawn, so no grammar (its masks follow each row's path), no forced first level
+        and no per-level policy decision (the policy's features, when it learns from them, are read back
+        with the tree).  Penalties count each row's path on the device (``history.PathCounts``)."""
         if any(f is not None for f in forced):
             return False
         if self._level_stop and any(s.request.spec.adaptive is not False for s in seqs):
             return False
-        return all(s.grammar is None and not s.request.sampling.needs_history for s in seqs)
+        return all(s.grammar is None for s in seqs)
 
     @property
     def _level_stop(self) -> bool:
@@ -173,7 +173,7 @@ class DraftModelProposer:
         x = self._pad_vocab(torch.cat([lg for lg, _ in frontier])).float()  # [rows, vocab]
         dev = x.device
         st = SamplingTensors.from_params([s.request.sampling for s in seqs], self.vocab_size, row_seq, device=dev)
-        counts, prompt = self._histories(seqs, trees, parent_rows, dev)
+        counts, prompt = self._histories(seqs, trees, parent_rows, dev, kept, which)
         x = process_logits(x, st, counts, prompt)
         x = self._constrain(seqs, trees, parent_rows, x)
         widths = [t.sub.widths[d - 1] for t in trees]
@@ -244,21 +244,28 @@ class DraftModelProposer:
                 tok = chosen[first[j] + pj][rank] if alive else DEAD
                 tree.tokens[node] = tok if tok >= 0 else DEAD
 
-    def _histories(self, seqs, trees, parent_rows, device: torch.device):
-        """Penalty histories of every parent row (None when no sequence uses penalties)."""
+    def _histories(self, seqs, trees, parent_rows, device: torch.device, kept: Optional["DeviceTokens"] = None,
+                   which: Optional[list[int]] = None):
+        """Penalty histories of every parent row (None when no sequence uses penalties); the paths of
+        trees whose tokens stay on the device (``kept``, tree ``j`` at ``which[j]``) are counted there."""
         if not any(s.request.sampling.needs_history for s in seqs):
             return None, None
-        counts, prompts = [], []
-        for s, t, rows in zip(seqs, trees, parent_rows):
+        counts, prompts, paths, at = [], [], PathCounts(), 0
+        for j, (s, t, rows) in enumerate(zip(seqs, trees, parent_rows)):
+            n = len(rows)
             if s.request.sampling.needs_history:
-                h = RowHistory.for_rows(s, t.tokens, t.parents(), rows)
-                counts.append(h.counts)
-                prompts.append(h.prompt_mask if h.prompt_mask is not None
-                               else torch.zeros(len(rows), self.vocab_size, dtype=torch.bool, device=device))
+                counts.append(s.output_counts.expand(n, -1))
+                prompts.append(s.prompt_mask.expand(n, -1) if s.prompt_mask is not None
+                               else torch.zeros(n, self.vocab_size, dtype=torch.bool, device=device))
+                if kept is None:
+                    paths.add_tree(at, rows, t)
+                else:
+                    paths.add_tree(at, rows, t, kept.flat, kept.offsets[which[j]])
             else:
-                counts.append(torch.zeros(len(rows), self.vocab_size, dtype=torch.int32, device=device))
-                prompts.append(torch.zeros(len(rows), self.vocab_size, dtype=torch.bool, device=device))
-        return torch.cat(counts), torch.cat(prompts)
+                counts.append(torch.zeros(n, self.vocab_size, dtype=torch.int32, device=device))
+                prompts.append(torch.zeros(n, self.vocab_size, dtype=torch.bool, device=device))
+            at += n
+        return paths.into(torch.cat(counts)), torch.cat(prompts)
 
     @staticmethod
     def _parent_rows(sub: SubTree, d: int) -> list[int]:

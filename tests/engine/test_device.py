@@ -1,7 +1,7 @@
 """The engine under the device-check mode (``tests/device_check.py``): every method, with every
 sampling feature, at batch 1 and 8, must never mix host tensors into device math, and a step's host
 syncs are counted: one a step for the draft tree and its verification (more where the host must see
-the tree's tokens before verifying: Max-Gram's tail, penalties, grammars), whatever the batch size."""
+the tree's tokens before verifying: Max-Gram's tail, grammars), whatever the batch size."""
 
 from __future__ import annotations
 
@@ -75,15 +75,13 @@ def test_host_syncs_per_step(pair, method, bound, features):
     reads them back with its decisions: one read a step for mcsd, nothing else (no per-level,
     per-sequence or per-layer reads), at batch 1 as at 8.  Max-Gram's tail below the deepest drafted
     path needs the tree's tokens on the host: mcsd+maxgram reads twice.  A batch with penalties reads
-    each of the three levels (their histories count each row's path on the host), then verifies:
-    1 + 3.  The cascade reads once per review round (up
+    no more: their histories count each row's path on the device.  The cascade reads once per review
+    round (up
     to ``cascade_depth`` 4), MJSD once per beam level (``mjsd_depth`` 4), the target-initialised mode
     once per level of its (3, 1, 1) tree (its first level is forced on the host).  The lossy rules
     read logprobs per request, so their mixed batches leave them out."""
     if method in ("mjsd-lossy", "target-init-lossy"):
         features = [f if f != "logprobs" else "sampled" for f in features]
-    if method in ("mcsd", "mcsd+maxgram") and "penalties" in features:
-        bound = 1 + 3
     _, steps = run_checked(pair, method, features)
     for count, kinds, stacks in steps:
         assert set(kinds) <= {"to_host"} and count <= bound, (kinds, "\n".join(stacks[:2]))
@@ -113,11 +111,10 @@ def test_adaptive_speculation_reads_its_features_with_the_level(pair, method, mo
 def test_adaptive_speculation_without_the_level_stop_reads_once(pair, method, bound, monkeypatch):
     """``adaptive_level_stop=False`` (the GPU preset): the budget plans each step's depth, the tree is
     not cut level by level, and its features come back with the tree in verification's read, so the
-    calibrator still learns; no penalties in the batch (their histories read each level)."""
+    calibrator still learns; penalties included (their histories are counted on the device)."""
     flat = CostModel(target=CostCurve((1.0, 64.0), (0.010, 0.011)), draft=CostCurve((1.0, 64.0), (0.001, 0.002)))
     monkeypatch.setattr(CostModel, "measure", classmethod(lambda cls, *args, **kwargs: flat))
-    features = [f for f in FEATURES if f != "penalties"]
-    core, steps = run_checked(pair, method, features, adaptive=True, adaptive_level_stop=False)
+    core, steps = run_checked(pair, method, list(FEATURES), adaptive=True, adaptive_level_stop=False)
     policy = core.planner.policy
     assert policy is not None and not policy.level_stop
     assert policy.calibrators[False].seen.sum() > 0  # the features were read and learned from
