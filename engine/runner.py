@@ -163,8 +163,11 @@ class ModelRunner:
         blocks = []
         for seq, tree in zip(seqs, trees):
             root_pos = len(seq.tokens) - 1
-            held = tree.unread is not None  # still on the device: gathered there (verification_ids)
-            toks = [seq.root] + ([0] * tree.num_nodes if held else [t if t != DEAD else 0 for t in tree.tokens])
+            if tree.unread is not None:  # drafted tokens still on the device: gathered there (verification_ids)
+                size = tree.unread.size_of(tree)
+                toks = [seq.root] + [0] * size + tree.known_tokens_after(size)
+            else:
+                toks = [seq.root] + [t if t != DEAD else 0 for t in tree.tokens]
             pos = block_positions(root_pos, tree.depths())
             blocks.append(Block(seq.slot, toks, pos, list(range(len(toks))), tree.mask()))
         ids = verification_ids(blocks, trees, self.target.device) if any(t.unread is not None for t in trees) else None
@@ -319,9 +322,9 @@ def verification_ids(blocks: list[Block], trees: list[DraftTree], device: torch.
         use = torch.zeros(b, t, dtype=torch.bool)
         for i, tr in enumerate(trees):
             if tr.unread is holder:
-                off = holder.offset_of(tr)
-                at[i, 1: 1 + tr.num_nodes] = torch.arange(off, off + tr.num_nodes)
-                use[i, 1: 1 + tr.num_nodes] = True
+                off, size = holder.offset_of(tr), holder.size_of(tr)
+                at[i, 1: 1 + size] = torch.arange(off, off + size)
+                use[i, 1: 1 + size] = True
         at, use = to_device_many([at, use], device)
         ids = torch.where(use, holder.flat.index_select(0, at.view(-1)).view(b, t).clamp(min=0), ids)
     return ids

@@ -75,6 +75,7 @@ class Law:
     maxgram_len: int = 2
     maxgram_branches: int = 2
     tail: int = 1  # Max-Gram tokens below the deepest drafted node (mcsd+maxgram, cascade)
+    merge: bool = True  # Max-Gram's branches share nodes with equal drafted ones (False: siblings of their own)
     cascade_depth: int = 2
     k: int = 1  # target-initialised candidates
     sabotage: str = ""  # see :func:`planted`
@@ -356,7 +357,7 @@ def step_law(law: Law, ctx: tuple[int, ...]) -> tuple[dict[tuple, float], int]:
             mg.extend_tree(seq, tree, length=law.maxgram_len, branches=law.maxgram_branches)
         else:  # mcsd+maxgram
             tree = LazyTree(law, ctx, coins).eager()
-            mg.extend_tree(seq, tree, law.tail, law.maxgram_len, law.maxgram_branches)
+            mg.extend_tree(seq, tree, law.tail, law.maxgram_len, law.maxgram_branches, law.merge)
         constrain(law, seq, tree)
 
         def row_ctx(row: int) -> tuple[int, ...]:
@@ -460,6 +461,9 @@ def lossless_laws() -> list[Law]:
         Law("chain-1x1x1-threshold-stop", (1, 1, 1), stop="threshold", threshold=0.8),
         Law("maxgram-with-bigrams", method="maxgram"),
         Law("tree-2x1+maxgram-merged-T0.6", (2, 1), method="mcsd+maxgram", temperature=0.6),
+        # maxgram_read_tree = false: Max-Gram's branches beside equal drafted siblings, no tail
+        Law("tree-2x1+maxgram-unmerged-T0.6", (2, 1), method="mcsd+maxgram", temperature=0.6, tail=0, merge=False),
+        Law("tree-3x1+maxgram-unmerged-top_p", (3, 1), method="mcsd+maxgram", top_p=0.8, tail=0, merge=False),
         Law("cascade-maxgram-draft-target", method="cascade"),
         # the draft's output layer cut to tokens 0, 1, 3, 5: q(2) = q(4) = 0
         Law("tree-2x2-draft-vocab-cut-T0.6", (2, 2), temperature=0.6, draft_vocab=(0, 1, 3, 5)),

@@ -145,7 +145,8 @@ def _worker(args) -> Counter:
                                             maxgram_len=2, maxgram_branches=2, maxgram_tail=1,
                                             cascade_depth=2, load_aware=False,
                                             target_init_k=case.extra.get("target_init_k", 2),
-                                            target_init_depth=2, **cut)
+                                            target_init_depth=2,
+                                            maxgram_read_tree=case.extra.get("maxgram_read_tree", True), **cut)
         core = EngineCore(target, draft, config, policy=stop_policy(case, seed=lo))
         core.planner.maxgram.bigram = BigramTable(dict(case.bigram)) if case.bigram else None
         grammar = core.grammars.compile(GrammarSpec(REGEX, case.grammar)) if case.grammar else None

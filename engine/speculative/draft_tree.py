@@ -125,6 +125,15 @@ class DraftTree:
             mask[row, row] = True
         return mask
 
+    def known_tokens_after(self, n: int) -> list[int]:
+        """The host's tokens of the nodes after the first ``n`` (appended ones)."""
+        return self._tokens[n:]
+
+    def known_token(self, node: int) -> int:
+        """``node``'s token as the host knows it: right for a read tree and for nodes appended by the host
+        (a held tree's drafted nodes are still on the device)."""
+        return self._tokens[node]
+
     def node_sources(self, node: int) -> set[str]:
         return self.sources.get(node, {DRAFT_MODEL})
 
@@ -145,18 +154,21 @@ class DraftTree:
         return [o + s for o, s in zip(out, sampled)]
 
     def add_path(self, parent: int, tokens: list[int], source: str, kind: int = ONEHOT,
-                 q: Optional[list[torch.Tensor]] = None) -> list[int]:
+                 q: Optional[list[torch.Tensor]] = None, merge: bool = True) -> list[int]:
         """Appends a chain of proposals below node ``parent`` (-1 = the root), sharing existing nodes
         with the same token; returns the chain's node indices.  ``kind=SAMPLED`` chains carry the law
-        each token was drawn from (``q[j]`` for ``tokens[j]``), stored at its parent's row."""
-        nodes, children = [], self._children_by_token()
+        each token was drawn from (``q[j]`` for ``tokens[j]``), stored at its parent's row.
+        ``merge=False``: every token a node of its own, and the tree's tokens are not read (they may
+        still be on the device); a sibling with the same token is then a second event for it, which the
+        rule tries as it would on one node (lossless, ``tests/exact_law.py``)."""
+        nodes, children = [], self._children_by_token() if merge else {}
         self.grammar_masks = None  # new rows
         for j, tok in enumerate(tokens):
             row = parent + 1
             node = children.get((parent, tok))
             if node is None:
                 node = self.num_nodes
-                self.tokens.append(tok)
+                self._tokens.append(tok)
                 self.extra_parent.append(parent)
                 children[(parent, tok)] = node
                 self.sources[node] = {source}

@@ -29,33 +29,34 @@ class PathCounts:
         self._host_tokens: list[int] = []
         self._device: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # id(flat) -> (flat, at, entries)
 
-    def add(self, at: int, row: int, parent: list[int], tokens: Optional[list[int]] = None,
-            flat: Optional[torch.Tensor] = None, offset: int = 0) -> None:
+    def add(self, at: int, row: int, parent: list[int], tokens: list[int], flat: Optional[torch.Tensor] = None,
+            offset: int = 0, size: int = 0) -> None:
         """Row ``at`` of the counts gets block row ``row``'s path: ``parent[i]`` is node ``i``'s parent
-        (-1 = the root); the nodes' tokens are ``tokens`` (host), or ``flat[offset + i]`` (device)."""
+        (-1 = the root); node ``i``'s token is ``flat[offset + i]`` (device) for ``i < size``, else
+        ``tokens[i]`` (host)."""
         node = row - 1
-        if flat is None:
-            while node >= 0:
-                if tokens[node] >= 0:
-                    self._host_at.append(at)
-                    self._host_tokens.append(tokens[node])
-                node = parent[node]
-            return
-        _, ats, entries = self._device.setdefault(id(flat), (flat, [], []))
+        if flat is not None:
+            _, ats, entries = self._device.setdefault(id(flat), (flat, [], []))
         while node >= 0:
-            ats.append(at)
-            entries.append(offset + node)
+            if node < size:
+                ats.append(at)
+                entries.append(offset + node)
+            elif tokens[node] >= 0:
+                self._host_at.append(at)
+                self._host_tokens.append(tokens[node])
             node = parent[node]
 
     def add_tree(self, at: int, rows: list[int], tree, flat: Optional[torch.Tensor] = None, offset: int = 0) -> None:
-        """Rows ``rows`` of ``tree`` into counts rows ``at, at + 1, ...``: its tokens from the host,
-        or from ``flat`` (default: where a held tree's tokens are, ``tree.unread``)."""
+        """Rows ``rows`` of ``tree`` into counts rows ``at, at + 1, ...``: its drafted tokens from ``flat``
+        (all its nodes, while the draft grows it), or from where a held tree's are (``tree.unread``), or
+        from the host; the nodes the host appended from the host."""
+        size = tree.num_nodes if flat is not None else 0
         if flat is None and tree.unread is not None:
-            flat, offset = tree.unread.flat, tree.unread.offset_of(tree)
+            flat, offset, size = tree.unread.flat, tree.unread.offset_of(tree), tree.unread.size_of(tree)
         parent = tree.parents()
-        tokens = tree.tokens if flat is None else None
+        tokens = tree.tokens if flat is None else tree.known_tokens_after(0)
         for j, row in enumerate(rows):
-            self.add(at + j, row, parent, tokens, flat, offset)
+            self.add(at + j, row, parent, tokens, flat, offset, size)
 
     def into(self, counts: torch.Tensor) -> torch.Tensor:
         """``counts`` [rows, vocab] with every listed path added (in place)."""

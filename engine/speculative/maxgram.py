@@ -54,6 +54,10 @@ class MaxGramSettings(DrafterSettings):
     corpus: Optional[str] = setting(None, "text or prompts JSON for Max-Gram's bigram fallback", path=True)
     tail: int = setting(4, "Max-Gram tokens after the deepest drafted path (horizontal cascade)", ge=0, le=64)
     trust: int = setting(3, "a suffix match this long skips the draft model for the step (0 = never)", ge=0, le=64)
+    read_tree: bool = setting(True, "Max-Gram reads the draft model's tree: its branches merge with equal drafted "
+                              "nodes and its tail grows below the deepest drafted path.  False leaves the draft's "
+                              "tokens on the device until verification reads them (one host read a step, for a "
+                              "GPU): its branches become nodes of their own and it proposes no tail")
 
     def validate(self) -> None:
         if self.min_ngram > self.max_ngram:
@@ -72,6 +76,7 @@ class MaxGramShare:
     trust: int = 0  # a suffix match this long replaces the draft model for the step (0 = never)
     match_class: Optional[int] = None  # the root proposal's match class, when the length chooser capped it
     trusted: bool = False  # Max-Gram alone this step: its match reached ``trust`` (the planner's choice)
+    merge: bool = True  # branches share nodes with equal drafted ones (needs the draft's tokens on the host)
 
     @property
     def rows(self) -> int:
@@ -211,17 +216,19 @@ class MaxGramDrafter:
                 out.append(Proposal(cont, 0))
         return out
 
-    def extend_tree(self, seq: SeqView, tree: DraftTree, tail: int = 0, length: int = 0, branches: int = 0) -> None:
+    def extend_tree(self, seq: SeqView, tree: DraftTree, tail: int = 0, length: int = 0, branches: int = 0,
+                    merge: bool = True) -> None:
         """Appends Max-Gram's one-hot proposals to ``tree``: a ``tail`` of up to that many tokens below its
         deepest live node (the most likely path among equals; the horizontal cascade), then up to
-        ``branches`` proposals of up to ``length`` tokens from the root (merged with equal nodes)."""
+        ``branches`` proposals of up to ``length`` tokens from the root, merged with equal nodes, or
+        (``merge=False``, no tail) as nodes of their own, without reading the tree's tokens."""
         if tail and tree.tokens:
             leaf = tree.leaves()[0]
             for prop in self.propose(seq, tree.path_to(leaf), tail):
                 tree.add_path(leaf, prop.tokens, MAXGRAM if prop.match else BIGRAM)
         if length and branches:
             for prop in self.propose(seq, (), length, branches):
-                tree.add_path(-1, prop.tokens, MAXGRAM if prop.match else BIGRAM)
+                tree.add_path(-1, prop.tokens, MAXGRAM if prop.match else BIGRAM, merge=merge)
 
 
 MATCH_CLASSES = 4  # what a proposal is known to come from: 0 = the bigram table, 1, 2, 3 = a match of 1, 2, 3+
@@ -349,7 +356,7 @@ class MaxGramTreeDrafter:
         for seq, plan, tree in zip(seqs, plans, trees):
             share = plan.share(self.name)
             if share is not None:
-                self.maxgram.extend_tree(seq, tree, share.tail, share.length, share.branches)
+                self.maxgram.extend_tree(seq, tree, share.tail, share.length, share.branches, share.merge)
 
 
 def plan_maxgram(p: PlanInput) -> DraftPlan:
@@ -362,12 +369,14 @@ def plan_maxgram(p: PlanInput) -> DraftPlan:
 
 
 def plan_mcsd_maxgram(p: PlanInput) -> DraftPlan:
-    """The draft model's tree, Max-Gram's branches beside it and its tail below the deepest path."""
+    """The draft model's tree, Max-Gram's branches beside it and its tail below the deepest path (without
+    ``maxgram_read_tree``: branches of their own, no tail)."""
     if p.room <= 0:
         return DraftPlan(MCSD_MAXGRAM, p.empty)
     mg, sub = MaxGramSettings.of(p.config), p.sub
-    share = MaxGramShare(length=min(mg.len, p.room), branches=mg.branches,
-                         tail=min(mg.tail, p.room - sub.max_depth) if sub.num_nodes else 0, trust=mg.trust)
+    tail = min(mg.tail, p.room - sub.max_depth) if sub.num_nodes and mg.read_tree else 0
+    share = MaxGramShare(length=min(mg.len, p.room), branches=mg.branches, tail=tail, trust=mg.trust,
+                         merge=mg.read_tree)
     return DraftPlan(MCSD_MAXGRAM, sub, {MAXGRAM_DRAFTER: share})
 
 

@@ -106,11 +106,14 @@ class TreeBatch:
                         num_events[i, row] = len(live)
                         rows.append((i, row, live))
             else:  # every drafted node's event; which are live is known on the device only
-                off = base[id(holder)] + holder.offset_of(tree)
-                tok_src[i, 1: 1 + tree.num_nodes] = torch.arange(off, off + tree.num_nodes)
+                off, size = base[id(holder)] + holder.offset_of(tree), holder.size_of(tree)
+                tok_src[i, 1: 1 + size] = torch.arange(off, off + size)
+                appended = tree.known_tokens_after(size)  # nodes the host appended (their tokens are known)
+                if appended:
+                    tokens[i, 1 + size: 1 + size + len(appended)] = torch.tensor(appended)
                 for row, evs in enumerate(tree.events(live_only=False)):
                     if evs:
-                        rows.append((i, row, [(c, k, off + c) for c, k in evs]))
+                        rows.append((i, row, [(c, k, off + c if c < size else -1) for c, k in evs]))
             shapes.append((1 + tree.num_nodes, max((len(x[2]) for x in rows if x[0] == i), default=0)))
         rows.sort(key=lambda x: -len(x[2]))  # stable: ties keep (b, row) order
         e = max((len(x[2]) for x in rows), default=1)
@@ -127,7 +130,7 @@ class TreeBatch:
             for j, (c, kind, src) in enumerate(live):
                 event_node[i, row, j] = c
                 if src < 0:
-                    ev_token[n, j] = trees[i].tokens[c]
+                    ev_token[n, j] = trees[i].known_token(c)
                 ev_src[n, j] = src
                 ev_sampled[n, j] = kind == SAMPLED
                 ev_valid[n, j] = True

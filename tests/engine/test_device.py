@@ -107,14 +107,28 @@ def test_adaptive_speculation_reads_its_features_with_the_level(pair, method, mo
         assert set(kinds) <= {"to_host"} and count <= bound, (kinds, "\n".join(stacks[:2]))
 
 
-@pytest.mark.parametrize("method,bound", [("mcsd", 1), ("mcsd+maxgram", 2)])
-def test_adaptive_speculation_without_the_level_stop_reads_once(pair, method, bound, monkeypatch):
+@pytest.mark.parametrize("features", [["sampled"], list(FEATURES)], ids=["sampled-1", "mixed-8"])
+def test_maxgram_without_reading_the_tree_reads_once(pair, features):
+    """``maxgram_read_tree=False`` (the GPU preset): Max-Gram's branches join the held tree as nodes of
+    their own and it proposes no tail, so mcsd+maxgram reads once a step, penalties included."""
+    core, steps = run_checked(pair, "mcsd+maxgram", features, maxgram_read_tree=False)
+    for count, kinds, stacks in steps:
+        assert set(kinds) <= {"to_host"} and count <= 1, (kinds, "\n".join(stacks[:2]))
+    assert max(count for count, _, _ in steps) == 1
+    stats = core.drain_step_stats()
+    assert sum(s.drafted_tokens for s in stats) > 0
+
+
+@pytest.mark.parametrize("method,bound,config", [("mcsd", 1, {}), ("mcsd+maxgram", 2, {}),
+                                                 ("mcsd+maxgram", 1, {"maxgram_read_tree": False})],
+                         ids=["mcsd", "mcsd+maxgram", "mcsd+maxgram-unread"])
+def test_adaptive_speculation_without_the_level_stop_reads_once(pair, method, bound, config, monkeypatch):
     """``adaptive_level_stop=False`` (the GPU preset): the budget plans each step's depth, the tree is
     not cut level by level, and its features come back with the tree in verification's read, so the
     calibrator still learns; penalties included (their histories are counted on the device)."""
     flat = CostModel(target=CostCurve((1.0, 64.0), (0.010, 0.011)), draft=CostCurve((1.0, 64.0), (0.001, 0.002)))
     monkeypatch.setattr(CostModel, "measure", classmethod(lambda cls, *args, **kwargs: flat))
-    core, steps = run_checked(pair, method, list(FEATURES), adaptive=True, adaptive_level_stop=False)
+    core, steps = run_checked(pair, method, list(FEATURES), adaptive=True, adaptive_level_stop=False, **config)
     policy = core.planner.policy
     assert policy is not None and not policy.level_stop
     assert policy.calibrators[False].seen.sum() > 0  # the features were read and learned from

@@ -160,14 +160,17 @@ def models(request):
             tiny_loaded(request.param, seed=1, layers=1))
 
 
-@pytest.mark.parametrize("method", [M_MAXGRAM, MCSD_MAXGRAM, CASCADE])
+@pytest.mark.parametrize("method", [M_MAXGRAM, MCSD_MAXGRAM, MCSD_MAXGRAM + "-unread", CASCADE])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_every_method_is_token_identical_to_plain_greedy(models, method, batch):
+    """``mcsd+maxgram-unread``: ``maxgram_read_tree=False``, the draft's tokens kept on the device."""
     target, self_draft, other_draft = models
     prompts = PROMPTS[:batch]
     expected = [o.tokens for o in run_engine(target, None, prompts, tree=(), ignore_eos=True, max_tokens=32)[0]]
     # load_aware=False: Max-Gram's length cap would otherwise follow timings measured on this machine
-    cfg = dict(maxgram_len=4, maxgram_branches=2, maxgram_tail=3, cascade_depth=3, load_aware=False)
+    cfg = dict(maxgram_len=4, maxgram_branches=2, maxgram_tail=3, cascade_depth=3, load_aware=False,
+               maxgram_read_tree=not method.endswith("-unread"))
+    method = method.removesuffix("-unread")
     for draft in (self_draft, other_draft):
         outs, core = run_engine(target, draft, prompts, tree=(2, 1), ignore_eos=True, max_tokens=32, config=cfg,
                                 spec=SpecOptions(method=method))

@@ -71,6 +71,9 @@ E2E = [
     Case("mcsd-tree-3x2-calibrated-stop-T0.6", (3, 2), temperature=0.6, stop="calibrated", runs=RUNS),
     Case("maxgram-with-bigrams", (1,), method="maxgram", bigram=BIGRAMS, runs=RUNS),
     Case("mcsd+maxgram-tree-2x1-T0.6", (2, 1), method="mcsd+maxgram", temperature=0.6, bigram=BIGRAMS, runs=RUNS),
+    # the GPU preset's Max-Gram: the draft's tokens stay on the device, its branches are siblings of their own
+    Case("mcsd+maxgram-unread-tree-2x1-T0.6", (2, 1), method="mcsd+maxgram", temperature=0.6, bigram=BIGRAMS,
+         runs=RUNS, extra={"maxgram_read_tree": False}),
     Case("cascade-maxgram-draft-target", (1,), method="cascade", bigram=BIGRAMS, runs=RUNS),
     # the lossy target-initialised mode with a single candidate is exactly speculative sampling
     Case("target-init-k1", (1,), method="target-init-lossy", runs=RUNS, extra={"target_init_k": 1}),
