@@ -239,10 +239,11 @@ def engine_core(target, draft, batch: int, prompt_len: int, new_tokens: int, tre
     curve at start and may choose plain decoding or Max-Gram where the draft cannot pay (with random
     weights it cannot)."""
     adaptive = method == ADAPTIVE
+    # Max-Gram as the GPU preset runs it: the draft's tokens stay on the device (one read a step)
     config = EngineConfig.from_settings(max_batch=batch, max_model_len=prompt_len + new_tokens + 64, tree=tree,
                                         spec_method="mcsd+maxgram" if adaptive else method, adaptive=adaptive,
                                         load_aware=adaptive, adaptive_level_stop=False, cuda_graphs=graphs,
-                                        graph_batches=(batch,))
+                                        graph_batches=(batch,), maxgram_read_tree=False)
     return EngineCore(target, draft, config)
 
 
@@ -481,8 +482,11 @@ def project(runs: list[dict], big: list[dict], args) -> list[dict]:
                 continue
             for row in data["rows"]:
                 name = row["config"]
-                kind, _, widths = name.partition(" ")
-                method = {"tree": "mcsd", "chain": "mcsd", "tree+maxgram": "mcsd+maxgram"}.get(kind)
+                kind, widths, *extra = name.split(" ") + [""] * (name.count(" ") < 1)
+                # Max-Gram's rows here run as the GPU preset's (maxgram_read_tree = false): its "u" rows
+                method = {"tree": "mcsd", "chain": "mcsd"}.get(kind) if not extra else None
+                if kind == "tree+maxgram" and extra == ["u"]:
+                    method = "mcsd+maxgram"
                 step = [r for r in table if r["batch"] == 1 and r["graphs"] and r["tree"] == widths
                         and r["method"] == method and r["config"] != "mcsd, target as draft"]
                 if not step or not row.get("block_eff"):

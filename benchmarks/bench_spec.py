@@ -51,6 +51,8 @@ def parse_configs(spec: str) -> list[dict]:
     adaptive+maxgram:W[:heads]            the same with Max-Gram (the default preset's engine)
     ...+maxgram:W:tN                      Max-Gram's tail below the deepest drafted path at most N tokens
                                           (default 2; t0: its branches from the root only)
+    ...+maxgram:W:u                       Max-Gram without reading the draft's tree (maxgram_read_tree =
+                                          false, the GPU preset's): unmerged branches, no tail
     """
     out = []
     for item in spec.split(";"):
@@ -74,14 +76,17 @@ def parse_configs(spec: str) -> list[dict]:
             if q8:
                 c["config"]["draft_int8"] = True
             ts = [x for x in extra if x.startswith("t") and x[1:].isdigit()]
-            if (len(extra) != c["heads"] + len(hs) + len(vs) + q8 + len(ts) or len(hs) > 1 or len(vs) > 1
-                    or q8 > 1 or len(ts) > 1 or ((c["heads"] or hs) and not c["adaptive"])
-                    or (ts and not kind.endswith("+maxgram"))):
+            unread = extra.count("u")
+            if (len(extra) != c["heads"] + len(hs) + len(vs) + q8 + len(ts) + unread or len(hs) > 1
+                    or len(vs) > 1 or q8 > 1 or len(ts) > 1 or unread > 1 or ((c["heads"] or hs) and not c["adaptive"])
+                    or ((ts or unread) and not kind.endswith("+maxgram"))):
                 raise SystemExit(f"unknown config {item!r}")
             if kind.endswith("+maxgram"):
                 c.update(method="mcsd+maxgram", config={**MAXGRAM, **c["config"]})
                 if ts:
                     c["config"]["maxgram_tail"] = int(ts[0][1:])
+                if unread:
+                    c["config"]["maxgram_read_tree"] = False
             if not c["adaptive"]:
                 c["config"]["load_aware"] = False  # fixed: no load-aware caps on Max-Gram either
         else:

@@ -17,7 +17,10 @@ def test_bench_gpu_runs_on_the_cpu_and_its_figures_add_up(tmp_path, capsys):
     spec = tmp_path / "spec_code.json"
     spec.write_text(json.dumps(dict(args=dict(source="HumanEval"), rows=[
         dict(config="plain", temperature=0.0, block_eff=1.0), dict(config="tree 2,1", temperature=0.0, block_eff=2.5),
-        dict(config="chain 1", temperature=0.7, block_eff=1.5), dict(config="tree 9,9", temperature=0.0, block_eff=3.0)])))
+        dict(config="chain 1", temperature=0.7, block_eff=1.5), dict(config="tree 9,9", temperature=0.0, block_eff=3.0),
+        # Max-Gram's rows run as the GPU preset's (the draft's tree unread): only its "u" row is projected
+        dict(config="tree+maxgram 2,1", temperature=0.0, block_eff=4.0),
+        dict(config="tree+maxgram 2,1 u", temperature=0.0, block_eff=3.5)])))
     bench_gpu.main(["--device", "cpu", "--dtype", "fp32", "--target-shape", "tiny", "--draft-shape", "tiny",
                     "--big-shape", "", "--vocab", "101", "--rows", "1,4", "--reps", "1", "--batches", "1,2",
                     "--spec-batches", "1", "--trees", "2,1;1", "--new-tokens", "12", "--prompt-len", "16",
@@ -44,8 +47,10 @@ def test_bench_gpu_runs_on_the_cpu_and_its_figures_add_up(tmp_path, capsys):
     self_draft = [r for r in engine if r["config"] == "mcsd, target as draft"]
     assert all(r["tok_step"] > 1.5 for r in self_draft)  # the target drafting for itself is accepted
     assert [r["declared"] for r in engine if r["config"] == "mcsd 2,1"] == [1.0, 1.0]  # the tree comes with verification
+    assert [r["declared"] for r in engine if r["config"] == "mcsd+maxgram 2,1"] == [1.0]  # Max-Gram reads no tree
     projection = result["projection"]
-    assert [(p["config"], p["temperature"]) for p in projection] == [("tree 2,1", 0.0), ("chain 1", 0.7)]
+    assert [(p["config"], p["temperature"]) for p in projection] == [
+        ("tree 2,1", 0.0), ("chain 1", 0.7), ("tree+maxgram 2,1 u", 0.0)]
     plain_ms = [r["ms_step"] for r in plain if r["batch"] == 1 and r["graphs"]][0]
     step_ms = [r["ms_step"] for r in engine if r["config"] == "mcsd 2,1" and r["graphs"]][0]
     assert projection[0]["projected"] == pytest.approx(2.5 * plain_ms / step_ms)
