@@ -161,7 +161,50 @@ def _put_all(items: list) -> None:
         queue.put_nowait(out)
 
 
-class AsyncEngine:
+class EngineFront:
+    """What the server sees of an engine, wherever its core runs (:class:`AsyncEngine` here, or
+    ``engine_process.ProcessEngine``): its state, readiness, why it is unavailable, and ``generate``
+    over ``submit``.  Subclasses set ``state``, ``load_error``, ``_accepting``, ``_ready`` and
+    ``_entries`` (the unfinished requests) and implement ``submit``."""
+
+    state: "EngineState"
+    load_error: Optional[str]
+    _accepting: bool
+    _ready: threading.Event
+    _entries: dict
+
+    def submit(self, reqs: list[GenerationRequest]) -> "RequestGroup":
+        raise NotImplementedError
+
+    def wait_ready(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until the core is built (or failed); True when ready."""
+        self._ready.wait(timeout)
+        return self.state is EngineState.READY
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._entries)
+
+    @property
+    def accepting(self) -> bool:
+        """Ready and taking new requests (False from the start of a shutdown)."""
+        return self.state is EngineState.READY and self._accepting
+
+    def unavailable_reason(self) -> str:
+        if self.state is EngineState.LOADING:
+            return "The model is still loading; retry in a moment."
+        if self.state is EngineState.FAILED:
+            return f"The engine is not available: {self.load_error}"
+        return "The server is shutting down."
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """The deltas of one request; closing the iterator early aborts the request."""
+        async with self.submit([req]) as group:
+            async for out in group:
+                yield out
+
+
+class AsyncEngine(EngineFront):
     """Runs one :class:`EngineCore` on a background thread; see the module docstring.
 
     ``core_or_factory`` is either a ready core or a zero-argument callable that builds one; a
@@ -197,15 +240,6 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._run, name="mcsd-engine", daemon=True)
             self._thread.start()
 
-    def wait_ready(self, timeout: Optional[float] = None) -> bool:
-        """Blocks until the core is built (or failed); True when ready."""
-        self._ready.wait(timeout)
-        return self.state is EngineState.READY
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._entries)
-
     def submit(self, reqs: list[GenerationRequest]) -> RequestGroup:
         """Queues all of ``reqs`` or none of them (raises EngineOverloaded / EngineUnavailable)."""
         if self.state is not EngineState.READY or not self._accepting:
@@ -232,12 +266,6 @@ class AsyncEngine:
                 self._entries[r.request_id] = entry
                 self._pending.append(entry)
             self._cond.notify()
-
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """The deltas of one request; closing the iterator early aborts the request."""
-        async with self.submit([req]) as group:
-            async for out in group:
-                yield out
 
     def abort(self, request_ids: list[str]) -> None:
         """Thread-safe; the engine thread applies aborts between steps."""
@@ -268,18 +296,6 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(30.0)
         self.state = EngineState.STOPPED
-
-    @property
-    def accepting(self) -> bool:
-        """Ready and taking new requests (False from the start of a shutdown)."""
-        return self.state is EngineState.READY and self._accepting
-
-    def unavailable_reason(self) -> str:
-        if self.state is EngineState.LOADING:
-            return "The model is still loading; retry in a moment."
-        if self.state is EngineState.FAILED:
-            return f"The engine is not available: {self.load_error}"
-        return "The server is shutting down."
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:

@@ -31,10 +31,10 @@ import signal
 import threading
 import time
 import types
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, Callable, Optional
 
 from engine.async_engine import (
-    AsyncEngine, EngineErrorOutput, EngineGauges, EngineListener, EngineOverloaded, EngineState,
+    AsyncEngine, EngineErrorOutput, EngineFront, EngineGauges, EngineListener, EngineOverloaded, EngineState,
     EngineUnavailable, RequestGroup, RequestRecord, _put_all,
 )
 from engine.request import GenerationRequest, RequestOutput
@@ -67,7 +67,7 @@ class CoreView:
         return CoreView, (self.core_class, attributes)
 
 
-class ProcessEngine:
+class ProcessEngine(EngineFront):
     """:class:`AsyncEngine`'s interface over a core built by ``factory`` in a child process.
 
     ``factory`` is called in the child, so it must pickle: a module-level function, or a
@@ -113,25 +113,6 @@ class ProcessEngine:
         except RuntimeError:  # no running loop: a thread of its own
             threading.Thread(target=self._read, name="mcsd-engine-pipe", daemon=True).start()
 
-    def wait_ready(self, timeout: Optional[float] = None) -> bool:
-        self._ready.wait(timeout)
-        return self.state is EngineState.READY
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._entries)
-
-    @property
-    def accepting(self) -> bool:
-        return self.state is EngineState.READY and self._accepting
-
-    def unavailable_reason(self) -> str:
-        if self.state is EngineState.LOADING:
-            return "The model is still loading; retry in a moment."
-        if self.state is EngineState.FAILED:
-            return f"The engine is not available: {self.load_error}"
-        return "The server is shutting down."
-
     def submit(self, reqs: list[GenerationRequest]) -> RequestGroup:
         """Queues all of ``reqs`` or none of them (raises EngineOverloaded / EngineUnavailable)."""
         if not self.accepting:
@@ -155,11 +136,6 @@ class ProcessEngine:
                     self._entries.pop(r.request_id, None)
                 raise EngineUnavailable(f"The engine process is gone: {exc}") from None
         return RequestGroup(self, [r.request_id for r in reqs], queue)
-
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        async with self.submit([req]) as group:
-            async for out in group:
-                yield out
 
     def abort(self, request_ids: list[str]) -> None:
         self._send(("abort", list(request_ids)))
