@@ -234,14 +234,7 @@ class ProcessEngine(EngineFront):
                 if target is not None:
                     by_loop.setdefault(target[0], []).append((target[1], out))
         self.gauges = gauges
-        for loop, items in by_loop.items():
-            if loop is self._loop:
-                _put_all(items)
-                continue
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass  # the clients' event loop is closed (server shutting down)
+        self._hand_out(by_loop)
         if self.listener is None:
             return
         try:
@@ -258,15 +251,23 @@ class ProcessEngine(EngineFront):
             entries, self._entries = self._entries, {}
         reason = self.load_error or "the engine stopped"
         kind = "server_error" if self.state is EngineState.FAILED else "shutdown"
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for rid, (loop, queue) in entries.items():
-            out = EngineErrorOutput(rid, [], "", finished=True, finish_reason="error", error=reason, kind=kind)
+            by_loop.setdefault(loop, []).append((queue, EngineErrorOutput(
+                rid, [], "", finished=True, finish_reason="error", error=reason, kind=kind)))
+        self._hand_out(by_loop)
+
+    def _hand_out(self, by_loop: dict[asyncio.AbstractEventLoop, list]) -> None:
+        """Outputs into their requests' queues: directly on the loop that reads the pipe, in one
+        wake-up on any other."""
+        for loop, items in by_loop.items():
             if loop is self._loop:
-                queue.put_nowait(out)
+                _put_all(items)
                 continue
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, out)
+                loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:
-                pass
+                pass  # the clients' event loop is closed (server shutting down)
 
 
 # ---------------------------------------------------------------------- the engine process

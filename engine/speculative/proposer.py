@@ -326,8 +326,6 @@ class DeviceTokens:
         for t in trees:
             self.offsets.append(total)
             total += t.num_nodes
-        # drafted nodes per tree: nodes other drafters append later (``add_path(merge=False)``) are the host's
-        self._size_of = {id(t): t.num_nodes for t in trees}
         self.root = total
         flat = torch.full((total + 1,), DEAD, dtype=torch.long)
         flat[total] = 0
@@ -385,9 +383,6 @@ class DeviceTokens:
         """Where ``tree``'s first node is in :attr:`flat`."""
         return self._offset_of[id(tree)]
 
-    def size_of(self, tree: DraftTree) -> int:
-        """How many of ``tree``'s first nodes are here (the drafted ones)."""
-        return self._size_of[id(tree)]
 
     def read(self) -> None:
         """Reads every held tree's tokens (and kept features) now, in one host read."""
@@ -402,7 +397,7 @@ class DeviceTokens:
         for off, tree in zip(self.offsets, self.trees):
             if tree.unread is self:
                 tree.unread = None
-                size = self.size_of(tree)
+                size = tree.num_sub  # nodes appended since (``add_path(merge=False)``) are the host's
                 tree.tokens = flat[off: off + size] + tree.known_tokens_after(size)
         at = 1
         for which, d, parent_rows, first, full, tensors in self.levels:

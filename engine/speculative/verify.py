@@ -106,7 +106,7 @@ class TreeBatch:
                         num_events[i, row] = len(live)
                         rows.append((i, row, live))
             else:  # every drafted node's event; which are live is known on the device only
-                off, size = base[id(holder)] + holder.offset_of(tree), holder.size_of(tree)
+                off, size = base[id(holder)] + holder.offset_of(tree), tree.num_sub
                 tok_src[i, 1: 1 + size] = torch.arange(off, off + size)
                 appended = tree.known_tokens_after(size)  # nodes the host appended (their tokens are known)
                 if appended:
