@@ -20,7 +20,8 @@ class Block:
 
     ``mask`` ([n, pending + n] bool) says which of the slot's pending entries and block tokens each
     block token sees (committed context is always visible); ``None`` is causal attention.
-    ``logit_rows`` are the block indices whose logits are needed.
+    ``logit_rows`` are the block indices whose logits are needed.  ``device_mask``: such a mask already
+    on the model's device (the host has not read it), in place of ``mask``.
     """
 
     slot: int
@@ -28,6 +29,7 @@ class Block:
     positions: list[int]
     logit_rows: list[int]
     mask: Optional[torch.Tensor] = None
+    device_mask: Optional[torch.Tensor] = None
 
 
 def block_ids(blocks: list[Block]) -> torch.Tensor:
@@ -51,17 +53,22 @@ def run_blocks(model: Model, cache: KVCache, blocks: list[Block], vocab: Optiona
                        dtype=torch.long)
     rows = torch.tensor([[*bl.logit_rows, *[0] * (k - len(bl.logit_rows))] for bl in blocks], dtype=torch.long)
     mask = None
-    if any(bl.mask is not None for bl in blocks):
+    if any(bl.mask is not None or bl.device_mask is not None for bl in blocks):
         pending = [int(cache.pending[bl.slot]) for bl in blocks]
         width = max(p + t for p in pending)
         mask = torch.zeros(b, t, width, dtype=torch.bool)
         for i, bl in enumerate(blocks):
             n = len(bl.tokens)
-            if bl.mask is None:  # causal over pending + block
+            if bl.mask is None and bl.device_mask is None:  # causal over pending + block
                 mask[i, :n, : pending[i]] = True
                 mask[i, :n, pending[i]: pending[i] + n] = torch.ones(n, n, dtype=torch.bool).tril()
-            else:
+            elif bl.mask is not None:
                 mask[i, :n, : bl.mask.shape[1]] = bl.mask
+        if any(bl.device_mask is not None for bl in blocks):  # the rest joins them on the device
+            mask = to_device(mask, model.device)
+            for i, bl in enumerate(blocks):
+                if bl.device_mask is not None:
+                    mask[i, : len(bl.tokens), : bl.device_mask.shape[1]] = bl.device_mask
     ids = to_device(block_ids(blocks), model.device) if ids is None else ids
     out = model(ids, pos, cache, [bl.slot for bl in blocks], block_mask=mask,
                 num_new=[len(bl.tokens) for bl in blocks], logits_rows=rows,

@@ -138,11 +138,11 @@ class StaticInputs:
 
 
 def host_inputs(cache: KVCache, bucket: Bucket, width: int, positions: torch.Tensor, slots: list[int],
-                block_mask: Optional[torch.Tensor], counts: list[int]) -> list[torch.Tensor]:
+                counts: list[int]) -> list[torch.Tensor]:
     """One forward's inputs but its token ids, padded to ``bucket``, on the host, in
-    :meth:`StaticInputs.tensors` order after ``ids``.  ``block_mask`` [batch, t, w] (None: causal
-    over the pending entries and the block).  Padded rows need no mask column: every row sees its
-    own position (``build_mask``)."""
+    :meth:`StaticInputs.tensors` order after ``ids``, the mask causal over the pending entries and the
+    block (a block's own mask replaces it on the device: :func:`place_block_mask`).  Padded rows need
+    no mask column: every row sees its own position (``build_mask``)."""
     b, t = positions.shape
     B, R, bs = bucket.batch, bucket.rows, cache.block_size
     slot_t = torch.tensor(slots, dtype=torch.long)
@@ -160,14 +160,22 @@ def host_inputs(cache: KVCache, bucket: Bucket, width: int, positions: torch.Ten
     tables[:b, :width_blocks] = cache.table[slot_t, :width_blocks]
     mask = torch.zeros(B, R, width, dtype=torch.bool)
     real = torch.arange(t)[None, :, None] < cnt[:b, None, None]  # [b, t, 1]: the sequences' real rows
-    if block_mask is None:  # causal: every pending entry, and the block up to the row
-        row, col = torch.arange(t)[None, :, None], torch.arange(width)[None, None, :]
-        rel = col - (start[:b] - lens[:b])[:, None, None]  # column within the block
-        mask[:b, :t] = real & ((rel < 0) | (rel <= row))
-    else:
-        w = min(block_mask.shape[-1], width)
-        mask[:b, :t, :w] = block_mask[:, :t, :w] & real
+    row, col = torch.arange(t)[None, :, None], torch.arange(width)[None, None, :]
+    rel = col - (start[:b] - lens[:b])[:, None, None]  # column within the block
+    mask[:b, :t] = real & ((rel < 0) | (rel <= row))  # causal: every pending entry, and the block up to the row
     return [pos, tables, lens, start, cnt, mask]
+
+
+def place_block_mask(buffer: torch.Tensor, block_mask: torch.Tensor, counts: list[int]) -> None:
+    """Writes a forward's own mask ``block_mask`` [batch, t, w] (on the device or the host) into the
+    bucket's ``buffer`` [B, R, width] on the device, in place of the causal rows :func:`host_inputs`
+    made: each sequence's real rows see what its mask says, its padded rows only themselves."""
+    b, t = block_mask.shape[:2]
+    w = min(block_mask.shape[-1], buffer.shape[-1])
+    real = torch.arange(t)[None, :, None] < torch.tensor(counts)[:, None, None]  # [b, t, 1]
+    mask, real = to_device_many([block_mask[:, :, :w], real], buffer.device)
+    buffer[:b, :t].zero_()
+    buffer[:b, :t, :w] = mask & real
 
 
 def static_hidden(model, cache: KVCache, inp: StaticInputs) -> torch.Tensor:
@@ -261,13 +269,15 @@ class CapturedForwards:
         entry = self._by_bucket.get(bucket)
         if entry is None:
             entry = self._prepare(bucket)
-        host = host_inputs(self.cache, bucket, self.grid.width, positions, slots, block_mask, counts)
+        host = host_inputs(self.cache, bucket, self.grid.width, positions, slots, counts)
         b, t = positions.shape
         inp = entry.inputs
         inp.ids.zero_()  # the ids are on the device already
         inp.ids[:b, :t].copy_(ids)
         for buf, src in zip(inp.tensors()[1:], to_device_many(host, self.cache.k.device)):
             buf.copy_(src, non_blocking=True)
+        if block_mask is not None:  # it may be on the device already (the host has not read it)
+            place_block_mask(inp.block_mask, block_mask, counts)
         self.replays += 1
         if entry.graph is not None:
             entry.graph.replay()

@@ -67,7 +67,7 @@ class DraftTree:
     # node -> index of its entry among the draft cache's pending entries (-1: not run); None means
     # the draft model's usual layout: the first ``level_offsets[drafted_levels]`` nodes, in order
     draft_index: Optional[list[int]] = None
-    joint_logq: Optional[list[float]] = None  # MJSD (lossy): log q of each chain token; verified by joint likelihood
+    joint_logq: Optional[torch.Tensor] = None  # MJSD (lossy): [n] log q of each chain token, on the device
     grammar_masks: Optional["Masks"] = None  # structured output: each row's allowed tokens (speculative.constrained)
     #: the device holder of ``tokens`` while the host has not read them (``proposer.DeviceTokens``); reading
     #: ``tokens`` reads them then, so only code that must not wait for the device looks here first

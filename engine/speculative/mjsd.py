@@ -17,9 +17,11 @@ Penalties are not supported with this method (the request is rejected with a cle
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
@@ -29,12 +31,12 @@ from engine.device import tensor as device_tensor
 from engine.device import Pending, to_host
 from engine.registry import Method, drafter_settings, register_drafter, register_method, register_rule
 from engine.sampler import SamplingTensors, apply_logit_bias, compute_probs, sample_tokens
-from engine.speculative.draft_tree import DraftTree
+from engine.speculative.draft_tree import DEAD, DraftTree
 from engine.speculative.drafter import DrafterContext
 from engine.speculative.methods import DraftPlan, PlanInput
 from engine.speculative.proposer import DraftModelProposer
-from engine.speculative.tree import SubTree
-from engine.speculative.verify import path_logprobs
+from engine.speculative.tree import SubTree, TreeTopology
+from engine.speculative.verify import emitted_logprobs, unpack_logprobs, with_held_tokens
 from engine.speculative.view import SeqView
 from engine.speculative.walk import SeqStepResult, VerifyResult
 
@@ -64,115 +66,171 @@ def joint_logprobs(logits: torch.Tensor, seq: SeqView) -> torch.Tensor:
     return (x / (params.temperature if not params.greedy else 1.0)).log_softmax(dim=-1)
 
 
+@functools.cache
+def chain_topology(depth: int) -> TreeTopology:
+    """A chain of ``depth`` nodes: the shape of every MJSD tree."""
+    return TreeTopology((1,) * depth)
+
+
 @dataclass
-class _Beams:
-    seq: SeqView
-    depth: int
-    tokens: list[int] = field(default_factory=list)  # every node drafted, level by level
-    parent: list[int] = field(default_factory=list)
-    logq: list[float] = field(default_factory=list)  # log q of each node's token given its path
-    entry: list[int] = field(default_factory=list)  # pending draft-cache entry, -1 = not run
-    frontier: list[int] = field(default_factory=list)  # the current level's nodes
-    score: list[float] = field(default_factory=list)  # joint log q of each frontier beam
+class _Level:
+    """One beam level of one sequence, on the device: ``beam`` nodes."""
+
+    tokens: torch.Tensor  # [beam] long
+    parent: torch.Tensor  # [beam] long: the parent's beam in the level above (unused at level 1)
+    logq: torch.Tensor  # [beam] float32: log q of the token given its path
+    entry: int = -1  # the draft-cache pending entry of beam 0 when the level ran (beam i: entry + i), -1 = not run
 
 
 class MjsdProposer:
+    """The draft's beam search, every level's beams chosen on the device: the host learns the best
+    beam with verification's read (:class:`HeldChains`)."""
+
     def __init__(self, draft: DraftModelProposer, beam: int = 4) -> None:
         self.draft = draft
         self.beam = beam
 
     def propose(self, seqs: list[SeqView], depths: list[int], empties: list[SubTree]) -> list[DraftTree]:
         logits, _ = self.draft._catch_up(seqs)
-        beams = [_Beams(s, d) for s, d in zip(seqs, depths)]
+        levels: list[list[_Level]] = [[] for _ in seqs]
         rows = [lg[None] for lg in logits]  # per sequence: [frontier beams, vocab] raw logits
+        scores: list[Optional[torch.Tensor]] = [None] * len(seqs)  # joint log q of each frontier beam
         for level in range(1, max(depths) + 1):
-            active = [j for j, b in enumerate(beams) if b.depth >= level]
-            self._expand([beams[j] for j in active], [rows[j] for j in active])
-            to_run = [j for j in active if beams[j].depth > level]
+            active = [j for j, d in enumerate(depths) if d >= level]
+            for j in active:
+                scores[j] = self._expand(seqs[j], levels[j], rows[j], scores[j])
+            to_run = [j for j in active if depths[j] > level]
             if to_run:
-                for j, lg in zip(to_run, self._run([beams[j] for j in to_run], level)):
+                for j, lg in zip(to_run, self._run([seqs[j] for j in to_run], [levels[j] for j in to_run], level)):
                     rows[j] = lg
+        held = HeldChains([self._best(lv, sc) for lv, sc in zip(levels, scores)])
         trees = []
-        for b, empty in zip(beams, empties):
-            best = b.frontier[max(range(len(b.frontier)), key=lambda i: b.score[i])]
-            path = []
-            while best >= 0:
-                path.append(best)
-                best = b.parent[best]
-            path.reverse()
-            tree = DraftTree(empty, [])
-            tree.add_path(-1, [b.tokens[i] for i in path], MJSD)
-            tree.draft_index = [b.entry[i] for i in path]
-            tree.joint_logq = [b.logq[i] for i in path]
+        for j, (lv, empty) in enumerate(zip(levels, empties)):
+            assert empty.num_nodes == 0
+            topology = chain_topology(len(lv))
+            tree = DraftTree(topology.subtree(topology.widths), [DEAD] * len(lv))
+            tree.sources = {i: {MJSD} for i in range(len(lv))}
+            tree.joint_logq = held.logq[j]
             trees.append(tree)
+        held.hold(trees)
         return trees
 
-    def _expand(self, beams: list[_Beams], logits: list[torch.Tensor]) -> None:
-        """The next level of every sequence: the ``beam`` best one-token extensions of its frontier
-        beams, chosen on the device and read back once for all sequences."""
-        picks = []
-        for b, lg in zip(beams, logits):
-            lq = joint_logprobs(self.draft._pad_vocab(lg), b.seq)  # [beams, vocab]
-            base = device_tensor(b.score if b.frontier else [0.0], lq.device, torch.float32)
-            total = (base[:, None] + lq).flatten()
-            top = total.topk(min(self.beam, total.numel()))
-            vocab = lq.shape[1]
-            chosen = lq[top.indices // vocab, top.indices % vocab]
-            picks.append(torch.stack([top.values.double(), top.indices.double(), chosen.double()]))  # exact in float64
-        width = max(p.shape[1] for p in picks)
-        host = to_host(torch.stack([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1.0) for p in picks]))[0]
-        for b, lg, vals in zip(beams, logits, host.tolist()):
-            vocab = self.draft.vocab_size  # q is over the target's vocabulary (_pad_vocab)
-            parents = b.frontier if b.frontier else [-1]
-            frontier, score = [], []
-            for s, flat, lq in zip(*vals):
-                if flat < 0:
-                    break
-                beam_i, tok = divmod(int(flat), vocab)
-                b.tokens.append(tok)
-                b.parent.append(parents[beam_i])
-                b.logq.append(lq)
-                b.entry.append(-1)
-                frontier.append(len(b.tokens) - 1)
-                score.append(s)
-            b.frontier, b.score = frontier, score
+    def _expand(self, seq: SeqView, levels: list[_Level], logits: torch.Tensor,
+                score: Optional[torch.Tensor]) -> torch.Tensor:
+        """Appends the ``beam`` best one-token extensions of the frontier beams to ``levels``; returns
+        their joint log q."""
+        lq = joint_logprobs(self.draft._pad_vocab(logits), seq)  # [beams, vocab]
+        total = (lq if score is None else score[:, None] + lq).flatten()
+        top = total.topk(min(self.beam, total.numel()))
+        vocab = lq.shape[1]  # q is over the target's vocabulary (_pad_vocab)
+        levels.append(_Level(top.indices % vocab, top.indices // vocab, lq.flatten().index_select(0, top.indices)))
+        return top.values
 
-    def _run(self, beams: list[_Beams], level: int) -> list[torch.Tensor]:
+    def _run(self, seqs: list[SeqView], levels: list[list[_Level]], level: int) -> list[torch.Tensor]:
+        """The newest level of every sequence through the draft, each beam attending to its own
+        ancestors: its mask is gathered on the device from the beams' parents."""
         cache = self.draft.cache
-        blocks = []
-        for b in beams:
-            n, pend = len(b.frontier), int(cache.pending[b.seq.draft_slot])
-            mask = torch.zeros(n, pend + n, dtype=torch.bool)
-            for r, node in enumerate(b.frontier):
-                anc = b.parent[node]
-                while anc >= 0:
-                    mask[r, b.entry[anc]] = True
-                    anc = b.parent[anc]
-                mask[r, pend + r] = True
-                b.entry[node] = pend + r
-            pos = len(b.seq.tokens) - 1 + level
-            blocks.append(Block(b.seq.draft_slot, [b.tokens[i] for i in b.frontier], [pos] * n, list(range(n)), mask))
-        _, logits = self.draft.forward(blocks)
+        blocks, ids = [], []
+        for seq, lv in zip(seqs, levels):
+            n, pend = lv[-1].tokens.numel(), int(cache.pending[seq.draft_slot])
+            lv[-1].entry = pend
+            beam = torch.arange(n, device=lv[-1].tokens.device)
+            cols = [pend + beam]  # itself
+            for up in range(len(lv) - 1, 0, -1):  # its ancestors, level by level
+                beam = lv[up].parent.index_select(0, beam)
+                cols.append(lv[up - 1].entry + beam)
+            mask = torch.zeros(n, pend + n, dtype=torch.bool, device=beam.device)
+            mask.scatter_(1, torch.stack(cols, dim=1), True)
+            pos = len(seq.tokens) - 1 + level
+            blocks.append(Block(seq.draft_slot, [0] * n, [pos] * n, list(range(n)), device_mask=mask))
+            ids.append(lv[-1].tokens)
+        width = max(t.numel() for t in ids)
+        ids_t = torch.stack([torch.nn.functional.pad(t, (0, width - t.numel())) for t in ids])
+        _, logits = self.draft.forward(blocks, ids_t)
         return logits
 
+    @staticmethod
+    def _best(levels: list[_Level], score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The best beam's path, on the device: its tokens, log q and draft-cache entries (-1: not run)."""
+        beam = score.argmax().view(1)  # the first of ties
+        tokens, logq, entries = [], [], []
+        for lv in reversed(levels):
+            tokens.append(lv.tokens.index_select(0, beam))
+            logq.append(lv.logq.index_select(0, beam))
+            entries.append(beam + lv.entry if lv.entry >= 0 else torch.full_like(beam, -1))
+            beam = lv.parent.index_select(0, beam)
+        return torch.cat(tokens[::-1]), torch.cat(logq[::-1]), torch.cat(entries[::-1])
 
-def verify_joint(chains: list[tuple[torch.Tensor, list[int], list[float], SeqView]], tau: float) -> list[VerifyResult]:
+
+class HeldChains:
+    """The best beams of a step's MJSD trees, on the device until verification reads them with its
+    decisions (a holder of ``DraftTree.unread``, as ``proposer.DeviceTokens``): tree ``j``'s tokens are
+    ``flat[offsets[j]:]``, the last entry a live stand-in for every root."""
+
+    def __init__(self, paths: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        self.offsets = list(itertools.accumulate([0] + [t.numel() for t, _, _ in paths]))[:-1]
+        self.root = sum(t.numel() for t, _, _ in paths)
+        tokens = [t for t, _, _ in paths]
+        self.flat = torch.cat(tokens + [torch.zeros(1, dtype=torch.long, device=tokens[0].device)])
+        self.entries = torch.cat([e for _, _, e in paths])
+        self.logq = [q for _, q, _ in paths]
+        self.trees: list[DraftTree] = []
+        self._offset_of: dict[int, int] = {}
+
+    def hold(self, trees: list[DraftTree]) -> None:
+        """``trees[j]`` (path ``j``'s) reads its tokens from here until they are read."""
+        self.trees = trees
+        self._offset_of = {id(t): off for t, off in zip(trees, self.offsets)}
+        for t in trees:
+            t.unread = self
+
+    def offset_of(self, tree: DraftTree) -> int:
+        return self._offset_of[id(tree)]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.flat, self.entries]
+
+    def read(self) -> None:
+        self.fill(to_host(*self.tensors()))
+
+    def fill(self, host: list[torch.Tensor]) -> None:
+        """Every held tree's tokens and draft-cache entries from :meth:`tensors` read back."""
+        flat, entries = host[0].tolist(), host[1].tolist()
+        for off, tree in zip(self.offsets, self.trees):
+            if tree.unread is self:
+                tree.unread = None
+                n = tree.num_sub
+                tree.tokens, tree.draft_index = flat[off: off + n], entries[off: off + n]
+
+
+def start_joint(chains: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, SeqView]], tau: float,
+                logprobs: Sequence[Optional[int]] = ()) -> Pending:
     """Each chain ``(logits, tokens, logq, seq)`` (logits: [1+n, vocab] the target's raw logits of the
-    root and the chain) decided on the device, all read back at once."""
-    return start_joint(chains, tau).result()
-
-
-def start_joint(chains: list[tuple[torch.Tensor, list[int], list[float], SeqView]], tau: float) -> Pending:
-    """:func:`verify_joint` decided on the device; the pending reads it back."""
+    root and the chain; tokens, logq: [n] on the device) decided on the device, with each sequence's
+    ``logprobs[i]`` alternatives (``None``: no logprobs); the pending reads them all back at once and
+    gives ``(VerifyResult, logprobs or None)`` per chain."""
+    if not chains:
+        return Pending([], lambda host: [])
     decided = [_decide_joint(*chain, tau) for chain in chains]
+    packed = [torch.stack([d for d, _ in decided])]
+    width = max(e.numel() for _, e in decided)
+    emitted = torch.stack([torch.nn.functional.pad(e, (0, width - e.numel())) for _, e in decided])  # [B, n+1]
+    if any(k is not None for k in logprobs):
+        rows = torch.stack([torch.nn.functional.pad(lg, (0, 0, 0, width - lg.shape[0])) for lg, *_ in chains])
+        packed += emitted_logprobs(rows, torch.arange(width, device=rows.device).expand(len(chains), -1), emitted,
+                                   logprobs)
+    packed.append(emitted)
 
-    def finish(host: list[torch.Tensor]) -> list[VerifyResult]:
+    def finish(host: list[torch.Tensor]) -> list[tuple[VerifyResult, Optional[list]]]:
         out = []
-        for (_, tokens, _, _), (accepted, y) in zip(chains, host[0].tolist() if host else []):
-            out.append(VerifyResult(list(range(accepted)), tokens[:accepted] + [y], bonus=accepted == len(tokens),
-                                    final_row=accepted, rows=list(range(accepted + 1))))
+        for i, ((_, tokens, _, _), (accepted, _)) in enumerate(zip(chains, host[0].tolist())):
+            n = tokens.numel()
+            emitted_i = host[-1][i, : accepted + 1].tolist()
+            res = VerifyResult(list(range(accepted)), emitted_i, bonus=accepted == n, final_row=accepted,
+                               rows=list(range(accepted + 1)))
+            out.append((res, unpack_logprobs(host[1:-1], i, emitted_i, logprobs[i] if i < len(logprobs) else None)))
         return out
-    return Pending([torch.stack(decided)] if decided else [], finish)
+    return Pending(packed, finish)
 
 
 class JointRule:
@@ -189,27 +247,35 @@ class JointRule:
 
     def start(self, seqs: list[SeqView], trees: list[DraftTree], logits: torch.Tensor) -> Pending:
         rows = [logits[i, : 1 + t.num_nodes, : self.vocab_size] for i, t in enumerate(trees)]
-        pending = start_joint([(lg, t.tokens, t.joint_logq, s) for lg, t, s in zip(rows, trees, seqs)], self.tau)
+        chains = [(lg, chain_tokens(t, lg.device), t.joint_logq, s) for lg, t, s in zip(rows, trees, seqs)]
+        pending = start_joint(chains, self.tau, [s.request.sampling.logprobs for s in seqs])
 
-        def results(decided: list[VerifyResult]) -> list[SeqStepResult]:
-            out = []
-            for seq, tree, lg, res in zip(seqs, trees, rows, decided):
-                k = seq.request.sampling.logprobs
-                out.append(SeqStepResult(seq, res, tree, path_logprobs(lg, res, k) if k is not None else None, lg))
-            return out
-        return pending.then(results)
+        def results(decided: list) -> list[SeqStepResult]:
+            return [SeqStepResult(seq, res, tree, lps, lg)
+                    for seq, tree, lg, (res, lps) in zip(seqs, trees, rows, decided)]
+        return with_held_tokens(trees, pending).then(results)
+
+
+def chain_tokens(tree: DraftTree, device: torch.device) -> torch.Tensor:
+    """[n] a chain's tokens on the device: gathered there while the host has not read them."""
+    holder = tree.unread
+    if holder is None:
+        return device_tensor(tree.tokens, device)
+    off = holder.offset_of(tree)
+    return holder.flat[off: off + tree.num_sub]
 
 
 register_rule(JOINT_RULE, lambda config, vocab_size: JointRule(MjsdSettings.of(config).tau, vocab_size))
 
 
-def _decide_joint(logits: torch.Tensor, tokens: list[int], logq: list[float], seq: SeqView,
-                  tau: float) -> torch.Tensor:
-    """[2] on the device: the accepted prefix length and the final token."""
-    dev, n = logits.device, len(tokens)
+def _decide_joint(logits: torch.Tensor, tokens: torch.Tensor, logq: torch.Tensor, seq: SeqView,
+                  tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the device: [2] the accepted prefix length and the final token, and [n + 1] the emitted
+    tokens (the accepted prefix, then the final token; padded with the chain's tokens)."""
+    dev, n = logits.device, tokens.numel()
     lp = joint_logprobs(logits, seq)
     # the longest prefix whose cumulative log ratio clears log(tau), decided on the device
-    ratio = lp[torch.arange(n, device=dev), device_tensor(tokens, dev)].double() - device_tensor(logq, dev, torch.float64)
+    ratio = lp[torch.arange(n, device=dev), tokens].double() - logq.to(torch.float64)
     cleared = torch.cat([torch.zeros(1, dtype=torch.bool, device=dev), ratio.cumsum(0) > math.log(tau)])
     accepted_t = (cleared.long() * torch.arange(n + 1, device=dev)).max()  # the last prefix length that clears
     params = seq.request.sampling
@@ -219,7 +285,9 @@ def _decide_joint(logits: torch.Tensor, tokens: list[int], logq: list[float], se
     else:
         probs = compute_probs(logits.index_select(0, at).float(), seq.sampling_tensors)
         y = sample_tokens(probs, [seq.generator])[0]
-    return torch.stack([accepted_t, y])
+    slots = torch.arange(n + 1, device=dev)
+    emitted = torch.where(slots == accepted_t, y, torch.cat([tokens, tokens.new_zeros(1)]))
+    return torch.stack([accepted_t, y]), emitted
 
 
 @register_drafter

@@ -28,7 +28,7 @@ from engine.registry import method
 from engine.speculative.adaptive import SpecPolicy, StepBudget
 from engine.speculative.constrained import GRAMMAR_DRAFTER, ForcedShare
 from engine.speculative.cost_model import LiveCurve, measure_curve
-from engine.speculative.draft_tree import DEAD, DRAFT_MODEL
+from engine.speculative.draft_tree import BIGRAM, DEAD, DRAFT_MODEL, MAXGRAM
 from engine.speculative.drafter import DrafterContext
 from engine.speculative.maxgram import (
     MATCH_CLASSES, MAXGRAM_DRAFTER, BigramTable, LengthChooser, MaxGramDrafter, MaxGramSettings, MaxGramShare,
@@ -37,6 +37,8 @@ from engine.speculative.maxgram import (
 from engine.speculative.methods import DraftPlan, PlanInput, share_rows
 from engine.speculative.tree import SubTree, TreeTopology
 from engine.speculative.view import SeqView
+
+MAXGRAM_SOURCES = frozenset({MAXGRAM, BIGRAM})  # the sources of a node Max-Gram proposed
 
 if TYPE_CHECKING:
     from engine.kv_cache import KVCache
@@ -208,7 +210,8 @@ class Planner:
         for res in results:  # Max-Gram's own rows (not also the draft's) in trees the draft model drafted
             tree = res.tree
             if tree.num_sub:
-                own = [i for i, t in enumerate(tree.tokens) if t != DEAD and DRAFT_MODEL not in tree.node_sources(i)]
+                own = [i for i, t in enumerate(tree.tokens)
+                       if t != DEAD and tree.node_sources(i) & MAXGRAM_SOURCES and DRAFT_MODEL not in tree.node_sources(i)]
                 if own:
                     accepted = set(res.result.accepted)
                     self.mixed.observe(res.seq.request.sampling.greedy, len(own), sum(i in accepted for i in own))

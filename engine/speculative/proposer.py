@@ -64,7 +64,7 @@ class DraftModelProposer:
         trees = [DraftTree(sub, [DEAD] * sub.num_nodes) for sub in subs]
         forced = forced or [None] * len(seqs)
         # the tokens stay on the device until the tree is whole, when nothing on the host needs them per level
-        kept = DeviceTokens(trees, self.cache.k.device) if self._on_device(seqs, forced) else None
+        kept = DeviceTokens(trees, self.cache.k.device) if self._on_device(seqs) else None
         # seq -> ([parents, vocab] logits, [parents, hidden] draft hidden states) of the next level's parents
         frontier = {i: (lg[None], h[None]) for i, (lg, h) in enumerate(zip(*self._catch_up(seqs)))}
         for d in range(1, max(sub.max_depth for sub in subs) + 1):
@@ -73,11 +73,8 @@ class DraftModelProposer:
                 break
             self._sample_level([seqs[i] for i in active], [trees[i] for i in active], d,
                                [frontier[i] for i in active], kept, active)
-            if d == 1:
-                for i in active:
-                    if forced[i] is not None:
-                        k = trees[i].sub.widths[0]
-                        trees[i].tokens[:k] = (list(forced[i]) + [DEAD] * k)[:k]
+            if d == 1 and any(f is not None for f in forced):
+                self._force_first_level(trees, forced, kept)
             deeper = [i for i in active if trees[i].sub.max_depth > d and forced[i] is None]
             self._apply_policy(seqs, trees, deeper, d, step)
             to_run = [i for i in active if trees[i].sub.max_depth > d]
@@ -87,14 +84,26 @@ class DraftModelProposer:
             kept.hold()
         return trees
 
-    def _on_device(self, seqs: list[SeqView], forced: list) -> bool:
+    @staticmethod
+    def _force_first_level(trees: list[DraftTree], forced: list, kept: Optional["DeviceTokens"]) -> None:
+        """Replaces the first level of every tree with forced tokens (known on the host: the
+        candidates last step's read brought back) by theirs, padded with DEAD."""
+        for i, tokens in enumerate(forced):
+            if tokens is not None:
+                k = trees[i].sub.widths[0]
+                level = (list(tokens) + [DEAD] * k)[:k]
+                if kept is not None:
+                    kept.force(i, level)
+                else:
+                    trees[i].tokens[:k] = level
+
+    def _on_device(self, seqs: list[SeqView]) -> bool:
         """Whether the step's tokens can stay on the device until its trees are whole (one read for
         the whole tree instead of one per level): nothing on the host reads a level's tokens before
-        the next level is drawn, so no grammar (its masks follow each row's path), no forced first level
-        and no per-level policy decision (the policy's features, when it learns from them, are read back
-        with the tree).  Penalties count each row's path on the device (``history.PathCounts``)."""
-        if any(f is not None for f in forced):
-            return False
+        the next level is drawn: no grammar (its masks follow each row's path) and no per-level
+        policy decision (the policy's features, when it learns from them, are read back with the
+        tree).  Penalties count each row's path on the device (``history.PathCounts``); a forced first
+        level is copied there."""
         if self._level_stop and any(s.request.spec.adaptive is not False for s in seqs):
             return False
         return all(s.grammar is None for s in seqs)
@@ -354,6 +363,12 @@ class DeviceTokens:
         tok = chosen.reshape(-1).index_select(0, src_t)
         alive = self.flat.index_select(0, parent_t) != DEAD
         self.flat.index_copy_(0, dst_t, torch.where(alive & (tok >= 0), tok, DEAD))
+
+    def force(self, which: int, tokens: list[int]) -> None:
+        """The first nodes of tree ``which`` become ``tokens`` (host-known; DEAD allowed)."""
+        off = self.offsets[which]
+        src = to_device(torch.tensor(tokens, dtype=torch.long), self.flat.device)
+        self.flat[off: off + len(tokens)] = src
 
     def level_ids(self, trees: list[DraftTree], to_run: list[int], d: int) -> torch.Tensor:
         """Token ids [len(to_run), widest level] of level ``d`` of the trees ``to_run`` (dead: 0)."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
@@ -35,7 +35,9 @@ from engine.speculative.draft_tree import DEAD, DraftTree
 from engine.speculative.drafter import DrafterContext
 from engine.speculative.methods import DraftPlan, PlanInput
 from engine.speculative.tree import TreeTopology
-from engine.speculative.verify import TreeBatch, path_logprobs, residual_rows, target_rows
+from engine.speculative.verify import (
+    TreeBatch, emitted_logprobs, residual_rows, target_rows, unpack_logprobs, with_held_tokens,
+)
 from engine.speculative.walk import Coins, SeqStepResult, VerifyResult
 
 if TYPE_CHECKING:
@@ -147,16 +149,18 @@ def draw_candidates(x: torch.Tensor, probs: torch.Tensor, st: SamplingTensors, k
 
 
 def start_target_init(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, u_accept: torch.Tensor,
-                      u_cand: torch.Tensor, k: int) -> Pending:
+                      u_cand: torch.Tensor, k: int, raw_logits: Optional[torch.Tensor] = None,
+                      logprobs: Sequence[Optional[int]] = ()) -> Pending:
     """:func:`verify_target_init` and :func:`draw_candidates` for a batch, as tensor operations with
     one read (the pending's).
 
     x: [B, R, V] processed target logits of every block row; st: their sampling parameters (``B * R``
     rows); trees: the batch's trees (``(k, 1, ...)`` with the candidates as level 1); u_accept: [B, R]
     the acceptance uniform of
-    each row's first live child; u_cand: [B, k] the uniforms of the next candidates.  The walk's
+    each row's first live child; u_cand: [B, k] the uniforms of the next candidates; raw_logits:
+    [B, R, V] the model's logits, for ``logprobs[b]`` alternatives (``None``: no logprobs).  The walk's
     decisions read exactly these numbers (:class:`TargetInitCoins`), so the two agree draw for draw.
-    The pending returns, per sequence, ``(VerifyResult, next candidates)``."""
+    The pending returns, per sequence, ``(VerifyResult, next candidates, logprobs or None)``."""
     b, r, v = trees.num_seqs, trees.num_rows, x.shape[-1]
     dev = x.device
     x = x[:, :r]
@@ -200,20 +204,24 @@ def start_target_init(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, u_
     top = x[seq, final_row].topk(k, dim=-1).indices
     nxt_cands = torch.where(greedy[seq, final_row][:, None], top, drawn)
     best_tokens = trees.tokens.gather(1, (best_chain + 1).clamp(min=0))
-    packed = torch.cat([best_chain, best_tokens, best_len[:, None], final_row[:, None], nxt_cands], dim=1)
+    packed = [torch.cat([best_chain, best_tokens, best_len[:, None], final_row[:, None], nxt_cands], dim=1)]
     depth = best_chain.shape[1]
+    if raw_logits is not None:  # the chain's rows: the root's, then each kept node's parent's
+        rows = torch.cat([torch.zeros_like(best_chain[:, :1]), (best_chain[:, :-1] + 1).clamp(min=0)], dim=1)
+        packed += emitted_logprobs(raw_logits[:, :r], rows, best_tokens, logprobs)
 
-    def finish(host: list[torch.Tensor]) -> list[tuple[VerifyResult, list[int]]]:
+    def finish(host: list[torch.Tensor]) -> list[tuple[VerifyResult, list[int], Optional[list]]]:
         out = []
-        for vals in host[0].tolist():
+        for i, vals in enumerate(host[0].tolist()):
             n, final = vals[2 * depth], vals[2 * depth + 1]
             nodes = vals[:n]
             result = VerifyResult(nodes, vals[depth: depth + n], bonus=False, final_row=final,
                                   rows=[0] + [1 + i for i in nodes[:-1]])
-            out.append((result, [t for t in vals[2 * depth + 2: 2 * depth + 2 + k] if t >= 0]))
+            lps = unpack_logprobs(host[1:], i, result.tokens, logprobs[i] if i < len(logprobs) else None)
+            out.append((result, [t for t in vals[2 * depth + 2: 2 * depth + 2 + k] if t >= 0], lps))
         return out
 
-    return Pending([packed], finish)
+    return Pending(packed, finish)
 
 
 class TargetInitRule:
@@ -239,16 +247,14 @@ class TargetInitRule:
                 rows = 1 + tree.num_nodes
                 u = torch.rand(rows + k, generator=seq.generator)
                 u_accept[i, :rows], u_cand[i] = u[:rows], u[rows:]
-        pending = start_target_init(x, st, batch, to_device(u_accept, dev), to_device(u_cand, dev), k)
+        pending = start_target_init(x, st, batch, to_device(u_accept, dev), to_device(u_cand, dev), k,
+                                    raw_logits=raw, logprobs=[p.logprobs for p in params])
 
         def results(decided: list) -> list[SeqStepResult]:
-            out = []
-            for i, (seq, tree, p, (res, cands)) in enumerate(zip(seqs, trees, params, decided)):
-                lg = raw[i, : 1 + tree.num_nodes]
-                lps = path_logprobs(lg, res, p.logprobs) if p.logprobs is not None else None
-                out.append(SeqStepResult(seq, res, tree, lps, lg, {TARGET_INIT_SHARE: cands}, last_is_root=True))
-            return out
-        return pending.then(results)
+            return [SeqStepResult(seq, res, tree, lps, raw[i, : 1 + tree.num_nodes], {TARGET_INIT_SHARE: cands},
+                                  last_is_root=True)
+                    for i, (seq, tree, (res, cands, lps)) in enumerate(zip(seqs, trees, decided))]
+        return with_held_tokens(trees, pending).then(results)
 
 
 register_rule(TARGET_INIT_RULE,

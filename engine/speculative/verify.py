@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 import torch
 
 from engine.device import tensor as device_tensor
-from engine.device import Pending, to_device, to_device_many, to_host
+from engine.device import Pending, to_device, to_device_many
 from engine.grammar import apply_mask
 from engine.registry import LOSSLESS_RULE, rule_factories
 from engine.request import TokenLogprob
@@ -269,15 +269,43 @@ def start_verify(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, uniform
     emitted = torch.cat([trees.tokens.gather(1, (path + 1).clamp(min=0)), torch.zeros_like(n)], dim=1)
     emitted.scatter_(1, n, final[:, None])  # [B, D+1]: the path's tokens, then the final token
     packed = [torch.cat([path, row[:, None], bonus[:, None].long(), emitted], dim=1)]
-    top_k = max((k for k in logprobs if k is not None), default=-1)
-    if top_k >= 0 and raw_logits is not None:
+    if raw_logits is not None:
         emitted_rows = torch.cat([torch.zeros_like(n), (path + 1).clamp(min=0)], dim=1)  # [B, D+1]
-        lp = raw_logprobs(raw_logits[:, :r][seq[:, None], emitted_rows])  # [B, D+1, V]
-        packed.append(lp.gather(2, emitted[..., None])[..., 0])
-        if top_k > 0:
-            vals, ids = lp.topk(top_k, dim=-1)
-            packed += [ids, vals]
+        packed += emitted_logprobs(raw_logits[:, :r], emitted_rows, emitted, logprobs)
     return Pending(packed, lambda host: _unpack(host, trees.depth, logprobs))
+
+
+def emitted_logprobs(raw: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
+                     logprobs: Sequence[Optional[int]]) -> list[torch.Tensor]:
+    """The logprobs of emitted tokens, on the device, to be read with a step's decisions (none when
+    no sequence asked for them).  raw: [B, R, V] the model's logits of the block rows; rows, tokens:
+    [B, N] each emitted token's row and id (padding anywhere valid); ``logprobs[b]``: how many
+    alternatives sequence ``b`` wants (``None``: no logprobs).  Returns ``[chosen [B, N]]``, then
+    ``[ids, values]`` [B, N, k] of the ``k`` best when some sequence wants alternatives
+    (:func:`unpack_logprobs` reads them)."""
+    top_k = max((k for k in logprobs if k is not None), default=-1)
+    if top_k < 0:
+        return []
+    seq = torch.arange(rows.shape[0], device=rows.device)
+    lp = raw_logprobs(raw[seq[:, None], rows])  # [B, N, V]
+    out = [lp.gather(2, tokens[..., None])[..., 0]]
+    if top_k > 0:
+        vals, ids = lp.topk(top_k, dim=-1)
+        out += [ids, vals]
+    return out
+
+
+def unpack_logprobs(host: list[torch.Tensor], i: int, tokens: list[int], k: Optional[int]
+                    ) -> Optional[list[TokenLogprob]]:
+    """Sequence ``i``'s :class:`TokenLogprob` list from :func:`emitted_logprobs`' tensors read back
+    (``host``; empty when nobody asked), for its emitted ``tokens``; ``None`` when it asked for none."""
+    if k is None or not host:
+        return None
+    n = len(tokens)
+    chosen = host[0][i, :n].tolist()
+    top_ids = host[1][i, :n, :k].tolist() if k > 0 else [[]] * n
+    top_vals = host[2][i, :n, :k].tolist() if k > 0 else [[]] * n
+    return [TokenLogprob(tokens[j], chosen[j], list(zip(top_ids[j], top_vals[j]))) for j in range(n)]
 
 
 def _try_events(probs: torch.Tensor, trees: TreeBatch, uniforms: Uniforms, greedy: torch.Tensor,
@@ -336,14 +364,7 @@ def _unpack(host: list[torch.Tensor], depth: int, logprobs: Sequence[Optional[in
         final_row, bonus, n = vals[depth], bool(vals[depth + 1]), len(accepted) + 1
         tokens = vals[depth + 2: depth + 2 + n]
         results.append(VerifyResult(accepted, tokens, bonus, final_row, [0] + [a + 1 for a in accepted]))
-        k = logprobs[i] if i < len(logprobs) else None
-        if k is None or len(host) < 2:
-            lps.append(None)
-            continue
-        chosen = host[1][i, :n].tolist()
-        top_ids = host[2][i, :n, :k].tolist() if k > 0 else [[]] * n
-        top_vals = host[3][i, :n, :k].tolist() if k > 0 else [[]] * n
-        lps.append([TokenLogprob(tokens[j], chosen[j], list(zip(top_ids[j], top_vals[j]))) for j in range(n)])
+        lps.append(unpack_logprobs(host[1:], i, tokens, logprobs[i] if i < len(logprobs) else None))
     return Outcome(results, lps)
 
 
@@ -413,18 +434,6 @@ def processed_rows(seqs: list[SeqView], trees: list[DraftTree], logits: torch.Te
         counts, prompt = batch_histories(seqs, trees, r, v, dev) if st.any_penalty else (None, None)
         x = process_logits(x.reshape(b * r, v), st, counts, prompt).view(b, r, v)
     return raw, x, st, params
-
-
-def path_logprobs(logits: torch.Tensor, result: VerifyResult, k: int) -> list[TokenLogprob]:
-    """The emitted tokens' logprobs and ``k`` best alternatives from a sequence's raw block logits (the
-    lossy rules' walk; the lossless rule computes its own on the device)."""
-    dev = logits.device
-    lp = raw_logprobs(logits[device_tensor(result.rows, dev)])  # [emitted, vocab]
-    chosen = lp.gather(1, device_tensor(result.tokens, dev)[:, None]).squeeze(1)
-    top_vals, top_ids = lp.topk(k, dim=-1) if k > 0 else (chosen[:, None], chosen[:, None])
-    chosen, top_vals, top_ids = (t.tolist() for t in to_host(chosen, top_vals, top_ids))
-    return [TokenLogprob(tok, chosen[j], list(zip(top_ids[j], top_vals[j])) if k > 0 else [])
-            for j, tok in enumerate(result.tokens)]
 
 
 class LosslessRule:

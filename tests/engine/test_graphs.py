@@ -19,7 +19,7 @@ import torch
 from engine.batching import Block, run_blocks
 from engine.config import EngineConfig
 from engine.graphs import Bucket, BucketGrid, CapturedForwards, StaticInputs, default_kv_buckets, row_buckets
-from engine.graphs import host_inputs, static_hidden
+from engine.graphs import host_inputs, place_block_mask, static_hidden
 from engine.registry import method_names
 from engine.request import SpecOptions
 from tests.engine.test_device import run_checked
@@ -27,8 +27,8 @@ from tests.engine_utils import run_engine
 from tests.tiny import tiny_loaded
 
 PROMPTS = [[3, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28], [5, 5, 5, 5]]
-READS = [("mcsd", 1), ("mcsd+maxgram", 2), ("maxgram", 1), ("cascade", 5), ("mjsd-lossy", 5),
-         ("target-init-lossy", 4)]
+READS = [("mcsd", 1), ("mcsd+maxgram", 2), ("maxgram", 1), ("cascade", 5), ("mjsd-lossy", 1),
+         ("target-init-lossy", 1)]
 TREE_MASK = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
 
 
@@ -75,12 +75,24 @@ def test_padding_inputs_point_at_the_scratch_block_and_see_only_themselves():
     slot = cache.allocate()
     cache.reserve([slot], [3])
     pos, tables, lens, start, counts, mask = host_inputs(cache, Bucket(2, 4, 16), 8, torch.tensor([[0, 1, 2]]),
-                                                         [slot], None, [3])
+                                                         [slot], [3])
     assert pos.tolist() == [[0, 1, 2, 2], [0, 0, 0, 0]]  # a padded row repeats its row's last position
     assert tables[1].tolist() == [0, 0, 0, 0] and tables[0, 0] == cache.tables[slot][0]
     assert counts.tolist() == [3, 0] and lens.tolist() == [0, 0] and start.tolist() == [0, 0]
     assert mask[0, :3, :3].equal(torch.ones(3, 3, dtype=torch.bool).tril())
     assert not mask[0, 3].any() and not mask[1].any()  # build_mask lets every row see its own position
+
+
+def test_a_blocks_own_mask_replaces_the_causal_rows_of_its_real_rows_only():
+    """``place_block_mask``: a tree's mask (or MJSD's, built on the device) over the first ``w``
+    columns of the real rows; a row past the sequence's count and the other sequences' rows see
+    nothing (``build_mask`` lets them see their own position)."""
+    buffer = torch.ones(2, 4, 8, dtype=torch.bool)
+    own = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
+    place_block_mask(buffer, own, [2])
+    assert buffer[0, :2, :3].equal(own[0, :2]) and not buffer[0, :2, 3:].any()
+    assert not buffer[0, 2].any()  # past the count: padding
+    assert buffer[0, 3].all() and buffer[1].all()  # outside the block's rows: left as host_inputs made them
 
 
 # ------------------------------------------------------------------ one forward
@@ -147,9 +159,10 @@ def test_the_static_forward_compiles_as_one_graph():
         cache.reserve([slot], [4])
         bucket = Bucket(2, 4, 16)
         inp = StaticInputs.empty(bucket, 4, 8, model.device)
-        host = host_inputs(cache, bucket, 8, torch.tensor([[0, 1, 1, 2]]), [slot], TREE_MASK[None], [4])
+        host = host_inputs(cache, bucket, 8, torch.tensor([[0, 1, 1, 2]]), [slot], [4])
         for buf, src in zip(inp.tensors()[1:], host):
             buf.copy_(src)
+        place_block_mask(inp.block_mask, TREE_MASK[None], [4])
         inp.ids[0] = torch.tensor([5, 6, 7, 8])
         fn = torch.compile(static_hidden, fullgraph=True, backend="eager") if compiled else static_hidden
         with torch.inference_mode():
@@ -201,9 +214,9 @@ def test_the_engine_installs_no_static_path_on_the_cpu_by_default(pair):
 
 @pytest.mark.parametrize("method_name,bound", READS)
 def test_the_static_path_mixes_no_host_tensor_and_adds_no_read(tiny_pair, method_name, bound):
-    """The bounds of ``test_device.py``: one read per draft level plus one, and the cascade's and
-    MJSD's per round; the static path adds no read of its own (sampled requests draw unseeded, so
-    the two runs' plans differ: each run is held to the bound)."""
+    """The bounds of ``test_device.py``: one read a step, two for mcsd+maxgram reading the tree, the
+    cascade's one per round; the static path adds no read of its own (sampled requests draw unseeded,
+    so the two runs' plans differ: each run is held to the bound)."""
     _, steps = run_checked(tiny_pair, method_name, ["greedy", "sampled", "logit-bias"], static_shapes=True)
     for count, kinds, stacks in steps:
         assert set(kinds) <= {"to_host"} and count <= bound, (kinds, "\n".join(stacks[:2]))

@@ -267,6 +267,54 @@ def test_mjsd_mechanics_and_its_lower_perplexity_with_a_perfect_draft(models):
     assert nll(wide) < nll(base)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_mjsds_device_beams_are_the_beam_search_over_fresh_forwards(models, monkeypatch, temperature):
+    """The beams MJSD chooses on the device, each level run through the draft under a mask gathered
+    from the beams' parents, against a beam search on the host whose every path runs through a
+    fresh draft forward of the whole context: the best beam's tokens and log q, every step of
+    several requests (batched, different depths as the room runs out)."""
+    from engine.batching import Block, run_blocks
+    from engine.speculative.mjsd import JointRule, chain_tokens, joint_logprobs
+
+    target, _, draft = models
+    beam, depth = 3, 4
+    seen = []
+    real = JointRule.start
+
+    def start(self, seqs, trees, logits):
+        for seq, tree in zip(seqs, trees):
+            seen.append((list(seq.tokens), seq, chain_tokens(tree, logits.device).tolist(), tree.joint_logq.tolist()))
+        return real(self, seqs, trees, logits)
+
+    monkeypatch.setattr(JointRule, "start", start)
+    run_engine(target, draft, PROMPTS, tree=(1,), max_tokens=10, temperature=temperature, seed=5,
+               spec=SpecOptions(method="mjsd-lossy"), config=dict(mjsd_beam=beam, mjsd_depth=depth))
+    assert len(seen) >= len(PROMPTS)
+
+    def draft_logits(ids):
+        cache = draft.model.new_cache(1, 64)
+        slot = cache.allocate()
+        _, lg = run_blocks(draft.model, cache, [Block(slot, ids, list(range(len(ids))), [len(ids) - 1])])
+        return lg[0]
+
+    for context, seq, tokens, logq in seen:
+        beams = [([], [], 0.0)]  # (path, log q of each token, joint log q)
+        for _ in range(len(tokens)):
+            grown = []
+            for path, lqs, score in beams:
+                lq = joint_logprobs(mjsd_pad(draft_logits(context + path), target.config.vocab_size), seq)[0]
+                grown += [(path + [t], lqs + [float(lq[t])], score + float(lq[t])) for t in range(lq.numel())]
+            beams = sorted(grown, key=lambda b: -b[2])[:beam]
+        path, lqs, _ = beams[0]
+        assert tokens == path, (context, tokens, path)
+        assert logq == pytest.approx(lqs, abs=1e-4)
+
+
+def mjsd_pad(logits, vocab):
+    v = logits.shape[-1]
+    return logits[..., :vocab] if v >= vocab else torch.nn.functional.pad(logits, (0, vocab - v), value=float("-inf"))
+
+
 def test_mjsd_rejects_penalties_and_is_never_the_default(models):
     from engine.config import EngineConfig
     target, _, other = models

@@ -155,7 +155,8 @@ def test_acceptance_boundary_is_u_times_q_below_p(nudge: int) -> None:
 def test_batched_target_init_matches_the_walk(seed: int) -> None:
     """The target-initialised (lossy) rule as tensors against ``verify_target_init`` +
     ``draw_candidates`` walked with the same numbers: the kept candidate and chain, the final row and
-    the next candidates, greedy and sampled rows mixed, DEAD candidates and empty first steps."""
+    the next candidates, and the emitted tokens' logprobs read with them; greedy and sampled rows mixed, DEAD
+    candidates and empty first steps."""
     from engine.sampler import compute_probs
     from engine.speculative.target_init import TargetInitCoins, draw_candidates, start_target_init, verify_target_init
     from engine.speculative.walk import residual
@@ -183,7 +184,8 @@ def test_batched_target_init_matches_the_walk(seed: int) -> None:
     logits = torch.randn(len(trees), r, vocab, generator=torch.Generator().manual_seed(seed)) * 2
     st = SamplingTensors.from_params(params, vocab, [i for i in range(len(trees)) for _ in range(r)])
     u_accept, u_cand = torch.rand(len(trees), r), torch.rand(len(trees), k)
-    got = start_target_init(logits, st, batch, u_accept, u_cand, k).result()
+    asked = [[None, 0, 3][b % 3] for b in range(len(trees))]  # logprobs: none, the token's, 3 alternatives
+    got = start_target_init(logits, st, batch, u_accept, u_cand, k, raw_logits=logits, logprobs=asked).result()
     for b, (tree, p) in enumerate(zip(trees, params)):
         st1 = SamplingTensors.from_params([p], vocab)
         coins = TargetInitCoins(u_accept[b], u_cand[b])
@@ -200,10 +202,18 @@ def test_batched_target_init_matches_the_walk(seed: int) -> None:
         if rejected and not p.greedy:
             law = residual(law, tree.q[want.final_row])
         cands = draw_candidates(logits[b, want.final_row], law, st1, k, coins)
-        res, got_cands = got[b]
+        res, got_cands, lps = got[b]
         assert (res.accepted, res.tokens, res.final_row, res.rows) == \
             (want.accepted, want.tokens, want.final_row, want.rows), f"sequence {b}"
         assert got_cands == cands, f"sequence {b}"
+        if asked[b] is None:
+            assert lps is None
+            continue
+        assert [lp.token_id for lp in lps] == want.tokens
+        for lp, row in zip(lps, want.rows):  # each token's logprob at its row, read with the decisions
+            logp = logits[b, row].log_softmax(-1)
+            assert lp.logprob == pytest.approx(float(logp[lp.token_id]), abs=1e-5)
+            assert [t for t, _ in lp.top] == logp.topk(asked[b]).indices.tolist()
 
 
 def test_plain_steps_take_the_short_path_to_the_same_tokens(monkeypatch) -> None:
