@@ -447,6 +447,8 @@ def run_configs(configs: list[tuple], target: LoadedModel, args) -> list[dict]:
                          tree=",".join(map(str, t)) or "-", declared=s["declared"], waits=s["waits"],
                          cuda_syncs=s["cuda_syncs"], tok_s_rounds=[x["tok_s"] for x in samples[i]],
                          errors=sum(x["errors"] for x in samples[i]), tok_s_warmup=[x["tok_s"] for x in warm[i]],
+                         # how much slower the first warm-up round ran than the timed ones (the first minute)
+                         warmup_x=med["tok_s"] / warm[i][0]["tok_s"] if warm[i] and warm[i][0]["tok_s"] else None,
                          graphs_captured=sum(r.buckets for r in captured.values()),
                          capture_s=sum(r.seconds for r in captured.values()),
                          graph_pool_mib=sum(r.pool_bytes for r in captured.values()) / 2**20))
@@ -461,7 +463,8 @@ def print_engine_table(runs: list[dict]) -> None:
                        ("host_ms_step", "ms until return", ".2f"), ("tok_step", "tok/step/seq", ".2f"),
                        ("declared", "reads/step", ".2f"), ("waits", "waits/step", ".2f"),
                        ("cuda_syncs", "CUDA syncs/step", ".2f"), ("graphs_captured", "graphs", "d"),
-                       ("capture_s", "capture s", ".1f"), ("graph_pool_mib", "pool MiB", ".0f"), ("errors", "errors", "d")])
+                       ("capture_s", "capture s", ".1f"), ("graph_pool_mib", "pool MiB", ".0f"),
+                       ("warmup_x", "warm-up x slower", ".2f"), ("errors", "errors", "d")])
 
 
 def project(runs: list[dict], big: list[dict], args) -> list[dict]:

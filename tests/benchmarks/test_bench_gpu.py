@@ -42,6 +42,7 @@ def test_bench_gpu_runs_on_the_cpu_and_its_figures_add_up(tmp_path, capsys):
         assert r["host_ms_step"] <= r["ms_step"] * 1.001
         assert r["tok_s"] > 0 and r["declared"] >= 1
         assert r["x_floor"] == pytest.approx(r["ms_step"] / floor[r["batch"]])
+        assert r["warmup_x"] == pytest.approx(r["tok_s"] / r["tok_s_warmup"][0])
     plain = [r for r in engine if r["config"] == "plain"]
     assert all(0.8 <= r["tok_step"] <= 1.0 for r in plain)  # one token per sequence and step (fewer as they end)
     self_draft = [r for r in engine if r["config"] == "mcsd, target as draft"]
