@@ -53,6 +53,8 @@ def parse_configs(spec: str) -> list[dict]:
                                           (default 2; t0: its branches from the root only)
     ...+maxgram:W:u                       Max-Gram without reading the draft's tree (maxgram_read_tree =
                                           false, the GPU preset's): unmerged branches, no tail
+    adaptive...:W:ns                      no level-by-level stop inside the step (adaptive_level_stop =
+                                          false, the GPU preset's): the budget's planned depth stands
     """
     out = []
     for item in spec.split(";"):
@@ -77,10 +79,14 @@ def parse_configs(spec: str) -> list[dict]:
                 c["config"]["draft_int8"] = True
             ts = [x for x in extra if x.startswith("t") and x[1:].isdigit()]
             unread = extra.count("u")
-            if (len(extra) != c["heads"] + len(hs) + len(vs) + q8 + len(ts) + unread or len(hs) > 1
-                    or len(vs) > 1 or q8 > 1 or len(ts) > 1 or unread > 1 or ((c["heads"] or hs) and not c["adaptive"])
+            no_stop = extra.count("ns")
+            if (len(extra) != c["heads"] + len(hs) + len(vs) + q8 + len(ts) + unread + no_stop or len(hs) > 1
+                    or len(vs) > 1 or q8 > 1 or len(ts) > 1 or unread > 1 or no_stop > 1
+                    or ((c["heads"] or hs or no_stop) and not c["adaptive"])
                     or ((ts or unread) and not kind.endswith("+maxgram"))):
                 raise SystemExit(f"unknown config {item!r}")
+            if no_stop:
+                c["config"]["adaptive_level_stop"] = False
             if kind.endswith("+maxgram"):
                 c.update(method="mcsd+maxgram", config={**MAXGRAM, **c["config"]})
                 if ts:
