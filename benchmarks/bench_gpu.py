@@ -16,7 +16,8 @@ not speedups:
   the draft-model trees ``--trees``, Max-Gram, mcsd+maxgram, the cascade, the target as its own draft
   (every token accepted: the ceiling of tokens per step), the GPU preset's adaptive speculation (which
   should fall back to about plain decoding's step where, as with random weights, drafting cannot
-  pay) and the first tree without graphs.  Per step: milliseconds, against the floor and against
+  pay), the first tree read after every level as the level-by-level SpecDec++ stop reads it (but
+  never stopping: the price of those reads) and the first tree without graphs.  Per step: milliseconds, against the floor and against
   plain decoding's step, the host reads the engine declares, its device-wide waits, and the
   synchronizing CUDA calls torch's sync debug mode counts; the graphs captured, the seconds and
   graph-pool memory capturing took;
@@ -229,6 +230,9 @@ def kernel_time(once, r: int) -> tuple[int | None, float | None]:
 #: the GPU preset's speculation (configs/gpu.toml): mcsd+maxgram, adaptive depth planned per step from
 #: the calibrated acceptance and the cost curve measured at start, no level-by-level stop
 ADAPTIVE = "adaptive mcsd+maxgram"
+#: the fixed tree drafted as the CPU default's level-by-level SpecDec++ stop drafts it, a host read after
+#: every level, but never stopping (threshold 1): against the same tree read once, the price of those reads
+LEVEL_READS = "mcsd, a read per level"
 
 
 def engine_core(target, draft, batch: int, prompt_len: int, new_tokens: int, tree, method: str,
@@ -238,12 +242,14 @@ def engine_core(target, draft, batch: int, prompt_len: int, new_tokens: int, tre
     adaptive depth, no load-aware budget) unless ``method`` is :data:`ADAPTIVE`, which measures its cost
     curve at start and may choose plain decoding or Max-Gram where the draft cannot pay (with random
     weights it cannot)."""
-    adaptive = method == ADAPTIVE
+    adaptive, level_reads = method == ADAPTIVE, method == LEVEL_READS
     # Max-Gram as the GPU preset runs it: the draft's tokens stay on the device (one read a step)
+    extra = dict(adaptive_threshold=1.0) if level_reads else {}
     config = EngineConfig.from_settings(max_batch=batch, max_model_len=prompt_len + new_tokens + 64, tree=tree,
-                                        spec_method="mcsd+maxgram" if adaptive else method, adaptive=adaptive,
-                                        load_aware=adaptive, adaptive_level_stop=False, cuda_graphs=graphs,
-                                        graph_batches=(batch,), maxgram_read_tree=False)
+                                        spec_method="mcsd+maxgram" if adaptive else "mcsd" if level_reads else method,
+                                        adaptive=adaptive or level_reads, load_aware=adaptive,
+                                        adaptive_level_stop=level_reads, cuda_graphs=graphs, graph_batches=(batch,),
+                                        maxgram_read_tree=False, **extra)
     return EngineCore(target, draft, config)
 
 
@@ -368,6 +374,7 @@ def main(argv=None) -> None:
         configs += [("maxgram", b, draft, True, t0, "maxgram", True), ("cascade", b, draft, True, t0, "cascade", True),
                     (f"mcsd+maxgram {','.join(map(str, t0))}", b, draft, True, t0, "mcsd+maxgram", True),
                     ("adaptive (GPU preset)", b, draft, True, t0, ADAPTIVE, True),
+                    (f"mcsd {','.join(map(str, t0))}, a read per level", b, draft, True, t0, LEVEL_READS, True),
                     ("mcsd, target as draft", b, target, True, t0, "mcsd", True),
                     (f"mcsd {','.join(map(str, t0))}", b, draft, True, t0, "mcsd", False)]
     runs = run_configs(configs, target, args)

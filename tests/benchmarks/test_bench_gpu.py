@@ -34,7 +34,7 @@ def test_bench_gpu_runs_on_the_cpu_and_its_figures_add_up(tmp_path, capsys):
     assert {(r["config"], r["batch"], r["graphs"]) for r in engine} == {
         ("plain", 1, True), ("plain", 1, False), ("plain", 2, True), ("plain", 2, False), ("mcsd 2,1", 1, True),
         ("mcsd 1", 1, True), ("maxgram", 1, True), ("cascade", 1, True), ("mcsd+maxgram 2,1", 1, True),
-        ("adaptive (GPU preset)", 1, True),
+        ("adaptive (GPU preset)", 1, True), ("mcsd 2,1, a read per level", 1, True),
         ("mcsd, target as draft", 1, True), ("mcsd 2,1", 1, False)}
     floor = {f["batch"]: f["ms"] for f in result["floor"]}
     for r in engine:
@@ -49,6 +49,10 @@ def test_bench_gpu_runs_on_the_cpu_and_its_figures_add_up(tmp_path, capsys):
     assert all(r["tok_step"] > 1.5 for r in self_draft)  # the target drafting for itself is accepted
     assert [r["declared"] for r in engine if r["config"] == "mcsd 2,1"] == [1.0, 1.0]  # the tree comes with verification
     assert [r["declared"] for r in engine if r["config"] == "mcsd+maxgram 2,1"] == [1.0]  # Max-Gram reads no tree
+    # the same tree read after every level (never stopping): the same tokens, more reads
+    (levels,) = [r for r in engine if r["config"] == "mcsd 2,1, a read per level"]
+    (once,) = [r for r in engine if r["config"] == "mcsd 2,1" and r["graphs"]]
+    assert levels["tok_step"] == once["tok_step"] and levels["declared"] > 2
     projection = result["projection"]
     assert [(p["config"], p["temperature"]) for p in projection] == [
         ("tree 2,1", 0.0), ("chain 1", 0.7), ("tree+maxgram 2,1 u", 0.0)]
