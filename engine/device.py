@@ -7,7 +7,7 @@ that once where it must, so these helpers are the only places a step moves data:
 
 * :func:`to_device` copies host tensors to the device without waiting for it (through pinned
   memory on CUDA), :func:`to_device_many` several of them in one copy per dtype;
-* :func:`to_host` brings any number of device tensors back behind one synchronization;
+* :func:`to_host` brings any number of device tensors back behind one synchronization, in one copy;
 * :func:`synchronize` waits for the device, before a clock is read for a timing (start-up
   measurements); a step times its parts with :class:`DeviceTimer`, which never waits.
 
@@ -74,16 +74,49 @@ def tensor(data, device: torch.device, dtype: torch.dtype = torch.long) -> torch
 
 
 def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """Host copies of ``tensors`` behind a single synchronization with their device."""
+    """Host copies of ``tensors`` behind a single synchronization with their device.  On CUDA the
+    device's tensors travel in one non-blocking copy into pinned memory: their bytes packed into one
+    buffer there (:func:`pack_bytes`), unpacked here as views of the pinned copy."""
     for listener in sync_listeners:
         listener("to_host")
     with _transfer():
-        cuda = [t for t in tensors if t.device.type == "cuda"]
+        cuda = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
         if not cuda:
             return [t.detach().cpu() for t in tensors]
-        out = [t.detach().to("cpu", non_blocking=True) if t.device.type == "cuda" else t for t in tensors]
-        torch.cuda.current_stream(cuda[0].device).synchronize()
+        out = list(tensors)
+        if len(cuda) == 1:
+            out[cuda[0]] = tensors[cuda[0]].detach().to("cpu", non_blocking=True)
+        else:
+            packed, layout = pack_bytes([tensors[i] for i in cuda])
+            host = torch.empty(packed.numel(), dtype=torch.uint8, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            for i, t in zip(cuda, unpack_bytes(host, layout)):
+                out[i] = t
+        torch.cuda.current_stream(tensors[cuda[0]].device).synchronize()
         return out
+
+
+Layout = list[tuple[int, int, torch.dtype, torch.Size]]
+
+
+def pack_bytes(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, Layout]:
+    """One uint8 tensor on the tensors' device holding the bytes of all of them (one kernel), and
+    where each one lies: ``(byte offset, bytes, dtype, shape)`` in the tensors' order.  The widest
+    items come first, so every tensor starts at a multiple of its item size and unpacks as a view."""
+    layout: Layout = [(0, 0, t.dtype, t.shape) for t in tensors]
+    parts, at = [], 0
+    for i in sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size()):
+        flat = tensors[i].detach().reshape(-1)
+        size = flat.numel() * flat.element_size()
+        parts.append(flat.view(torch.uint8))
+        layout[i] = (at, size, flat.dtype, tensors[i].shape)
+        at += size
+    return torch.cat(parts), layout
+
+
+def unpack_bytes(buffer: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """The tensors :func:`pack_bytes` packed, as views of ``buffer`` (its packed bytes, anywhere)."""
+    return [buffer[at: at + size].view(dtype).view(shape) for at, size, dtype, shape in layout]
 
 
 class Pending:

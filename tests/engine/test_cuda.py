@@ -60,6 +60,22 @@ def pair16():
     return cuda_pair(torch.bfloat16)
 
 
+def test_a_read_brings_mixed_tensors_back_in_one_pinned_copy():
+    """``to_host`` packs the device's tensors into one buffer, copies it once into pinned memory and
+    unpacks views: every dtype, shape and layout comes back equal, host tensors pass through."""
+    dev = torch.device("cuda")
+    tensors = [torch.tensor(3, device=dev), torch.tensor([True, False, True], device=dev),
+               torch.randn(3, 4, device=dev).t(), torch.arange(5, dtype=torch.int32, device=dev),
+               torch.zeros(0, dtype=torch.long, device=dev), torch.randn(3, device=dev).bfloat16(),
+               torch.tensor([7, 8])]
+    with engine_device.sync_report() as report:
+        host = engine_device.to_host(*tensors)
+    assert report.declared["to_host"] == 1
+    for t, h in zip(tensors, host):
+        assert h.device.type == "cpu" and h.dtype == t.dtype and torch.equal(h, t.cpu())
+    assert all(h.is_pinned() for h in host[:-1])
+
+
 def test_the_models_are_on_the_device(pair32):
     for lm in pair32:
         assert lm.model.device.type == "cuda"

@@ -135,6 +135,32 @@ def test_adaptive_speculation_without_the_level_stop_reads_once(pair, method, bo
     assert max(count for count, _, _ in steps) == bound
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_packed_bytes_unpack_to_the_same_tensors(seed):
+    """``to_host``'s one copy on CUDA (``pack_bytes`` there, ``unpack_bytes`` of the pinned copy): any
+    mix of dtypes, shapes (0-dim, empty) and layouts (transposed) unpacks to equal tensors, each a view
+    aligned to its item size."""
+    import torch
+
+    from engine.device import pack_bytes, unpack_bytes
+
+    gen = torch.Generator().manual_seed(seed)
+    dtypes = [torch.long, torch.int32, torch.bool, torch.float32, torch.float64, torch.bfloat16, torch.uint8]
+    shapes = [(), (0,), (1,), (3,), (2, 5), (4, 3, 2)]
+    tensors = []
+    for _ in range(1 + seed % 7):
+        dtype = dtypes[int(torch.randint(len(dtypes), (1,), generator=gen))]
+        shape = shapes[int(torch.randint(len(shapes), (1,), generator=gen))]
+        t = (torch.randn(shape, generator=gen) * 100).to(dtype) if dtype != torch.bool else torch.rand(shape, generator=gen) < 0.5
+        tensors.append(t.t() if t.dim() == 2 else t)
+    packed, layout = pack_bytes(tensors)
+    assert packed.dtype == torch.uint8 and packed.numel() == sum(t.numel() * t.element_size() for t in tensors)
+    out = unpack_bytes(packed.clone(), layout)
+    for t, u in zip(tensors, out):
+        assert u.dtype == t.dtype and u.shape == t.shape and torch.equal(u, t)
+        assert (u.data_ptr() - u.untyped_storage().data_ptr()) % t.element_size() == 0  # aligned: a view
+
+
 def test_the_device_timer_reads_the_host_clock_off_cuda():
     import time
 
