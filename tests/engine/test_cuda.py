@@ -73,7 +73,7 @@ def test_a_read_brings_mixed_tensors_back_in_one_pinned_copy():
     assert report.declared["to_host"] == 1
     for t, h in zip(tensors, host):
         assert h.device.type == "cpu" and h.dtype == t.dtype and torch.equal(h, t.cpu())
-    assert all(h.is_pinned() for h in host[:-1])
+    assert all(h.is_pinned() for h in host[:-1] if h.numel())
 
 
 def test_the_models_are_on_the_device(pair32):
