@@ -244,14 +244,11 @@ class DraftModelProposer:
     @staticmethod
     def _place(trees: list[DraftTree], d: int, parent_rows: list[list[int]], chosen: list[list[int]],
                first: list[int]) -> None:
-        for j, tree in enumerate(trees):
-            lv, k = tree.sub.level(d), tree.sub.widths[d - 1]
-            for n, node in enumerate(range(lv.start, lv.stop)):
-                pj, rank = divmod(n, k)
-                prow = parent_rows[j][pj]
-                alive = prow == 0 or tree.tokens[prow - 1] != DEAD
-                tok = chosen[first[j] + pj][rank] if alive else DEAD
-                tree.tokens[node] = tok if tok >= 0 else DEAD
+        """Level ``d`` of ``trees`` from the host's copy of ``chosen`` (:func:`level_slots`)."""
+        for j, node, row, rank, parent in level_slots(trees, d, parent_rows, first):
+            tree = trees[j]
+            tok = chosen[row][rank] if parent < 0 or tree.tokens[parent] != DEAD else DEAD
+            tree.tokens[node] = tok if tok >= 0 else DEAD
 
     def _histories(self, seqs, trees, parent_rows, device: torch.device, kept: Optional["DeviceTokens"] = None,
                    which: Optional[list[int]] = None):
@@ -307,6 +304,17 @@ class DraftModelProposer:
         return torch.cat([logits, pad], dim=-1)
 
 
+def level_slots(trees: list[DraftTree], d: int, parent_rows: list[list[int]], first: list[int]):
+    """Where each depth-``d`` node of ``trees`` comes from, in level order: ``(tree j, node, row of
+    the sampled children it is in, its rank there, parent node or -1 for the root)``.  A node takes
+    its row's ``rank``-th child, DEAD when its parent is (both placements follow this)."""
+    for j, tree in enumerate(trees):
+        lv, k = tree.sub.level(d), tree.sub.widths[d - 1]
+        for n, node in enumerate(range(lv.start, lv.stop)):
+            pj, rank = divmod(n, k)
+            yield j, node, first[j] + pj, rank, parent_rows[j][pj] - 1
+
+
 def record_features(trees: list[DraftTree], d: int, parent_rows: list[list[int]], first: list[int], full: bool,
                     host: list[torch.Tensor]) -> None:
     """The level's features, for the policy, from the host copies of what ``_sample_level`` computed:
@@ -350,14 +358,11 @@ class DeviceTokens:
         """Level ``d`` of ``trees`` (tree ``j`` is entry ``which[j]``) from ``chosen`` [rows, width]."""
         width = chosen.shape[1]
         dst, src, parent = [], [], []
-        for j, tree in enumerate(trees):
-            lv, k, off = tree.sub.level(d), tree.sub.widths[d - 1], self.offsets[which[j]]
-            for n, node in enumerate(range(lv.start, lv.stop)):
-                pj, rank = divmod(n, k)
-                prow = parent_rows[j][pj]
-                dst.append(off + node)
-                src.append((first[j] + pj) * width + rank)
-                parent.append(self.root if prow == 0 else off + prow - 1)
+        for j, node, row, rank, up in level_slots(trees, d, parent_rows, first):
+            off = self.offsets[which[j]]
+            dst.append(off + node)
+            src.append(row * width + rank)
+            parent.append(self.root if up < 0 else off + up)
         dev = self.flat.device
         dst_t, src_t, parent_t = to_device_many([torch.tensor(x, dtype=torch.long) for x in (dst, src, parent)], dev)
         tok = chosen.reshape(-1).index_select(0, src_t)
