@@ -283,9 +283,10 @@ def emitted_logprobs(raw: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor
     alternatives sequence ``b`` wants (``None``: no logprobs).  Returns ``[chosen [B, N]]``, then
     ``[ids, values]`` [B, N, k] of the ``k`` best when some sequence wants alternatives
     (:func:`unpack_logprobs` reads them)."""
-    top_k = max((k for k in logprobs if k is not None), default=-1)
-    if top_k < 0:
+    asked = [k for k in logprobs if k is not None]
+    if not asked:
         return []
+    top_k = max(asked)
     seq = torch.arange(rows.shape[0], device=rows.device)
     lp = raw_logprobs(raw[seq[:, None], rows])  # [B, N, V]
     out = [lp.gather(2, tokens[..., None])[..., 0]]

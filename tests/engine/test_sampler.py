@@ -364,3 +364,31 @@ def test_sample_without_replacement_matches_exact_joint_law():
     naive = ordered_tuple_law(p, k, replacement=True)
     z = sum(naive[t] for t in keys)
     assert chisquare(obs, [naive[t] / z * n for t in keys]).pvalue < 1e-6
+
+
+def test_a_draft_levels_sampling_compiles_as_one_graph():
+    """What a draft level does on the device for its rows (penalties, bias, temperature, top-k/p/min-p,
+    then children drawn without replacement) has no data-dependent host step:
+    ``torch.compile(fullgraph=True)`` traces it whole and draws what the eager code draws."""
+    from engine.sampler import finish_probs, process_logits
+
+    params = [SamplingParams(temperature=0.8, top_p=0.7, top_k=20, min_p=0.05, max_tokens=4, presence_penalty=0.5,
+                             frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={5: 3.0}),
+              SamplingParams(temperature=1.0, max_tokens=4)]
+    gen = torch.Generator().manual_seed(0)
+    vocab = 50
+    st = SamplingTensors.from_params(params, vocab, [0, 0, 1])
+    x = torch.randn(3, vocab, generator=gen)
+    counts = torch.randint(0, 3, (3, vocab), dtype=torch.int32, generator=gen)
+    prompt = torch.rand(3, vocab, generator=gen) < 0.2
+    u = torch.rand(3, 2, generator=gen)
+
+    def level(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = finish_probs(process_logits(logits, st, counts, prompt), st)
+        return sample_k_distinct(probs, u), probs
+
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(level)(x)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain.break_reasons
+    compiled = torch.compile(level, fullgraph=True, backend="eager")
+    assert all(torch.equal(a, b) for a, b in zip(level(x), compiled(x)))

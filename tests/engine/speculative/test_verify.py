@@ -15,7 +15,7 @@ from engine.sampler import SamplingTensors, raw_logprobs
 from engine.speculative.draft_tree import DEAD, MAXGRAM, DraftTree
 from engine.speculative.proposer import DeviceTokens
 from engine.speculative.tree import TreeTopology
-from engine.speculative.verify import TableCoins, TreeBatch, draw_tables, verify_batch
+from engine.speculative.verify import TableCoins, TreeBatch, draw_tables, start_verify, verify_batch
 from engine.speculative.walk import verify_greedy, verify_sampled
 
 CPU = torch.device("cpu")
@@ -92,6 +92,29 @@ def test_batched_verifier_matches_the_walk(seed: int, without_replacement: bool)
         for j, t in enumerate(out.logprobs[b]):
             assert t.logprob == pytest.approx(float(lp[j, want.tokens[j]]), abs=1e-6)
             assert [i for i, _ in t.top] == lp[j].topk(logprobs[b]).indices.tolist()
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+@pytest.mark.parametrize("greedy", [False, True], ids=["mixed", "all-greedy"])
+def test_the_verification_step_compiles_as_one_graph(seed: int, greedy: bool) -> None:
+    """``start_verify``'s device work (every decision, the walk, the logprobs) has no data-dependent
+    host step: ``torch.compile(fullgraph=True)`` traces it whole, and the compiled step decides what the
+    eager one does.  What varies with the batch (its trees' shape, which rows sample) is host-known."""
+    trees, params, batch_trees, logits, st, uniforms = batch_case(seed)
+    if greedy:
+        st = SamplingTensors.from_params([SamplingParams(temperature=0.0, max_tokens=8)], 9,
+                                         [0] * (len(trees) * batch_trees.num_rows))
+        uniforms = None
+    asked = [2 if i % 2 else None for i in range(len(trees))]
+
+    def step(x: torch.Tensor) -> list[torch.Tensor]:
+        return start_verify(x, st, batch_trees, uniforms, True, raw_logits=x, logprobs=asked).tensors
+
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(step)(logits)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain.break_reasons
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    assert all(torch.equal(a, b) for a, b in zip(step(logits), compiled(logits)))
 
 
 def test_all_greedy_batch_never_builds_probabilities() -> None:
