@@ -31,11 +31,13 @@ prefix) are one event: a deterministic proposal repeated carries no new informat
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from engine.device import to_host
 from engine.speculative.features import NodeFeatures
 from engine.speculative.tree import SubTree
 
@@ -69,9 +71,9 @@ class DraftTree:
     draft_index: Optional[list[int]] = None
     joint_logq: Optional[torch.Tensor] = None  # MJSD (lossy): [n] log q of each chain token, on the device
     grammar_masks: Optional["Masks"] = None  # structured output: each row's allowed tokens (speculative.constrained)
-    #: the device holder of ``tokens`` while the host has not read them (``proposer.DeviceTokens``); reading
+    #: the device holder of ``tokens`` while the host has not read them (:class:`HeldTokens`); reading
     #: ``tokens`` reads them then, so only code that must not wait for the device looks here first
-    unread: Optional[Any] = field(default=None, repr=False, compare=False)
+    unread: Optional["HeldTokens"] = field(default=None, repr=False, compare=False)
 
     def cut(self, sub: SubTree) -> None:
         """Stop at ``sub``, a prefix of this tree's subtree (its first ``sub.num_nodes`` nodes).
@@ -223,6 +225,54 @@ class DraftTree:
                 break
             out.append(e)
         return out
+
+
+class HeldTokens:
+    """The drafted tokens of a step's trees, on the device until the host reads them: verification
+    gathers them there (``verify.TreeBatch``, ``runner.verification_ids``) and reads them back with its
+    decisions, in the step's one read (:meth:`fill`); whoever reads a tree's ``tokens`` before that
+    reads them all (:meth:`read`).  Flat: tree ``j``'s node ``n`` is entry ``offsets[j] + n`` of
+    ``flat`` (which a subclass fills); the last entry is a live stand-in for every root.  A subclass
+    may bring more back with the tokens (:meth:`tensors`, :meth:`fill`)."""
+
+    flat: torch.Tensor
+
+    def __init__(self, trees: list[DraftTree]) -> None:
+        sizes = [t.num_nodes for t in trees]
+        self.trees = trees  # every tree of the step, in the drafter's order
+        self.offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
+        self.root = sum(sizes)
+        self._offset_of = {id(t): off for t, off in zip(trees, self.offsets)}
+
+    def hold(self) -> None:
+        """The trees are whole: their tokens stay here until read (``DraftTree.unread``)."""
+        for t in self.trees:
+            t.unread = self
+
+    def offset_of(self, tree: DraftTree) -> int:
+        """Where ``tree``'s first node is in :attr:`flat`."""
+        return self._offset_of[id(tree)]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What the host reads back: the tokens first."""
+        return [self.flat]
+
+    def read(self) -> None:
+        """Reads every held tree's tokens now, in one host read."""
+        self.fill(to_host(*self.tensors()))
+
+    def fill(self, host: list[torch.Tensor]) -> bool:
+        """Every held tree's tokens from ``host`` (:meth:`tensors` read back, with other results or by
+        :meth:`read`); False when they were filled already."""
+        if all(tree.unread is not self for tree in self.trees):
+            return False
+        flat = host[0].tolist()
+        for off, tree in zip(self.offsets, self.trees):
+            if tree.unread is self:
+                tree.unread = None
+                size = tree.num_sub  # nodes appended since (``add_path(merge=False)``) are the host's
+                tree.tokens = flat[off: off + size] + tree.known_tokens_after(size)
+        return True
 
 
 def holders(trees) -> list:

@@ -18,7 +18,6 @@ Penalties are not supported with this method (the request is rejected with a cle
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -28,10 +27,10 @@ import torch
 from engine.batching import Block
 from engine.config import DrafterSettings, setting
 from engine.device import tensor as device_tensor
-from engine.device import Pending, to_host
+from engine.device import Pending
 from engine.registry import Method, drafter_settings, register_drafter, register_method, register_rule
 from engine.sampler import SamplingTensors, apply_logit_bias, compute_probs, sample_tokens
-from engine.speculative.draft_tree import DEAD, DraftTree
+from engine.speculative.draft_tree import DEAD, DraftTree, HeldTokens
 from engine.speculative.drafter import DrafterContext
 from engine.speculative.methods import DraftPlan, PlanInput
 from engine.speculative.proposer import DraftModelProposer
@@ -103,16 +102,14 @@ class MjsdProposer:
             if to_run:
                 for j, lg in zip(to_run, self._run([seqs[j] for j in to_run], [levels[j] for j in to_run], level)):
                     rows[j] = lg
-        held = HeldChains([self._best(lv, sc) for lv, sc in zip(levels, scores)])
         trees = []
-        for j, (lv, empty) in enumerate(zip(levels, empties)):
+        for lv, empty in zip(levels, empties):
             assert empty.num_nodes == 0
             topology = chain_topology(len(lv))
             tree = DraftTree(topology.subtree(topology.widths), [DEAD] * len(lv))
             tree.sources = {i: {MJSD} for i in range(len(lv))}
-            tree.joint_logq = held.logq[j]
             trees.append(tree)
-        held.hold(trees)
+        HeldChains(trees, [self._best(lv, sc) for lv, sc in zip(levels, scores)]).hold()
         return trees
 
     def _expand(self, seq: SeqView, levels: list[_Level], logits: torch.Tensor,
@@ -162,45 +159,30 @@ class MjsdProposer:
         return torch.cat(tokens[::-1]), torch.cat(logq[::-1]), torch.cat(entries[::-1])
 
 
-class HeldChains:
-    """The best beams of a step's MJSD trees, on the device until verification reads them with its
-    decisions (a holder of ``DraftTree.unread``, as ``proposer.DeviceTokens``): tree ``j``'s tokens are
-    ``flat[offsets[j]:]``, the last entry a live stand-in for every root."""
+class HeldChains(HeldTokens):
+    """The best beams of a step's MJSD trees (:class:`HeldTokens`): ``paths[j]`` is tree ``j``'s
+    (tokens, log q, draft-cache entries), all on the device.  Each tree's ``joint_logq`` stays there;
+    its entries come back with its tokens (``DraftTree.draft_index``)."""
 
-    def __init__(self, paths: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-        self.offsets = list(itertools.accumulate([0] + [t.numel() for t, _, _ in paths]))[:-1]
-        self.root = sum(t.numel() for t, _, _ in paths)
+    def __init__(self, trees: list[DraftTree], paths: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        super().__init__(trees)
         tokens = [t for t, _, _ in paths]
-        self.flat = torch.cat(tokens + [torch.zeros(1, dtype=torch.long, device=tokens[0].device)])
+        self.flat = torch.cat(tokens + [tokens[0].new_zeros(1)])
         self.entries = torch.cat([e for _, _, e in paths])
-        self.logq = [q for _, q, _ in paths]
-        self.trees: list[DraftTree] = []
-        self._offset_of: dict[int, int] = {}
-
-    def hold(self, trees: list[DraftTree]) -> None:
-        """``trees[j]`` (path ``j``'s) reads its tokens from here until they are read."""
-        self.trees = trees
-        self._offset_of = {id(t): off for t, off in zip(trees, self.offsets)}
-        for t in trees:
-            t.unread = self
-
-    def offset_of(self, tree: DraftTree) -> int:
-        return self._offset_of[id(tree)]
+        for tree, (_, logq, _) in zip(trees, paths):
+            tree.joint_logq = logq
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.flat, self.entries]
 
-    def read(self) -> None:
-        self.fill(to_host(*self.tensors()))
-
-    def fill(self, host: list[torch.Tensor]) -> None:
-        """Every held tree's tokens and draft-cache entries from :meth:`tensors` read back."""
-        flat, entries = host[0].tolist(), host[1].tolist()
+    def fill(self, host: list[torch.Tensor]) -> bool:
+        """Every held tree's tokens and draft-cache entries."""
+        if not super().fill(host):
+            return False
+        entries = host[1].tolist()
         for off, tree in zip(self.offsets, self.trees):
-            if tree.unread is self:
-                tree.unread = None
-                n = tree.num_sub
-                tree.tokens, tree.draft_index = flat[off: off + n], entries[off: off + n]
+            tree.draft_index = entries[off: off + tree.num_sub]
+        return True
 
 
 def start_joint(chains: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, SeqView]], tau: float,

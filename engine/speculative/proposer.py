@@ -31,7 +31,7 @@ from engine.sampler import (
 )
 from engine.speculative.adaptive import SpecPolicy, StepBudget
 from engine.speculative.constrained import mask_rows, path_masks, tree_row_paths
-from engine.speculative.draft_tree import DEAD, DraftTree
+from engine.speculative.draft_tree import DEAD, DraftTree, HeldTokens
 from engine.speculative.drafter import DrafterContext
 from engine.speculative.features import ParentStats, level_features, parent_stats
 from engine.speculative.history import PathCounts
@@ -86,8 +86,8 @@ class DraftModelProposer:
 
     @staticmethod
     def _force_first_level(trees: list[DraftTree], forced: list, kept: Optional["DeviceTokens"]) -> None:
-        """Replaces the first level of every tree with forced tokens (known on the host: the
-        candidates last step's read brought back) by theirs, padded with DEAD."""
+        """Each tree with ``forced`` tokens (known on the host: the candidates last step's read
+        brought back) gets them as its first level, padded with DEAD."""
         for i, tokens in enumerate(forced):
             if tokens is not None:
                 k = trees[i].sub.widths[0]
@@ -328,27 +328,17 @@ def record_features(trees: list[DraftTree], d: int, parent_rows: list[list[int]]
                                             tree.tokens[tree.sub.level(d)], hidden[j]))
 
 
-class DeviceTokens:
-    """The drafted tokens of a step's trees, on the device while the trees grow: each level's children
-    are placed from the sampled ``chosen`` rows by a gather (a child of a dead node is dead), and the
-    next level's token ids are gathered from here.  Once the trees are whole they are *held*
-    (:meth:`hold`): each tree's ``unread`` points here, verification gathers their tokens on the
-    device (``verify.TreeBatch``, ``runner.verification_ids``) and reads them back with its decisions,
-    in the step's one read (:meth:`fill`); whoever reads a tree's ``tokens`` before that reads them
-    all (:meth:`read`).  Flat: tree ``j``'s node ``n`` is entry ``offsets[j] + n``; the last entry is a
-    live stand-in for every root."""
+class DeviceTokens(HeldTokens):
+    """The drafted tokens of a step's trees while the draft grows them (:class:`HeldTokens`): each
+    level's children are placed from the sampled ``chosen`` rows by a gather (a child of a dead node is
+    dead), and the next level's token ids are gathered from here.  The policy's features of each level
+    come back with the tokens."""
 
     def __init__(self, trees: list[DraftTree], device: torch.device) -> None:
-        self.offsets, total = [], 0
-        for t in trees:
-            self.offsets.append(total)
-            total += t.num_nodes
-        self.root = total
-        flat = torch.full((total + 1,), DEAD, dtype=torch.long)
-        flat[total] = 0
+        super().__init__(trees)  # ``which`` below indexes ``trees``
+        flat = torch.full((self.root + 1,), DEAD, dtype=torch.long)
+        flat[self.root] = 0
         self.flat = to_device(flat, device)
-        self.trees = trees  # every tree of the step, in the proposer's order (``which`` indexes it)
-        self._offset_of = {id(t): off for t, off in zip(trees, self.offsets)}
         # per sampled level, the policy's features still on the device: (which, depth, parent rows, first
         # rows, full, tensors); recorded once the tokens are read
         self.levels: list[tuple] = []
@@ -394,35 +384,15 @@ class DeviceTokens:
         """What the host reads back: the tokens, then every kept level's features."""
         return [self.flat] + [t for level in self.levels for t in level[5]]
 
-    def hold(self) -> None:
-        """The trees are whole: their tokens stay here until read (``DraftTree.unread``)."""
-        for t in self.trees:
-            t.unread = self
-
-    def offset_of(self, tree: DraftTree) -> int:
-        """Where ``tree``'s first node is in :attr:`flat`."""
-        return self._offset_of[id(tree)]
-
-
-    def read(self) -> None:
-        """Reads every held tree's tokens (and kept features) now, in one host read."""
-        self.fill(to_host(*self.tensors()))
-
-    def fill(self, host: list[torch.Tensor]) -> None:
-        """Every held tree's tokens, then its kept features, from ``host``: :meth:`tensors` read back
-        (with other results, or by :meth:`read`)."""
-        if all(tree.unread is not self for tree in self.trees):
-            return  # filled already
-        flat = host[0].tolist()
-        for off, tree in zip(self.offsets, self.trees):
-            if tree.unread is self:
-                tree.unread = None
-                size = tree.num_sub  # nodes appended since (``add_path(merge=False)``) are the host's
-                tree.tokens = flat[off: off + size] + tree.known_tokens_after(size)
+    def fill(self, host: list[torch.Tensor]) -> bool:
+        """Every held tree's tokens, then its kept features, from ``host``."""
+        if not super().fill(host):
+            return False
         at = 1
         for which, d, parent_rows, first, full, tensors in self.levels:
             record_features([self.trees[i] for i in which], d, parent_rows, first, full, host[at: at + len(tensors)])
             at += len(tensors)
+        return True
 
 
 @register_drafter

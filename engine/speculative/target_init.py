@@ -216,7 +216,7 @@ def start_target_init(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, u_
             n, final = vals[2 * depth], vals[2 * depth + 1]
             nodes = vals[:n]
             result = VerifyResult(nodes, vals[depth: depth + n], bonus=False, final_row=final,
-                                  rows=[0] + [1 + i for i in nodes[:-1]])
+                                  rows=[0] + [1 + node for node in nodes[:-1]])
             lps = unpack_logprobs(host[1:], i, result.tokens, logprobs[i] if i < len(logprobs) else None)
             out.append((result, [t for t in vals[2 * depth + 2: 2 * depth + 2 + k] if t >= 0], lps))
         return out
