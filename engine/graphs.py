@@ -166,14 +166,19 @@ def host_inputs(cache: KVCache, bucket: Bucket, width: int, positions: torch.Ten
     return [pos, tables, lens, start, cnt, mask]
 
 
-def place_block_mask(buffer: torch.Tensor, block_mask: torch.Tensor, counts: list[int]) -> None:
-    """Writes a forward's own mask ``block_mask`` [batch, t, w] (on the device or the host) into the
-    bucket's ``buffer`` [B, R, width] on the device, in place of the causal rows :func:`host_inputs`
-    made: each sequence's real rows see what its mask says, its padded rows only themselves."""
-    b, t = block_mask.shape[:2]
-    w = min(block_mask.shape[-1], buffer.shape[-1])
-    real = torch.arange(t)[None, :, None] < torch.tensor(counts)[:, None, None]  # [b, t, 1]
-    mask, real = to_device_many([block_mask[:, :, :w], real], buffer.device)
+def block_mask_rows(block_mask: torch.Tensor, counts: list[int], width: int) -> list[torch.Tensor]:
+    """What :func:`place_block_mask` writes for a forward's own mask ``block_mask`` [batch, t, w] (on
+    the device or the host): the mask cut to ``width`` columns and which of its rows are real
+    ([batch, t, 1], host), to move to the device with the other inputs."""
+    t = block_mask.shape[1]
+    return [block_mask[:, :, :width], torch.arange(t)[None, :, None] < torch.tensor(counts)[:, None, None]]
+
+
+def place_block_mask(buffer: torch.Tensor, mask: torch.Tensor, real: torch.Tensor) -> None:
+    """Writes a forward's own mask into the bucket's ``buffer`` [B, R, width] in place of the causal
+    rows :func:`host_inputs` made (:func:`block_mask_rows`' tensors, on the buffer's device): each
+    sequence's real rows see what its mask says, its padded rows only themselves."""
+    b, t, w = mask.shape
     buffer[:b, :t].zero_()
     buffer[:b, :t, :w] = mask & real
 
@@ -274,10 +279,13 @@ class CapturedForwards:
         inp = entry.inputs
         inp.ids.zero_()  # the ids are on the device already
         inp.ids[:b, :t].copy_(ids)
-        for buf, src in zip(inp.tensors()[1:], to_device_many(host, self.cache.k.device)):
+        # a block's own mask may be on the device already (the host has not read it): it joins there
+        own = block_mask_rows(block_mask, counts, self.grid.width) if block_mask is not None else []
+        moved = to_device_many(host + own, self.cache.k.device)
+        for buf, src in zip(inp.tensors()[1:], moved):
             buf.copy_(src, non_blocking=True)
-        if block_mask is not None:  # it may be on the device already (the host has not read it)
-            place_block_mask(inp.block_mask, block_mask, counts)
+        if own:
+            place_block_mask(inp.block_mask, *moved[len(host):])
         self.replays += 1
         if entry.graph is not None:
             entry.graph.replay()

@@ -19,7 +19,7 @@ import torch
 from engine.batching import Block, run_blocks
 from engine.config import EngineConfig
 from engine.graphs import Bucket, BucketGrid, CapturedForwards, StaticInputs, default_kv_buckets, row_buckets
-from engine.graphs import host_inputs, place_block_mask, static_hidden
+from engine.graphs import block_mask_rows, host_inputs, place_block_mask, static_hidden
 from engine.registry import method_names
 from engine.request import SpecOptions
 from tests.engine.test_device import run_checked
@@ -89,7 +89,7 @@ def test_a_blocks_own_mask_replaces_the_causal_rows_of_its_real_rows_only():
     nothing (``build_mask`` lets them see their own position)."""
     buffer = torch.ones(2, 4, 8, dtype=torch.bool)
     own = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
-    place_block_mask(buffer, own, [2])
+    place_block_mask(buffer, *block_mask_rows(own, [2], 8))
     assert buffer[0, :2, :3].equal(own[0, :2]) and not buffer[0, :2, 3:].any()
     assert not buffer[0, 2].any()  # past the count: padding
     assert buffer[0, 3].all() and buffer[1].all()  # outside the block's rows: left as host_inputs made them
@@ -162,7 +162,7 @@ def test_the_static_forward_compiles_as_one_graph():
         host = host_inputs(cache, bucket, 8, torch.tensor([[0, 1, 1, 2]]), [slot], [4])
         for buf, src in zip(inp.tensors()[1:], host):
             buf.copy_(src)
-        place_block_mask(inp.block_mask, TREE_MASK[None], [4])
+        place_block_mask(inp.block_mask, *block_mask_rows(TREE_MASK[None], [4], 8))
         inp.ids[0] = torch.tensor([5, 6, 7, 8])
         fn = torch.compile(static_hidden, fullgraph=True, backend="eager") if compiled else static_hidden
         with torch.inference_mode():
