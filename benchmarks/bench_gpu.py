@@ -9,7 +9,9 @@ not speedups:
   gate_up, SDPA over a static KV cache), captured in one CUDA graph, at every batch measured.  Every
   engine figure is also given as a ratio to it (``x floor step``, ``tok/s / floor's``);
 * **forward**: one forward without graphs of R new rows after a ``--context``-token prompt, the
-  kernels it launches and their summed device time (torch's profiler);
+  kernels it launches and their summed device time (torch's profiler); with ``--compile`` (the
+  default) also through the fixed-shape path with every layer compiled (``graph_compile``: Inductor
+  fuses a layer's elementwise work), the kernels a captured graph of it replays;
 * **engine**: ``EngineCore`` steps of greedy requests, each configuration on its own core (its CUDA
   graphs captured once, at its start), in ``--rounds`` interleaved rounds after ``--warmup-rounds``
   untimed ones: plain decoding at ``--batches`` with graphs and without, and at ``--spec-batches``
@@ -17,7 +19,9 @@ not speedups:
   (every token accepted: the ceiling of tokens per step), the GPU preset's adaptive speculation (which
   should fall back to about plain decoding's step where, as with random weights, drafting cannot
   pay), the first tree read after every level as the level-by-level SpecDec++ stop reads it (but
-  never stopping: the price of those reads) and the first tree without graphs.  Per step: milliseconds, against the floor and against
+  never stopping: the price of those reads) and the first tree without graphs; with ``--compile``,
+  plain decoding, the first tree, mcsd+maxgram and the GPU preset again with every layer compiled
+  before capture (column "compiled").  Per step: milliseconds, against the floor and against
   plain decoding's step, the host reads the engine declares, its device-wide waits, and the
   synchronizing CUDA calls torch's sync debug mode counts; the graphs captured, the seconds and
   graph-pool memory capturing took;
@@ -48,6 +52,7 @@ from benchmarks.harness import machine, print_table, write_json  # noqa: E402
 import engine.device as engine_device  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
+from engine.graphs import BucketGrid, CapturedForwards  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
 from engine.models.llama import build_model  # noqa: E402
 from engine.models.loader import LoadedModel, parse_device, parse_dtype  # noqa: E402
@@ -177,9 +182,17 @@ def floor_ms(shape: str, vocab: int, batch: int, context: int, dtype: torch.dtyp
     return statistics.median(times)
 
 
-def forward_curve(lm: LoadedModel, rows: list[int], context: int, reps: int, device: torch.device) -> list[dict]:
+def forward_curve(lm: LoadedModel, rows: list[int], context: int, reps: int, device: torch.device,
+                  compiled: bool = False) -> list[dict]:
+    """One forward of each of ``rows`` new rows after ``context`` cached tokens, without graphs:
+    milliseconds, and on CUDA the kernels launched.  ``compiled``: through the fixed-shape path with
+    each layer compiled (``graph_compile``, run eagerly here: the kernels a captured graph replays)."""
     model = lm.model
     cache = model.new_cache(1, context + max(rows) + 8)
+    if compiled:
+        kv = cache.max_blocks * cache.block_size
+        cache.captured = CapturedForwards(model, cache, BucketGrid((1,), tuple(rows), (kv,), width=max(rows)),
+                                          compile=True)
     slot = cache.allocate()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, lm.config.vocab_size, (1, context + max(rows)), generator=gen).to(device)
@@ -206,7 +219,9 @@ def forward_curve(lm: LoadedModel, rows: list[int], context: int, reps: int, dev
                 times[r].append(once(r))
         kernels = {r: kernel_time(once, r) if device.type == "cuda" else (None, None) for r in (rows[0], rows[-1])}
     one = statistics.median(times[rows[0]])
-    return [dict(model=lm.source, rows=r, ms=statistics.median(times[r]), ratio=statistics.median(times[r]) / one,
+    if compiled:
+        assert cache.captured.layer_step is not None, "compiling the layers failed (logged above)"
+    return [dict(model=lm.source, layers="compiled" if compiled else "eager", rows=r, ms=statistics.median(times[r]), ratio=statistics.median(times[r]) / one,
                  kernels=kernels.get(r, (None, None))[0], kernel_ms=kernels.get(r, (None, None))[1]) for r in rows]
 
 
@@ -236,12 +251,12 @@ LEVEL_READS = "mcsd, a read per level"
 
 
 def engine_core(target, draft, batch: int, prompt_len: int, new_tokens: int, tree, method: str,
-                graphs: bool) -> EngineCore:
+                graphs: bool, compiled: bool = False) -> EngineCore:
     """A core for one configuration, made once and reused by every round (capturing its graphs is a
     start-up cost, not a step's): greedy, the graphs captured at this batch only, fixed trees (no
     adaptive depth, no load-aware budget) unless ``method`` is :data:`ADAPTIVE`, which measures its cost
     curve at start and may choose plain decoding or Max-Gram where the draft cannot pay (with random
-    weights it cannot)."""
+    weights it cannot).  ``compiled``: each layer compiled before capture (``graph_compile``)."""
     adaptive, level_reads = method == ADAPTIVE, method == LEVEL_READS
     # Max-Gram as the GPU preset runs it: the draft's tokens stay on the device (one read a step)
     extra = dict(adaptive_threshold=1.0) if level_reads else {}
@@ -249,7 +264,7 @@ def engine_core(target, draft, batch: int, prompt_len: int, new_tokens: int, tre
                                         spec_method="mcsd+maxgram" if adaptive else "mcsd" if level_reads else method,
                                         adaptive=adaptive or level_reads, load_aware=adaptive,
                                         adaptive_level_stop=level_reads, cuda_graphs=graphs, graph_batches=(batch,),
-                                        maxgram_read_tree=False, **extra)
+                                        graph_compile=compiled, maxgram_read_tree=False, **extra)
     return EngineCore(target, draft, config)
 
 
@@ -325,6 +340,9 @@ def main(argv=None) -> None:
     ap.add_argument("--acceptance", default="benchmarks/acceptance/code.json,benchmarks/acceptance/chat.json",
                     help="bench_spec.py results (tokens per step by tree, measured on the CPU with the real pair) "
                          "for the projection, comma separated ('' to skip)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="also measure plain decoding, a tree and the GPU preset with every layer compiled before "
+                         "capture (graph_compile), and the compiled forward's kernels")
     ap.add_argument("--host-profile", metavar="FILE", help="also write a cProfile of the engine's steps to FILE")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -357,34 +375,44 @@ def main(argv=None) -> None:
     if args.rows:
         rows = [int(r) for r in args.rows.split(",")]
         curve = forward_curve(target, rows, args.context, args.reps, device)
+        if args.compile:
+            curve += forward_curve(target, rows, args.context, args.reps, device, compiled=True)
         print(f"\nforward without graphs, {args.context}-token context, logits for every row (median of {args.reps})")
-        print_table(curve, [("model", "model", "s"), ("rows", "rows", "d"), ("ms", "ms", ".2f"),
+        print_table(curve, [("model", "model", "s"), ("layers", "layers", "s"), ("rows", "rows", "d"), ("ms", "ms", ".2f"),
                             ("ratio", "x 1 row", ".2f"), ("kernels", "kernels", "d"), ("kernel_ms", "kernel ms", ".2f")])
         result["forward"] = curve
         save()
     if args.warmup_s > 0:
         warm_up(target, args.warmup_s, device)
 
-    # (name, batch, draft, speculating, tree, method, graphs)
-    configs = [("plain", b, draft, False, (), "mcsd", g) for b in batches for g in (True, False)]
+    # (name, batch, draft, speculating, tree, method, graphs, layers compiled)
+    configs = [("plain", b, draft, False, (), "mcsd", g, False) for b in batches for g in (True, False)]
+    configs += [("plain", b, draft, False, (), "mcsd", True, True) for b in batches if args.compile]
     for b in spec_batches:
         for t in trees:
-            configs.append((f"mcsd {','.join(map(str, t))}", b, draft, True, t, "mcsd", True))
+            configs.append((f"mcsd {','.join(map(str, t))}", b, draft, True, t, "mcsd", True, False))
         t0 = trees[0]
-        configs += [("maxgram", b, draft, True, t0, "maxgram", True), ("cascade", b, draft, True, t0, "cascade", True),
-                    (f"mcsd+maxgram {','.join(map(str, t0))}", b, draft, True, t0, "mcsd+maxgram", True),
-                    ("adaptive (GPU preset)", b, draft, True, t0, ADAPTIVE, True),
-                    (f"mcsd {','.join(map(str, t0))}, a read per level", b, draft, True, t0, LEVEL_READS, True),
-                    ("mcsd, target as draft", b, target, True, t0, "mcsd", True),
-                    (f"mcsd {','.join(map(str, t0))}", b, draft, True, t0, "mcsd", False)]
+        configs += [("maxgram", b, draft, True, t0, "maxgram", True, False),
+                    ("cascade", b, draft, True, t0, "cascade", True, False),
+                    (f"mcsd+maxgram {','.join(map(str, t0))}", b, draft, True, t0, "mcsd+maxgram", True, False),
+                    ("adaptive (GPU preset)", b, draft, True, t0, ADAPTIVE, True, False),
+                    (f"mcsd {','.join(map(str, t0))}, a read per level", b, draft, True, t0, LEVEL_READS, True, False),
+                    ("mcsd, target as draft", b, target, True, t0, "mcsd", True, False),
+                    (f"mcsd {','.join(map(str, t0))}", b, draft, True, t0, "mcsd", False, False)]
+        if args.compile:  # the same steps with every layer compiled before capture (graph_compile)
+            configs += [(f"mcsd {','.join(map(str, t0))}", b, draft, True, t0, "mcsd", True, True),
+                        (f"mcsd+maxgram {','.join(map(str, t0))}", b, draft, True, t0, "mcsd+maxgram", True, True),
+                        ("adaptive (GPU preset)", b, draft, True, t0, ADAPTIVE, True, True)]
     runs = run_configs(configs, target, args)
     for r in runs:
         floor = floor_of[(args.target_shape, r["batch"])]
         r["x_floor"] = r["ms_step"] / floor  # a step's time against the floor's step at this batch
         r["floor_tok_s_ratio"] = r["tok_s"] / (r["batch"] * 1e3 / floor)  # tokens/s against the floor's
-    plain_ms = {(r["batch"], r["graphs"]): r["ms_step"] for r in runs if r["config"] == "plain"}
+    # against plain decoding's captured step at the same batch, compiled or not as the row is
+    plain_ms = {(r["batch"], r["graphs"], r["compiled"]): r["ms_step"] for r in runs if r["config"] == "plain"}
     for r in runs:
-        r["x_plain_step"] = r["ms_step"] / plain_ms[(r["batch"], True)] if (r["batch"], True) in plain_ms else None
+        key = (r["batch"], True, r["compiled"])
+        r["x_plain_step"] = r["ms_step"] / plain_ms[key] if key in plain_ms else None
     print(f"\nengine steps, greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens (decode only), "
           f"median of {args.rounds} interleaved rounds; {args.target_shape} target, {args.draft_shape} draft")
     print_engine_table(runs)
@@ -401,18 +429,23 @@ def main(argv=None) -> None:
                                                                    dtype, device, args.reps)) for b in (1, 8)]
         big_target = random_model(args.big_shape, args.vocab, dtype, device, seed=2)
         t0 = trees[0]
-        big_configs = [("plain", 1, draft, False, (), "mcsd", True), ("plain", 8, draft, False, (), "mcsd", True)]
-        big_configs += [(f"mcsd {','.join(map(str, t))}", 1, draft, True, t, "mcsd", True) for t in trees]
-        big_configs += [("maxgram", 1, draft, True, t0, "maxgram", True),
-                        ("adaptive (GPU preset)", 1, draft, True, t0, ADAPTIVE, True),
-                        (f"mcsd+maxgram {','.join(map(str, t0))}", 1, draft, True, t0, "mcsd+maxgram", True)]
+        big_configs = [("plain", 1, draft, False, (), "mcsd", True, False), ("plain", 8, draft, False, (), "mcsd", True, False)]
+        big_configs += [(f"mcsd {','.join(map(str, t))}", 1, draft, True, t, "mcsd", True, False) for t in trees]
+        big_configs += [("maxgram", 1, draft, True, t0, "maxgram", True, False),
+                        ("adaptive (GPU preset)", 1, draft, True, t0, ADAPTIVE, True, False),
+                        (f"mcsd+maxgram {','.join(map(str, t0))}", 1, draft, True, t0, "mcsd+maxgram", True, False)]
+        if args.compile:
+            big_configs += [("plain", 1, draft, False, (), "mcsd", True, True),
+                            (f"mcsd {','.join(map(str, t0))}", 1, draft, True, t0, "mcsd", True, True),
+                            ("adaptive (GPU preset)", 1, draft, True, t0, ADAPTIVE, True, True)]
         big = run_configs(big_configs, big_target, args)
-        big_plain = {r["batch"]: r["ms_step"] for r in big if r["config"] == "plain"}
+        big_plain = {(r["batch"], r["compiled"]): r["ms_step"] for r in big if r["config"] == "plain"}
         for r in big:
             floor = [f["ms"] for f in floors if f["shape"] == args.big_shape and f["batch"] == r["batch"]][0]
             r["x_floor"] = r["ms_step"] / floor
             r["floor_tok_s_ratio"] = r["tok_s"] / (r["batch"] * 1e3 / floor)
-            r["x_plain_step"] = r["ms_step"] / big_plain[r["batch"]] if r["batch"] in big_plain else None
+            key = (r["batch"], r["compiled"])
+            r["x_plain_step"] = r["ms_step"] / big_plain[key] if key in big_plain else None
         print(f"\nthe same with the {args.big_shape} target shape")
         print_engine_table(big)
         del big_target
@@ -430,8 +463,8 @@ def run_configs(configs: list[tuple], target: LoadedModel, args) -> list[dict]:
     made once; then one short run per configuration under torch's sync debug mode for the counts."""
     cores = {}
     t0 = time.perf_counter()
-    for i, (name, batch, d, spec_on, t, method, graphs) in enumerate(configs):
-        cores[i] = engine_core(target, d, batch, args.prompt_len, args.new_tokens, t, method, graphs)
+    for i, (name, batch, d, spec_on, t, method, graphs, compiled) in enumerate(configs):
+        cores[i] = engine_core(target, d, batch, args.prompt_len, args.new_tokens, t, method, graphs, compiled)
     print(f"{len(cores)} engine cores made in {time.perf_counter() - t0:.1f} s (their graphs captured)", flush=True)
     samples: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
     warm: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
@@ -440,23 +473,24 @@ def run_configs(configs: list[tuple], target: LoadedModel, args) -> list[dict]:
         order = order[rnd % len(order):] + order[:rnd % len(order)]
         order = order if rnd % 2 == 0 else order[::-1]
         for i in order:
-            name, batch, d, spec_on, t, method, graphs = configs[i]
+            name, batch, d, spec_on, t, method, graphs, compiled = configs[i]
             run = engine_run(cores[i], batch, args.prompt_len, args.new_tokens, spec_on, False)
             (warm if rnd < args.warmup_rounds else samples)[i].append(run)
         kind = "warm-up round" if rnd < args.warmup_rounds else "round"
         print(f"{kind} {rnd + 1}/{args.warmup_rounds + args.rounds} done", flush=True)
     runs = []
-    for i, (name, batch, d, spec_on, t, method, graphs) in enumerate(configs):
+    for i, (name, batch, d, spec_on, t, method, graphs, compiled) in enumerate(configs):
         s = engine_run(cores[i], batch, args.prompt_len, 8, spec_on, True)
         med = {k: statistics.median(x[k] for x in samples[i]) for k in ("tok_s", "ms_step", "host_ms_step", "tok_step")}
         captured = cores[i].capture_reports
-        runs.append(dict(samples[i][0], **med, config=name, method=method, graphs=graphs,
+        runs.append(dict(samples[i][0], **med, config=name, method=method, graphs=graphs, compiled=compiled,
                          tree=",".join(map(str, t)) or "-", declared=s["declared"], waits=s["waits"],
                          cuda_syncs=s["cuda_syncs"], tok_s_rounds=[x["tok_s"] for x in samples[i]],
                          errors=sum(x["errors"] for x in samples[i]), tok_s_warmup=[x["tok_s"] for x in warm[i]],
                          # how much slower the first warm-up round ran than the timed ones (the first minute)
                          warmup_x=med["tok_s"] / warm[i][0]["tok_s"] if warm[i] and warm[i][0]["tok_s"] else None,
                          graphs_captured=sum(r.buckets for r in captured.values()),
+                         layers_compiled=all(r.compiled for r in captured.values()) if captured else False,
                          capture_s=sum(r.seconds for r in captured.values()),
                          graph_pool_mib=sum(r.pool_bytes for r in captured.values()) / 2**20))
     del cores
@@ -469,7 +503,8 @@ def print_engine_table(runs: list[dict]) -> None:
                        ("floor_tok_s_ratio", "tok/s / floor's", ".2f"), ("x_plain_step", "x plain step", ".2f"),
                        ("host_ms_step", "ms until return", ".2f"), ("tok_step", "tok/step/seq", ".2f"),
                        ("declared", "reads/step", ".2f"), ("waits", "waits/step", ".2f"),
-                       ("cuda_syncs", "CUDA syncs/step", ".2f"), ("graphs_captured", "graphs", "d"),
+                       ("cuda_syncs", "CUDA syncs/step", ".2f"), ("layers_compiled", "compiled", ""),
+                       ("graphs_captured", "graphs", "d"),
                        ("capture_s", "capture s", ".1f"), ("graph_pool_mib", "pool MiB", ".0f"),
                        ("warmup_x", "warm-up x slower", ".2f"), ("errors", "errors", "d")])
 
@@ -486,8 +521,10 @@ def project(runs: list[dict], big: list[dict], args) -> list[dict]:
             continue
         data = json.loads(Path(path).read_text())
         source = {"HumanEval": "code", "sharegpt": "chat"}.get(data["args"].get("source"), Path(path).stem)
-        for shape, table in ((args.target_shape, runs), (args.big_shape, big)):
-            plain = [r for r in table if r["config"] == "plain" and r["batch"] == 1 and r["graphs"]]
+        for (shape, table), compiled in itertools.product(((args.target_shape, runs), (args.big_shape, big)),
+                                                          (False, True)):
+            plain = [r for r in table if r["config"] == "plain" and r["batch"] == 1 and r["graphs"]
+                     and r["compiled"] == compiled]
             if not plain:
                 continue
             for row in data["rows"]:
@@ -498,16 +535,19 @@ def project(runs: list[dict], big: list[dict], args) -> list[dict]:
                 if kind == "tree+maxgram" and extra == ["u"]:
                     method = "mcsd+maxgram"
                 step = [r for r in table if r["batch"] == 1 and r["graphs"] and r["tree"] == widths
-                        and r["method"] == method and r["config"] != "mcsd, target as draft"]
+                        and r["method"] == method and r["config"] != "mcsd, target as draft"
+                        and r["compiled"] == compiled]
                 if not step or not row.get("block_eff"):
                     continue
                 speedup = row["block_eff"] * plain[0]["ms_step"] / step[0]["ms_step"]
-                out.append(dict(shape=shape, prompts=source, temperature=row["temperature"], config=name,
+                out.append(dict(shape=shape, compiled=compiled, prompts=source, temperature=row["temperature"],
+                                config=name,
                                 tok_step=row["block_eff"], ms_step=step[0]["ms_step"], plain_ms=plain[0]["ms_step"],
                                 projected=speedup))
     if out:
         print("\nPROJECTION (not measured): CPU tokens/step of the real pair x this device's step times, batch 1")
-        print_table(out, [("shape", "target", "s"), ("prompts", "prompts", "s"), ("temperature", "T", ".1f"),
+        print_table(out, [("shape", "target", "s"), ("compiled", "compiled", ""), ("prompts", "prompts", "s"),
+                          ("temperature", "T", ".1f"),
                           ("config", "config", "s"), ("tok_step", "tok/step (CPU)", ".2f"),
                           ("ms_step", "step ms (here)", ".2f"), ("plain_ms", "plain ms (here)", ".2f"),
                           ("projected", "projected x plain", ".2f")])

@@ -55,8 +55,10 @@ class EngineConfig:
     graph_rows: tuple[int, ...] = setting((), "rows-per-sequence buckets captured (empty: 1, 4, 16, ... up to the "
                                           "largest verification block)")
     graph_context: int = setting(256, "smallest context bucket; buckets double up to the cache's length", ge=1)
-    graph_compile: bool = setting(False, "compile the captured forward with torch.compile (Inductor fuses the "
-                                  "per-layer elementwise work) before capturing it; compiling takes minutes")
+    graph_compile: bool = setting(False, "compile each decoder layer with torch.compile before capturing the "
+                                  "graphs (Inductor fuses a layer's elementwise work: 27 torch kernels a layer "
+                                  "eagerly); 8 graphs a model serve every bucket, kept in $MCSD_CACHE/inductor, and "
+                                  "a layer that fails to compile is captured without it (logged)")
     static_shapes: bool = setting(False, "run every forward that fits a bucket through the padded fixed-shape path "
                                   "a CUDA graph replays, on any device (tests; off the GPU it is slower)",
                                   server=False)

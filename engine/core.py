@@ -122,8 +122,8 @@ class EngineCore:
 
         report = captured.capture(progress)
         self.capture_reports[name] = report
-        log.info("%s: %d CUDA graphs captured in %.1f s, graph pool %.0f MiB%s", name, report.buckets,
-                 report.seconds, report.pool_bytes / 2**20,
+        log.info("%s: %d CUDA graphs captured in %.1f s%s, graph pool %.0f MiB%s", name, report.buckets,
+                 report.seconds, " (layers compiled)" if report.compiled else "", report.pool_bytes / 2**20,
                  f"; {len(report.failed)} buckets failed and run eagerly" if report.failed else "")
 
     @staticmethod

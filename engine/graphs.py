@@ -29,6 +29,7 @@ this path, and a compiled forward).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
@@ -183,10 +184,11 @@ def place_block_mask(buffer: torch.Tensor, mask: torch.Tensor, real: torch.Tenso
     buffer[:b, :t, :w] = mask & real
 
 
-def static_hidden(model, cache: KVCache, inp: StaticInputs) -> torch.Tensor:
+def static_hidden(model, cache: KVCache, inp: StaticInputs, layer_step: Optional[Callable] = None) -> torch.Tensor:
     """The decoder stack over one bucket's buffers: final-norm hidden states [batch, rows, hidden].
     Device work only, the same kernels at the same shapes every call (what a CUDA graph records):
-    pool rows come from the block tables, padded rows write into the scratch block."""
+    pool rows come from the block tables, padded rows write into the scratch block.  ``layer_step``:
+    what runs each layer (:func:`compiled_layer`), else the layers themselves."""
     bs = cache.block_size
     b, r = inp.ids.shape
     kv = inp.tables.shape[1] * bs
@@ -200,7 +202,44 @@ def static_hidden(model, cache: KVCache, inp: StaticInputs) -> torch.Tensor:
     cos, sin = model.rope.lookup(inp.positions)
     ctx = ForwardContext(cache=cache, at=Addresses(write, read), kv_len=kv, cos=cos, sin=sin, lens=inp.lens,
                          start=inp.start, block_mask=inp.block_mask)
-    return model.hidden_states(inp.ids, ctx)
+    ctx.mask  # built here, once: every layer takes it as an input
+    return model.hidden_states(inp.ids, ctx, layer_step)
+
+
+def run_layer(layer, x: torch.Tensor, delta: Optional[torch.Tensor], ctx: ForwardContext):
+    """One decoder layer, its pools in ``ctx`` (``ForwardContext.for_layer``): the function
+    :func:`compiled_layer` compiles.  Its inputs are tensors and the layer's module, no index, so one
+    graph serves every layer of a model."""
+    return layer(x, delta, -1, ctx)
+
+
+def compiled_layer() -> Callable:
+    """:func:`run_layer` through ``torch.compile`` (Inductor: a layer's elementwise work fused between
+    its matrix multiplies and attention), with dynamic shapes, so that a few graphs serve every bucket
+    of every layer.  Dynamo still specializes on sizes 0 and 1 and on the first layer (no residual
+    yet): at most 8 graphs a model (batch 1 or more, one row or more, first layer or not).  A
+    model's weights keep static shapes (parameters), so the target and the draft compile apart.
+    Inductor keeps what it compiled in ``$MCSD_CACHE/inductor`` (unless ``TORCHINDUCTOR_CACHE_DIR``
+    says otherwise), beside the model packs: a restart, or a container with that volume, reuses it."""
+    import torch._dynamo.config as dynamo_config
+    import torch.fx.experimental._config as shape_config
+
+    from engine.models.fetch import default_cache_dir
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir() / "inductor"))
+
+    for limit in ("recompile_limit", "cache_size_limit"):  # target + draft, 8 each, and slack
+        if hasattr(dynamo_config, limit):
+            setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), 32))
+    compiled = torch.compile(run_layer, fullgraph=True, dynamic=True)
+
+    def layer_step(layer, x: torch.Tensor, delta: Optional[torch.Tensor], ctx: ForwardContext):
+        # no "duck" sizes: two sizes that happen to be equal in one bucket (a context of 64 positions
+        # and a head of 64) would otherwise be assumed equal, and the next bucket would recompile
+        with shape_config.patch(use_duck_shape=False):
+            return compiled(layer, x, delta, ctx)
+
+    return layer_step
 
 
 @dataclass
@@ -218,13 +257,15 @@ class CaptureReport:
     seconds: float = 0.0
     pool_bytes: int = 0
     failed: list[str] = field(default_factory=list)
+    compiled: bool = False  # the layers ran compiled (graph_compile, and compiling worked)
 
 
 class CapturedForwards:
     """One model's forwards over one cache at the buckets of ``grid``: CUDA graphs when ``graphs``
-    (CUDA only), else the static code run eagerly (``compile``: through ``torch.compile``, one graph
-    per bucket shape).  Installed as ``cache.captured``; ``LlamaModel.forward`` asks
-    :meth:`bucket_for` and runs :meth:`hidden`."""
+    (CUDA only), else the static code run eagerly.  ``compile``: each layer runs compiled
+    (:func:`compiled_layer`), captured or not; if compiling fails, the buckets are captured without
+    it (logged).  Installed as ``cache.captured``; ``LlamaModel.forward`` asks :meth:`bucket_for` and
+    runs :meth:`hidden`."""
 
     def __init__(self, model, cache: KVCache, grid: BucketGrid, graphs: bool = False,
                  compile: bool = False) -> None:  # noqa: A002 - torch's word
@@ -235,14 +276,7 @@ class CapturedForwards:
                 raise ValueError(f"context bucket {k} is not a multiple of the block size {cache.block_size}")
         self.model, self.cache, self.grid = model, cache, grid
         self.graphs = graphs
-        self.fn: Callable = static_hidden
-        if compile:  # one compiled graph per bucket shape: let the compiler keep them all
-            import torch._dynamo.config as dynamo_config
-
-            for limit in ("recompile_limit", "cache_size_limit"):
-                if hasattr(dynamo_config, limit):
-                    setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), len(grid.buckets()) + 8))
-            self.fn = torch.compile(static_hidden, fullgraph=True, dynamic=False)
+        self.layer_step: Optional[Callable] = compiled_layer() if compile else None
         self._by_bucket: dict[Bucket, _Captured] = {}
         self._failed: set[Bucket] = set()  # buckets whose capture failed: their forwards run dynamically
         self._rope = model.rope  # the rotary tables the graphs read (replacing them would strand the graphs)
@@ -291,7 +325,7 @@ class CapturedForwards:
             entry.graph.replay()
             out = entry.hidden
         else:
-            out = self.fn(self.model, self.cache, entry.inputs)
+            out = static_hidden(self.model, self.cache, entry.inputs, self.layer_step)
         return out[:b, :t].clone()
 
     def _prepare(self, bucket: Bucket) -> _Captured:
@@ -299,6 +333,8 @@ class CapturedForwards:
         entry = _Captured(inputs, None)
         if self.graphs:
             entry = self._capture_one(inputs)
+        elif self.layer_step is not None:  # compiles now rather than in a request's forward (scratch block only)
+            static_hidden(self.model, self.cache, inputs, self.layer_step)
         self._by_bucket[bucket] = entry
         return entry
 
@@ -310,11 +346,11 @@ class CapturedForwards:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.fn(self.model, self.cache, inputs)
+                static_hidden(self.model, self.cache, inputs, self.layer_step)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            hidden = self.fn(self.model, self.cache, inputs)
+            hidden = static_hidden(self.model, self.cache, inputs, self.layer_step)
         self._pool = graph.pool()
         return _Captured(inputs, hidden, graph)
 
@@ -329,7 +365,7 @@ class CapturedForwards:
         before = torch.cuda.memory_reserved(self.cache.k.device) if self.graphs else 0
         for n, bucket in enumerate(buckets, 1):
             try:
-                self._prepare(bucket)
+                self._prepare_or_uncompiled(bucket)
                 report.buckets += 1
             except Exception as exc:  # noqa: BLE001 - that shape runs dynamically
                 log.warning("capturing bucket %s failed (%s: %s); it runs without a graph", bucket,
@@ -343,7 +379,22 @@ class CapturedForwards:
             torch.cuda.synchronize(self.cache.k.device)
             report.pool_bytes = torch.cuda.memory_reserved(self.cache.k.device) - before
         report.seconds = time.perf_counter() - t0
+        report.compiled = self.layer_step is not None
         return report
+
+    def _prepare_or_uncompiled(self, bucket: Bucket) -> None:
+        """:meth:`_prepare`; if the compiled layer fails there, compiling is dropped for this model
+        (logged once) and the bucket is prepared again without it."""
+        try:
+            self._prepare(bucket)
+        except Exception as exc:  # noqa: BLE001 - Inductor or dynamo: the eager layers still run
+            if self.layer_step is None:
+                raise
+            log.warning("compiling the decoder layer failed at bucket %s (%s: %s); capturing without "
+                        "torch.compile", bucket, type(exc).__name__, exc)
+            self.layer_step = None
+            self._by_bucket.pop(bucket, None)
+            self._prepare(bucket)
 
     def buffers(self) -> list[torch.Tensor]:
         """Every persistent device tensor of the buckets prepared so far (inputs, and graph outputs)."""

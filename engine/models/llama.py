@@ -18,8 +18,8 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from dataclasses import dataclass, field, replace
+from typing import Callable, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -149,7 +149,16 @@ class ForwardContext:
     block_mask: Optional[torch.Tensor]  # [batch, block, width] bool on the device, or None (causal)
     paged: bool = False  # the attention reads the pool in place (cpu_kernels.paged_attention_applies)
     packing: Optional[Packing] = None  # the layers see only the real rows [1, n] (at.write, cos, sin too)
+    pools: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # one layer's (keys, values) pools, else the cache's
     _mask: list = field(default_factory=list, repr=False)  # the mask once built (a list: compiles, unlike a lock)
+
+    def for_layer(self, layer: int) -> "ForwardContext":
+        """This context with layer ``layer``'s pools in it: a compiled layer then takes the pools as
+        inputs and no layer index, so one compiled graph serves every layer (``engine.graphs``)."""
+        return replace(self, pools=(self.cache.k[layer], self.cache.v[layer]))
+
+    def _pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pools if self.pools is not None else (self.cache.k[layer], self.cache.v[layer])
 
     @property
     def mask(self) -> Optional[torch.Tensor]:
@@ -166,7 +175,7 @@ class ForwardContext:
         pk = self.packing
         if self.paged:  # packed queries go in as they are: the kernel skips the padding
             self._store(layer, k, v)
-            return cpu_kernels.paged_attention(q, self.cache.k[layer], self.cache.v[layer], self.at.read,
+            return cpu_kernels.paged_attention(q, *self._pools(layer), self.at.read,
                                                self.lens, self.start, self.block_mask,
                                                None if pk is None else pk.counts)
         if pk is not None:
@@ -176,7 +185,7 @@ class ForwardContext:
         return out if pk is None else pk.pack(out.transpose(1, 2)).transpose(1, 2)
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        ck, cv, at = self.cache.k[layer], self.cache.v[layer], self.at
+        (ck, cv), at = self._pools(layer), self.at
         if at.view_start is not None:
             start = at.view_start + at.write_start
             ck[start:start + k.shape[1]] = k[0]
@@ -188,7 +197,7 @@ class ForwardContext:
     def store_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: [batch, block, kv_heads, head_dim] -> cached + new: [batch, kv_heads, kv_len, head_dim]"""
         self._store(layer, k, v)
-        ck, cv, at = self.cache.k[layer], self.cache.v[layer], self.at
+        (ck, cv), at = self._pools(layer), self.at
         if at.view_start is not None:  # one sequence over consecutive blocks: a slice, no gather
             keys = ck[at.view_start:at.view_start + self.kv_len].unsqueeze(0)
             values = cv[at.view_start:at.view_start + self.kv_len].unsqueeze(0)
@@ -379,16 +388,22 @@ class LlamaModel(nn.Module):
         wanted, at = to_device_many([wanted, at], dev)
         return source[wanted].unsqueeze(0), at
 
-    def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext,
+                      layer_step: Optional[Callable] = None) -> torch.Tensor:
         """The decoder stack: [batch, block] token ids -> final-norm hidden states [batch, block, hidden],
         writing the block's keys and values into the cache.  Device work only (no host reads), so it
         compiles as one graph (``torch.compile(fullgraph=True)``: tests/engine/models/test_compile.py).
         Eager on the CPU with weights in GGUF blocks, the layers run as one operator call
-        (:class:`FusedStack`), bitwise the same."""
+        (:class:`FusedStack`), bitwise the same.  ``layer_step(layer, x, delta, ctx)``, if given, runs
+        each layer instead, with that layer's pools in ``ctx`` (:meth:`ForwardContext.for_layer`): a
+        compiled layer (``engine.graphs.compiled_layer``)."""
         x, delta = self.embed_tokens(input_ids), None
-        stack = self._fused_stack(ctx)
+        stack = self._fused_stack(ctx) if layer_step is None else None
         if stack is not None:
             x, delta = stack(x, ctx)
+        elif layer_step is not None:
+            for i, layer in enumerate(self.layers):
+                x, delta = layer_step(layer, x, delta, ctx.for_layer(i))
         else:
             for i, layer in enumerate(self.layers):
                 x, delta = layer(x, delta, i, ctx)

@@ -27,15 +27,21 @@ def test_bench_gpu_runs_on_the_cpu_and_its_figures_add_up(tmp_path, capsys):
                     "--context", "64", "--rounds", "2", "--warmup-s", "0.1", "--acceptance", str(spec),
                     "--host-profile", str(tmp_path / "profile.txt"), "--out", str(out)])
     result = json.loads(out.read_text())
-    assert [r["rows"] for r in result["forward"]] == [1, 4]
+    assert [(r["layers"], r["rows"]) for r in result["forward"]] == [("eager", 1), ("eager", 4), ("compiled", 1),
+                                                                      ("compiled", 4)]
     assert {(f["shape"], f["batch"]) for f in result["floor"]} == {("tiny", 1), ("tiny", 2)}
     assert all(f["ms"] > 0 for f in result["floor"])
     engine = result["engine"]
-    assert {(r["config"], r["batch"], r["graphs"]) for r in engine} == {
-        ("plain", 1, True), ("plain", 1, False), ("plain", 2, True), ("plain", 2, False), ("mcsd 2,1", 1, True),
-        ("mcsd 1", 1, True), ("maxgram", 1, True), ("cascade", 1, True), ("mcsd+maxgram 2,1", 1, True),
-        ("adaptive (GPU preset)", 1, True), ("mcsd 2,1, a read per level", 1, True),
-        ("mcsd, target as draft", 1, True), ("mcsd 2,1", 1, False)}
+    assert sorted((r["config"], r["batch"], r["graphs"], r["compiled"]) for r in engine) == sorted([
+        ("plain", 1, True, False), ("plain", 1, False, False), ("plain", 2, True, False), ("plain", 2, False, False),
+        ("mcsd 2,1", 1, True, False), ("mcsd 1", 1, True, False), ("maxgram", 1, True, False),
+        ("cascade", 1, True, False), ("mcsd+maxgram 2,1", 1, True, False), ("adaptive (GPU preset)", 1, True, False),
+        ("mcsd 2,1, a read per level", 1, True, False), ("mcsd, target as draft", 1, True, False),
+        ("mcsd 2,1", 1, False, False),
+        # --compile: the same with every layer compiled before capture (on the CPU, where nothing is
+        # captured, the rows run uncompiled: the plumbing is what is tested here)
+        ("plain", 1, True, True), ("plain", 2, True, True), ("mcsd 2,1", 1, True, True),
+        ("mcsd+maxgram 2,1", 1, True, True), ("adaptive (GPU preset)", 1, True, True)])
     floor = {f["batch"]: f["ms"] for f in result["floor"]}
     for r in engine:
         assert r["errors"] == 0 and len(r["tok_s_rounds"]) == 2 and len(r["tok_s_warmup"]) == 1
@@ -47,18 +53,21 @@ def test_bench_gpu_runs_on_the_cpu_and_its_figures_add_up(tmp_path, capsys):
     assert all(0.8 <= r["tok_step"] <= 1.0 for r in plain)  # one token per sequence and step (fewer as they end)
     self_draft = [r for r in engine if r["config"] == "mcsd, target as draft"]
     assert all(r["tok_step"] > 1.5 for r in self_draft)  # the target drafting for itself is accepted
-    assert [r["declared"] for r in engine if r["config"] == "mcsd 2,1"] == [1.0, 1.0]  # the tree comes with verification
-    assert [r["declared"] for r in engine if r["config"] == "mcsd+maxgram 2,1"] == [1.0]  # Max-Gram reads no tree
+    assert [r["declared"] for r in engine if r["config"] == "mcsd 2,1"] == [1.0] * 3  # the tree comes with verification
+    assert [r["declared"] for r in engine if r["config"] == "mcsd+maxgram 2,1"] == [1.0] * 2  # Max-Gram reads no tree
     # the same tree read after every level (never stopping): the same tokens, more reads
     (levels,) = [r for r in engine if r["config"] == "mcsd 2,1, a read per level"]
-    (once,) = [r for r in engine if r["config"] == "mcsd 2,1" and r["graphs"]]
+    (once,) = [r for r in engine if r["config"] == "mcsd 2,1" and r["graphs"] and not r["compiled"]]
     assert levels["tok_step"] == once["tok_step"] and levels["declared"] > 2
     projection = result["projection"]
-    assert [(p["config"], p["temperature"]) for p in projection] == [
-        ("tree 2,1", 0.0), ("chain 1", 0.7), ("tree+maxgram 2,1 u", 0.0)]
-    plain_ms = [r["ms_step"] for r in plain if r["batch"] == 1 and r["graphs"]][0]
-    step_ms = [r["ms_step"] for r in engine if r["config"] == "mcsd 2,1" and r["graphs"]][0]
-    assert projection[0]["projected"] == pytest.approx(2.5 * plain_ms / step_ms)
+    assert [(p["config"], p["temperature"], p["compiled"]) for p in projection] == [
+        ("tree 2,1", 0.0, False), ("chain 1", 0.7, False), ("tree+maxgram 2,1 u", 0.0, False),
+        ("tree 2,1", 0.0, True), ("tree+maxgram 2,1 u", 0.0, True)]  # compiled: the first tree only
+    for p, compiled in ((projection[0], False), (projection[3], True)):  # each against plain decoding of its kind
+        plain_ms = [r["ms_step"] for r in plain if r["batch"] == 1 and r["graphs"] and r["compiled"] == compiled]
+        step_ms = [r["ms_step"] for r in engine if r["config"] == "mcsd 2,1" and r["graphs"]
+                   and r["compiled"] == compiled]
+        assert p["projected"] == pytest.approx(2.5 * plain_ms[0] / step_ms[0])
     assert "==== mcsd" in (tmp_path / "profile.txt").read_text()
     printed = capsys.readouterr().out
     assert "engine steps" in printed and "PROJECTION (not measured)" in printed

@@ -9,7 +9,8 @@
   no more of them than the engine's reads (one per draft level plus one for verification,
   ``test_device.py``).  Before the copies to the device were made non-blocking, a plain decoding
   step at batch 8 had 17 of them against 3 declared;
-* the forwards captured as CUDA graphs give the eager engine's tokens, greedy and seeded;
+* the forwards captured as CUDA graphs give the eager engine's tokens, greedy and seeded, and so do
+  they with every layer compiled first (``graph_compile``);
 * the server, on the device, answers concurrent streams with the official ``openai`` client.
 
 On a machine without CUDA these tests are skipped with that reason (``-ra`` lists them); the CPU
@@ -117,6 +118,26 @@ def test_graph_replay_equals_eager(pair32, method_name, sampling):
     assert core.cache.captured.replays > 0 and core.cache.captured.graphs
     if method_name != "maxgram":
         assert core.runner.proposer.cache.captured.replays > 0
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_compiled_graph_replay_equals_eager(pair32, sampling):
+    """``graph_compile``: every layer compiled (Inductor's fused kernels) before capture gives the
+    eager engine's tokens, plain and speculating, in fp32 with TF32 off; compiling worked for both
+    models (no fallback to the eager layers)."""
+    target, draft = pair32
+    params = dict(temperature=0.0) if sampling == "greedy" else dict(temperature=0.9, top_p=0.9, seed=5)
+    for spec in (False, True):
+        runs = []
+        for graphs, compiled in ((False, False), (True, True)):
+            out, core = run_engine(target, draft, PROMPTS, tree=(3, 2, 2), join_every=1, max_tokens=20,
+                                   ignore_eos=True, spec=SpecOptions(enabled=spec),
+                                   config=dict(spec_method="mcsd", cuda_graphs=graphs, graph_compile=compiled,
+                                               load_aware=False), **params)
+            runs.append([c.tokens for c in out])
+        assert runs[1] == runs[0], f"speculating={spec}"
+        assert all(r.compiled and not r.failed for r in core.capture_reports.values())
+        assert core.cache.captured.replays > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

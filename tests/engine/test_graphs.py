@@ -199,6 +199,29 @@ def test_the_static_step_gives_todays_tokens_for_every_method(pair, method_name,
     assert all(len(t) == 16 for t in runs[0])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method_name", ["mcsd", "mcsd+maxgram", "cascade"])
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_the_static_step_with_compiled_layers_gives_todays_tokens(pair, method_name, sampling):
+    """``graph_compile`` in the engine: the target's and the draft's layers compiled
+    (``compiled_layer``; on the CPU our operators stay operators, so the logits are bitwise today's)
+    give today's tokens, plain and speculating."""
+    target, draft = pair
+    params = dict(temperature=0.0) if sampling == "greedy" else dict(temperature=0.9, top_p=0.9, seed=11)
+    for spec in (False, True):
+        runs = []
+        for static in (False, True):
+            out, core = run_engine(target, draft, PROMPTS, tree=(3, 2, 2), join_every=1, max_tokens=16,
+                                   ignore_eos=True, spec=SpecOptions(enabled=spec),
+                                   config=dict(spec_method=method_name, static_shapes=static, graph_compile=static,
+                                               load_aware=False), **params)
+            runs.append([c.tokens for c in out])
+        assert core.cache.captured.layer_step is not None and core.cache.captured.replays > 0
+        if spec and method_name != "maxgram":
+            assert core.runner.proposer.cache.captured.layer_step is not None
+        assert runs[1] == runs[0], f"speculating={spec}"
+
+
 def test_plain_decoding_runs_every_step_in_a_bucket(pair):
     target, draft = pair
     _, core = run_engine(target, draft, PROMPTS, spec=SpecOptions(enabled=False), max_tokens=12, ignore_eos=True,
@@ -255,20 +278,90 @@ def test_a_bucket_whose_capture_failed_runs_dynamically(monkeypatch):
     assert captured.replays == 1
 
 
+def _compiled_run(model, compiled: bool) -> tuple[list[torch.Tensor], CapturedForwards]:
+    """Two sequences through every kind of bucket of a small grid: prefill chunks alone and beside a
+    decode (rows 4), decodes alone and together (rows 1), at both context buckets; each forward's
+    logits."""
+    cache = model.new_cache(2, 64, block_size=4)
+    captured = cache.captured = CapturedForwards(model, cache, BucketGrid((1, 2), (1, 4), (16, 32), width=8),
+                                                 compile=compiled)
+    a, b = cache.allocate(), cache.allocate()
+    logits, n = [], {a: 0, b: 0}
+
+    def step(*blocks: tuple[int, list[int]]) -> None:
+        out = run_blocks(model, cache, [Block(s, toks, list(range(n[s], n[s] + len(toks))), [len(toks) - 1])
+                                        for s, toks in blocks])[1]
+        logits.extend(out)
+        for s, toks in blocks:
+            cache.commit(s)
+            n[s] += len(toks)
+
+    step((a, [1, 2, 3]))  # 1 x 4
+    step((a, [4]))  # 1 x 1
+    step((b, [5, 6]), (a, [7]))  # 2 x 4
+    for i in range(14):  # 2 x 1, at 16 and then 32 positions
+        step((a, [8 + i]), (b, [30 + i]))
+    assert (captured.replays, captured.fallbacks) == (17, 0)
+    return logits, captured
+
+
 @pytest.mark.slow
-def test_the_compiled_static_forward_equals_the_eager_one():
-    """``graph_compile``: the static forward through torch.compile (Inductor on the CPU, our kernels
-    kept as operators), one compiled graph per bucket shape, gives the eager forward's logits."""
-    torch._dynamo.reset()
+@pytest.mark.parametrize("ours", [True, False], ids=["cpu-kernels", "torch-ops"])
+def test_the_compiled_layers_serve_every_bucket_with_the_eager_logits(ours, monkeypatch):
+    """``graph_compile``: each decoder layer through torch.compile (``compiled_layer``) gives the eager
+    forward's logits, and a few graphs serve every bucket and every layer: at most 8 (batch 1 or
+    more, one row or more, the first layer or not), not one per bucket shape.  ``cpu-kernels``: our
+    CPU operators stay operators in the graph, so the logits are bitwise the eager ones.
+    ``torch-ops``: the torch formulation a GPU runs (``MCSD_CPU_KERNELS=0``), whose elementwise work
+    Inductor fuses, as it would on a GPU: equal to fp32 rounding."""
+    from torch._dynamo.utils import counters
+
+    from engine.models import cpu_kernels
+
+    decisions = (cpu_kernels._enabled, cpu_kernels._f32_enabled, cpu_kernels._invariant_attention_decision,
+                 cpu_kernels._row_ops_decision)
+    if not ours:
+        monkeypatch.setenv("MCSD_CPU_KERNELS", "0")
+        monkeypatch.setenv("MCSD_INVARIANT_ATTENTION", "0")
+    for decision in decisions:
+        decision.cache_clear()
+    try:
+        torch._dynamo.reset()
+        model = tiny_loaded("qwen2", seed=0).model  # qkv biases: the layer's every input kind
+        eager, _ = _compiled_run(model, False)
+        before = counters["stats"]["unique_graphs"]
+        compiled, captured = _compiled_run(model, True)
+        assert captured.layer_step is not None  # compiling worked: no fallback to the eager layers
+        graphs = counters["stats"]["unique_graphs"] - before
+        assert 2 <= graphs <= 8, graphs  # 4 bucket kinds x 2 context buckets x 2 layers: 16 without dynamic shapes
+        for e, c in zip(eager, compiled, strict=True):
+            if ours:
+                assert torch.equal(e, c)
+            else:
+                torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4)
+    finally:
+        monkeypatch.undo()
+        for decision in decisions:
+            decision.cache_clear()
+        torch._dynamo.reset()
+
+
+def test_a_layer_that_fails_to_compile_is_captured_without_compiling(caplog):
+    """If the compiled layer raises while a bucket is prepared, compiling is dropped for the model
+    (logged once) and the bucket is prepared again with the eager layers."""
     model = tiny_loaded("llama", seed=0).model
-    outs = []
-    for compiled in (False, True):
-        cache = model.new_cache(2, 64, block_size=4)
-        cache.captured = CapturedForwards(model, cache, BucketGrid((1,), (1, 4), (16,), width=4), compile=compiled)
-        slot = cache.allocate()
-        first = run_blocks(model, cache, [Block(slot, [1, 2, 3], [0, 1, 2], [2])])[1][0]
-        cache.commit(slot)
-        second = run_blocks(model, cache, [Block(slot, [4], [3], [0])])[1][0]
-        assert cache.captured.replays == 2
-        outs.append((first, second))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    cache = model.new_cache(2, 64, block_size=4)
+    captured = CapturedForwards(model, cache, BucketGrid((1,), (1, 4), (16,), width=4))
+    calls = []
+
+    def broken(*args):
+        calls.append(args)
+        raise RuntimeError("the compiler gave up")
+
+    captured.layer_step = broken
+    with caplog.at_level("WARNING", logger="engine.graphs"):
+        captured._prepare_or_uncompiled(Bucket(1, 4, 16))
+    assert captured.layer_step is None and len(calls) == 1 and "capturing without torch.compile" in caplog.text
+    captured.layer_step = broken
+    report = captured.capture()
+    assert report.buckets == 2 and not report.failed and not report.compiled
