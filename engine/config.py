@@ -57,7 +57,7 @@ class EngineConfig:
     graph_context: int = setting(256, "smallest context bucket; buckets double up to the cache's length", ge=1)
     graph_compile: bool = setting(False, "compile each decoder layer with torch.compile before capturing the "
                                   "graphs (Inductor fuses a layer's elementwise work: 27 torch kernels a layer "
-                                  "eagerly); 8 graphs a model serve every bucket, kept in $MCSD_CACHE/inductor, and "
+                                  "eagerly); 4 graphs a model serve every bucket, kept in $MCSD_CACHE/inductor, and "
                                   "a layer that fails to compile is captured without it (logged)")
     static_shapes: bool = setting(False, "run every forward that fits a bucket through the padded fixed-shape path "
                                   "a CUDA graph replays, on any device (tests; off the GPU it is slower)",

@@ -216,8 +216,8 @@ def run_layer(layer, x: torch.Tensor, delta: Optional[torch.Tensor], ctx: Forwar
 def compiled_layer() -> Callable:
     """:func:`run_layer` through ``torch.compile`` (Inductor: a layer's elementwise work fused between
     its matrix multiplies and attention), with dynamic shapes, so that a few graphs serve every bucket
-    of every layer.  Dynamo still specializes on sizes 0 and 1 and on the first layer (no residual
-    yet): at most 8 graphs a model (batch 1 or more, one row or more, first layer or not).  A
+    of every layer.  Dynamo still specializes on sizes 0 and 1: at most 4 graphs a model (batch 1 or
+    more, one row or more; the first layer adds a zero residual, so it runs the same graph).  A
     model's weights keep static shapes (parameters), so the target and the draft compile apart.
     Inductor keeps what it compiled in ``$MCSD_CACHE/inductor`` (unless ``TORCHINDUCTOR_CACHE_DIR``
     says otherwise), beside the model packs: a restart, or a container with that volume, reuses it."""
@@ -228,7 +228,7 @@ def compiled_layer() -> Callable:
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir() / "inductor"))
 
-    for limit in ("recompile_limit", "cache_size_limit"):  # target + draft, 8 each, and slack
+    for limit in ("recompile_limit", "cache_size_limit"):  # target + draft, 4 each, and slack
         if hasattr(dynamo_config, limit):
             setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), 32))
     compiled = torch.compile(run_layer, fullgraph=True, dynamic=True)

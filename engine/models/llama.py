@@ -402,6 +402,8 @@ class LlamaModel(nn.Module):
         if stack is not None:
             x, delta = stack(x, ctx)
         elif layer_step is not None:
+            # the first layer adds a zero residual (x + 0 is x, bitwise): it then runs the same graph as the rest
+            delta = torch.zeros_like(x)
             for i, layer in enumerate(self.layers):
                 x, delta = layer_step(layer, x, delta, ctx.for_layer(i))
         else:
