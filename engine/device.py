@@ -6,7 +6,7 @@ waits for the device to finish what it was given (a *sync point*).  The engine's
 that once where it must, so these helpers are the only places a step moves data:
 
 * :func:`to_device` copies host tensors to the device without waiting for it (through pinned
-  memory on CUDA), :func:`to_device_many` several of them in one copy per dtype;
+  memory on CUDA), :func:`to_device_many` several of them in one copy;
 * :func:`to_host` brings any number of device tensors back behind one synchronization, in one copy;
 * :func:`synchronize` waits for the device, before a clock is read for a timing (start-up
   measurements); a step times its parts with :class:`DeviceTimer`, which never waits.
@@ -22,7 +22,7 @@ import warnings
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -49,22 +49,21 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def to_device_many(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Host ``tensors`` on ``device`` (those already there as they are).  On CUDA without making the host
-    wait: one copy per dtype through a pinned staging buffer of its own (``pin_memory`` of an already
-    pinned tensor would be that tensor, which the host could change before the copy ran; an expanded
-    view cannot be pinned at all), split into views of the device copy."""
+    wait, in one copy: their bytes packed into one pinned staging buffer of this call's own
+    (:func:`pack_bytes`; ``pin_memory`` of an already pinned tensor would be that tensor, which the host
+    could change before the copy ran, and an expanded view cannot be pinned at all), copied once, and
+    unpacked as views of the device's copy."""
     if device.type != "cuda":
         return [t.to(device, non_blocking=True) for t in tensors]  # the device-check mode counts plain copies
     out: list[torch.Tensor | None] = [t if t.device.type != "cpu" else None for t in tensors]
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if out[i] is None:
-            groups.setdefault(t.dtype, []).append(i)
-    for idx in groups.values():
-        staging = torch.empty(sum(tensors[i].numel() for i in idx), dtype=tensors[idx[0]].dtype, pin_memory=True)
-        torch.cat([tensors[i].reshape(-1) for i in idx], out=staging)  # one host copy, straight into pinned memory
+    idx = [i for i, t in enumerate(tensors) if out[i] is None]
+    if idx:
+        host = [tensors[i] for i in idx]
+        staging = torch.empty(sum(t.numel() * t.element_size() for t in host), dtype=torch.uint8, pin_memory=True)
+        _, layout = pack_bytes(host, out=staging)  # one host copy, straight into pinned memory
         flat = staging.to(device, non_blocking=True)
-        for i, part in zip(idx, flat.split([tensors[i].numel() for i in idx])):
-            out[i] = part.view(tensors[i].shape)
+        for i, part in zip(idx, unpack_bytes(flat, layout)):
+            out[i] = part
     return out  # type: ignore[return-value]
 
 
@@ -99,10 +98,11 @@ def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
 Layout = list[tuple[int, int, torch.dtype, torch.Size]]
 
 
-def pack_bytes(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, Layout]:
-    """One uint8 tensor on the tensors' device holding the bytes of all of them (one kernel), and
-    where each one lies: ``(byte offset, bytes, dtype, shape)`` in the tensors' order.  The widest
-    items come first, so every tensor starts at a multiple of its item size and unpacks as a view."""
+def pack_bytes(tensors: list[torch.Tensor], out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Layout]:
+    """One uint8 tensor on the tensors' device holding the bytes of all of them (one kernel; into
+    ``out`` if given, of exactly their size), and where each one lies: ``(byte offset, bytes, dtype,
+    shape)`` in the tensors' order.  The widest items come first, so every tensor starts at a multiple
+    of its item size and unpacks as a view."""
     layout: Layout = [(0, 0, t.dtype, t.shape) for t in tensors]
     parts, at = [], 0
     for i in sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size()):
@@ -111,7 +111,9 @@ def pack_bytes(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, Layout]:
         parts.append(flat.view(torch.uint8))
         layout[i] = (at, size, flat.dtype, tensors[i].shape)
         at += size
-    return torch.cat(parts), layout
+    if out is None:
+        return torch.cat(parts), layout
+    return torch.cat(parts, out=out), layout
 
 
 def unpack_bytes(buffer: torch.Tensor, layout: Layout) -> list[torch.Tensor]:

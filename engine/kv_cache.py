@@ -305,28 +305,57 @@ class KVCache:
     def keep(self, slot: int, keep_idx: list[int] | torch.Tensor) -> None:
         """Keeps the pending entries ``keep_idx`` (indices relative to the first pending entry,
         ascending), moved to sit right after the committed context; drops the rest."""
+        (error,) = self.keep_many([(slot, keep_idx)])
+        if error is not None:
+            raise error
+
+    def keep_many(self, keeps: list[tuple[int, list[int] | torch.Tensor]]) -> list[Optional[Exception]]:
+        """:meth:`keep` for several slots (``(slot, keep_idx)`` each, distinct slots): every entry that
+        moves, of every slot, in one copy of row indices to the device and one gather and one scatter
+        a pool, not a few per sequence.  A slot whose indices are out of range is left as it was; its
+        error is returned in its place (None where the slot kept its entries)."""
+        errors: list[Optional[Exception]] = []
+        src, dst = [], []
+        for slot, keep_idx in keeps:
+            try:
+                moves = self._keep_bookkeeping(slot, keep_idx)
+            except IndexError as exc:
+                errors.append(exc)
+                continue
+            errors.append(None)
+            if moves is not None:
+                src.append(moves[0])
+                dst.append(moves[1])
+        if src:
+            src_t, dst_t = to_device_many([torch.cat(src), torch.cat(dst)], self.k.device)
+            # Gather first (copy), then scatter: source and destination ranges may overlap within a
+            # slot (different slots hold different blocks).
+            self.k[:, dst_t] = self.k[:, src_t]
+            self.v[:, dst_t] = self.v[:, src_t]
+        return errors
+
+    def _keep_bookkeeping(self, slot: int, keep_idx: list[int] | torch.Tensor) -> Optional[tuple[torch.Tensor, ...]]:
+        """Checks ``keep_idx`` and makes the slot's kept entries committed (host state only); returns the
+        pool rows to move (source, destination) on the host, or None when the kept entries are the
+        first ones (nothing moves).  Raises IndexError, changing nothing, for indices out of range."""
         if isinstance(keep_idx, list) and keep_idx == list(range(len(keep_idx))):  # a prefix: nothing moves
             n, base = len(keep_idx), int(self.lens[slot])
             if n > int(self.pending[slot]):
                 raise IndexError(f"keep indices {keep_idx} out of range of {int(self.pending[slot])} pending entries")
-            self.lens[slot] = base + n
-            self.pending[slot] = 0
-            self._trim(slot, base + n)
-            return
-        idx = torch.as_tensor(keep_idx, dtype=torch.long)
-        n = idx.numel()
-        base = int(self.lens[slot])
-        if n and (int(idx.max()) >= int(self.pending[slot]) or int(idx.min()) < 0):
-            raise IndexError(f"keep indices {idx.tolist()} out of range of {int(self.pending[slot])} pending entries")
-        if n and not torch.equal(idx, torch.arange(n)):
-            src, dst = to_device_many([self._rows(slot, idx + base), self._rows(slot, torch.arange(base, base + n))],
-                                      self.k.device)
-            # Gather first (copy), then scatter: source and destination ranges may overlap.
-            self.k[:, dst] = self.k[:, src]
-            self.v[:, dst] = self.v[:, src]
+            moves = None
+        else:
+            idx = torch.as_tensor(keep_idx, dtype=torch.long)
+            n = idx.numel()
+            base = int(self.lens[slot])
+            if n and (int(idx.max()) >= int(self.pending[slot]) or int(idx.min()) < 0):
+                raise IndexError(f"keep indices {idx.tolist()} out of range of {int(self.pending[slot])} pending entries")
+            moves = None
+            if n and not torch.equal(idx, torch.arange(n)):  # rows computed before _trim returns blocks
+                moves = (self._rows(slot, idx + base), self._rows(slot, torch.arange(base, base + n)))
         self.lens[slot] = base + n
         self.pending[slot] = 0
         self._trim(slot, base + n)
+        return moves
 
     def _rows(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
         """Pool rows of a slot's positions (host)."""

@@ -134,11 +134,9 @@ class ModelRunner:
         for f in forwards:
             plan_of = {id(s): p for s, p in zip(f.seqs, f.plans)}
             results, failed = self._verify_all(f.seqs, f.trees, f.plans, f.logits)  # logits: [B, rows, vocab]
-            for res in results:
-                try:
-                    self._update_caches(res.seq, res.tree, res.result, res.last_is_root)
-                except Exception as exc:  # noqa: BLE001 - the engine ends this request, the others go on
-                    log.exception("cache update failed for request %s", res.seq.request_id)
+            for res, exc in zip(results, self._update_caches(results)):
+                if exc is not None:  # the engine ends this request, the others go on
+                    log.error("cache update failed for request %s", res.seq.request_id, exc_info=exc)
                     failed.append((res.seq, exc))
                     continue
                 out.results.append(res)
@@ -284,10 +282,45 @@ class ModelRunner:
             except Exception:  # noqa: BLE001 - learning is optional; the step's tokens are already decided
                 log.exception("drafter %s failed to observe the step", drafter.name)
 
-    def _update_caches(self, seq: Sequence, tree: DraftTree, result: VerifyResult, last_is_root: bool = False) -> None:
-        """Target keeps root + accepted path; the draft keeps the accepted nodes it ran.  When the
-        rule says so (``SeqStepResult.last_is_root``), the last emitted token is the accepted path's
-        last node, and it stays uncached (it is the next root)."""
+    def _update_caches(self, results: list[SeqStepResult]) -> list[Optional[Exception]]:
+        """Each sequence's caches after its step: the target keeps root + accepted path, the draft the
+        accepted nodes it ran (``KVCache.keep_many``: every sequence's entries move together).  When
+        the rule says so (``SeqStepResult.last_is_root``), the last emitted token is the accepted
+        path's last node, and it stays uncached (it is the next root).  One exception per result
+        (None: updated); a sequence whose update failed is that sequence's failure alone."""
+        errors: list[Optional[Exception]] = [None] * len(results)
+        target, draft = [], []  # (result index, slot, kept entries)
+        for i, res in enumerate(results):
+            try:
+                rows, kept = self._kept_entries(res)
+            except Exception as exc:  # noqa: BLE001 - this sequence's alone
+                errors[i] = exc
+                continue
+            target.append((i, res.seq.slot, rows))
+            if kept is not None:
+                draft.append((i, res.seq.draft_slot, kept))
+        for cache, keeps in ((self.cache, target), (self.proposer.cache if self.proposer else None, draft)):
+            if not keeps:
+                continue
+            try:
+                outcome = cache.keep_many([(slot, kept) for _, slot, kept in keeps])
+            except Exception as exc:  # noqa: BLE001 - the move itself failed: every sequence in it
+                outcome = [exc] * len(keeps)
+            for (i, _, _), exc in zip(keeps, outcome):
+                errors[i] = errors[i] or exc
+        for i, _, _ in target:
+            seq, res = results[i].seq, results[i]
+            if errors[i] is None:
+                seq.target_cached = len(seq.tokens) + len(res.result.accepted) - (1 if res.last_is_root else 0)
+        for i, _, kept in draft:
+            if errors[i] is None:
+                results[i].seq.draft_cached += len(kept)
+        return errors
+
+    def _kept_entries(self, res: SeqStepResult) -> tuple[list[int], Optional[list[int]]]:
+        """What ``res``'s sequence keeps of its pending entries: the target's block rows, and the
+        draft's entries (None without a draft cache)."""
+        result, last_is_root = res.result, res.last_is_root
         accepted = result.accepted[:-1] if last_is_root else result.accepted
         if not last_is_root:
             rows = kept_block_rows(result)
@@ -295,12 +328,10 @@ class ModelRunner:
             rows = kept_block_rows(result)[:-1]
         else:
             rows = []  # a first step only drew candidates: the root stays uncached
-        self.cache.keep(seq.slot, rows)
-        seq.target_cached = len(seq.tokens) + len(result.accepted) - (1 if last_is_root else 0)
-        if self.proposer is not None and seq.draft_slot is not None:
-            kept = tree.draft_entries(accepted)
-            self.proposer.cache.keep(seq.draft_slot, kept)
-            seq.draft_cached += len(kept)
+        kept = None
+        if self.proposer is not None and res.seq.draft_slot is not None:
+            kept = res.tree.draft_entries(accepted)
+        return rows, kept
 
 
 def _rows_of(logits: torch.Tensor, index: list[int]) -> torch.Tensor:

@@ -43,6 +43,7 @@ compiler (or ninja) again.  It has no Python binding code: it registers the oper
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -52,7 +53,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -406,6 +407,32 @@ def _invariant_attention_decision() -> bool:
     if env:
         log.warning("ignoring %s=%r (expected 0 or 1)", _ATTENTION_SWITCH, env)
     return _batch_invariant and available()
+
+
+@contextlib.contextmanager
+def torch_formulation() -> Iterator[None]:
+    """Within it, this process runs the torch formulation a GPU runs: none of our CPU kernels
+    (``MCSD_CPU_KERNELS=0``, ``MCSD_INVARIANT_ATTENTION=0``, every decision made again), for the tools
+    and tests that count or compile what a GPU would run.  After it the switches and decisions are
+    as they were.  Compiled graphs bake the decisions in, so torch.compile's caches are reset on the
+    way in and out."""
+    saved = {k: os.environ.get(k) for k in (_ENV_SWITCH, _ATTENTION_SWITCH)}
+    decisions = (_enabled, _f32_enabled, _invariant_attention_decision, _row_ops_decision)
+    os.environ.update({_ENV_SWITCH: "0", _ATTENTION_SWITCH: "0"})
+    for decision in decisions:
+        decision.cache_clear()
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        for decision in decisions:
+            decision.cache_clear()
+        torch._dynamo.reset()
 
 
 def paged_attention_applies(pool: torch.Tensor) -> bool:

@@ -238,7 +238,7 @@ def test_one_failing_request_ends_alone_and_the_batch_goes_on(stage, monkeypatch
     assert draft_cache.free_slots == draft_cache.num_slots
 
 
-@pytest.mark.parametrize("stage", ["draft", "forward", "batch-forward", "prefill", "plan", "learn"])
+@pytest.mark.parametrize("stage", ["draft", "forward", "batch-forward", "prefill", "plan", "learn", "keep"])
 def test_a_failure_outside_verification_costs_only_its_own_request(stage, monkeypatch):
     """Drafting, the target forward, prefill, planning and learning fail in turn, with the batch in flight:
     * ``draft``: r1's drafting raises (after its draft cache caught up) from its second step on.  The
@@ -248,7 +248,9 @@ def test_a_failure_outside_verification_costs_only_its_own_request(stage, monkey
     * ``batch-forward``: one forward of several sequences raises once: each runs alone, nobody fails;
     * ``prefill``: r1's prompt fails to prefill: r1 ends with the error before any token;
     * ``plan`` / ``learn``: the planner raises while planning one step (that step decodes plainly) or
-      every time it learns from one (logged).
+      every time it learns from one (logged);
+    * ``keep``: r1's cache update fails after a step (the batch's sequences are kept together,
+      ``KVCache.keep_many``): r1 ends with the error, the others are kept.
     The other requests produce exactly their tokens, and every slot and block is freed at the end."""
     import engine.runner as runner_mod
     from engine.runner import ModelRunner
@@ -258,11 +260,14 @@ def test_a_failure_outside_verification_costs_only_its_own_request(stage, monkey
     target, draft = tiny_loaded("llama", seed=0), tiny_loaded("llama", seed=1, layers=1)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
     expected, _ = run_engine(target, draft, prompts, tree=(2, 1), ignore_eos=True, max_tokens=12)
-    state = {"slot": None, "decode": False, "raised": 0}
+    state = {"slot": None, "decode": False, "raised": 0, "r1_slot": None, "keeps": 0}
+    core_cache = [None]
     real_forward, real_run_blocks = ModelRunner._forward, runner_mod.run_blocks
 
     def forward(self, seqs, plans, stats):  # notes what the target forward is about to run
         r1 = next((s for s in seqs if s.request_id == "r1"), None)
+        core_cache[0] = self.cache
+        state["r1_slot"] = r1.slot if r1 is not None else None
         state["slot"] = r1.slot if r1 is not None and r1.num_output >= 2 else None
         state["decode"] = True
         try:
@@ -308,16 +313,29 @@ def test_a_failure_outside_verification_costs_only_its_own_request(stage, monkey
             state["raised"] += 1
             raise RuntimeError("planted learning failure")
         monkeypatch.setattr(Planner, "observe", observe)
+    elif stage == "keep":  # r1's target cache update fails at its fourth step; the batch's others are kept
+        from engine.kv_cache import KVCache
+        real_keep = KVCache._keep_bookkeeping
+
+        def keep(self, slot, keep_idx):
+            if self is core_cache[0] and slot == state["r1_slot"] and state["keeps"] == 3:
+                state["raised"] += 1
+                raise IndexError("planted cache update failure")
+            if self is core_cache[0] and slot == state["r1_slot"]:
+                state["keeps"] += 1
+            return real_keep(self, slot, keep_idx)
+        monkeypatch.setattr(KVCache, "_keep_bookkeeping", keep)
 
     outs, core = run_engine(target, draft, prompts, tree=(2, 1), ignore_eos=True, max_tokens=12)
     assert state["raised"] >= 1  # the failure happened
-    r1_fails = stage in ("forward", "prefill")
+    r1_fails = stage in ("forward", "prefill", "keep")
     survivors = [0, 2] if r1_fails else [0, 1, 2]
     assert [outs[i].tokens for i in survivors] == [expected[i].tokens for i in survivors]
     assert all(outs[i].finish_reason == "length" for i in survivors)
     if r1_fails:
         assert outs[1].finish_reason == "error"
-        assert len(outs[1].tokens) == (0 if stage == "prefill" else 2)
+        assert len(outs[1].tokens) == {"prefill": 0, "forward": 2}.get(stage, len(outs[1].tokens))
+        assert stage != "keep" or 0 < len(outs[1].tokens) < 12
     if stage == "draft":  # r1 stopped speculating, and said so; the others went on drafting
         assert "speculation stopped" in outs[1].spec.note and "planted drafting failure" in outs[1].spec.note
         assert outs[1].spec.steps < expected[1].spec.steps and outs[0].spec.steps == expected[0].spec.steps

@@ -77,6 +77,21 @@ def test_a_read_brings_mixed_tensors_back_in_one_pinned_copy():
     assert all(h.is_pinned() for h in host[:-1] if h.numel())
 
 
+def test_host_tensors_reach_the_device_in_one_copy():
+    """``to_device_many``: host tensors of several dtypes and layouts (a transposed one, an expanded
+    view, a 0-dim one, an empty one) arrive equal, as views of one device buffer (one copy); a tensor
+    already on the device is returned as it is."""
+    on_device = torch.ones(3, device="cuda")
+    host = [torch.arange(6, dtype=torch.long).view(2, 3).t(), torch.tensor([True, False, True]),
+            torch.tensor(2.5, dtype=torch.float32), torch.zeros(0, dtype=torch.int32),
+            torch.tensor([1.0, 2.0], dtype=torch.bfloat16).expand(3, 2)]
+    out = engine_device.to_device_many([on_device] + host, torch.device("cuda"))
+    assert out[0] is on_device
+    for h, d in zip(host, out[1:]):
+        assert d.device.type == "cuda" and d.dtype == h.dtype and torch.equal(d.cpu(), h)
+    assert len({d.untyped_storage().data_ptr() for d in out[1:] if d.numel()}) == 1
+
+
 def test_the_models_are_on_the_device(pair32):
     for lm in pair32:
         assert lm.model.device.type == "cuda"

@@ -137,7 +137,7 @@ def test_adaptive_speculation_without_the_level_stop_reads_once(pair, method, bo
 
 @pytest.mark.parametrize("seed", range(20))
 def test_packed_bytes_unpack_to_the_same_tensors(seed):
-    """``to_host``'s one copy on CUDA (``pack_bytes`` there, ``unpack_bytes`` of the pinned copy): any
+    """``to_host``'s and ``to_device_many``'s one copy on CUDA (``pack_bytes``, ``unpack_bytes`` of the copy): any
     mix of dtypes, shapes (0-dim, empty) and layouts (transposed) unpacks to equal tensors, each a view
     aligned to its item size."""
     import torch
@@ -155,6 +155,10 @@ def test_packed_bytes_unpack_to_the_same_tensors(seed):
         tensors.append(t.t() if t.dim() == 2 else t)
     packed, layout = pack_bytes(tensors)
     assert packed.dtype == torch.uint8 and packed.numel() == sum(t.numel() * t.element_size() for t in tensors)
+    # into a buffer of its own, as to_device_many packs host tensors into pinned memory on CUDA
+    staging = torch.empty(packed.numel(), dtype=torch.uint8)
+    into, same_layout = pack_bytes(tensors, out=staging)
+    assert into.data_ptr() == staging.data_ptr() and same_layout == layout and torch.equal(into, packed)
     out = unpack_bytes(packed.clone(), layout)
     for t, u in zip(tensors, out):
         assert u.dtype == t.dtype and u.shape == t.shape and torch.equal(u, t)

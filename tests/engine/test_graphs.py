@@ -307,43 +307,33 @@ def _compiled_run(model, compiled: bool) -> tuple[list[torch.Tensor], CapturedFo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ours", [True, False], ids=["cpu-kernels", "torch-ops"])
-def test_the_compiled_layers_serve_every_bucket_with_the_eager_logits(ours, monkeypatch):
+def test_the_compiled_layers_serve_every_bucket_with_the_eager_logits(ours):
     """``graph_compile``: each decoder layer through torch.compile (``compiled_layer``) gives the eager
     forward's logits, and a few graphs serve every bucket and every layer: at most 4 (batch 1 or
     more, one row or more), not one per bucket shape and layer.  ``cpu-kernels``: our
     CPU operators stay operators in the graph, so the logits are bitwise the eager ones.
     ``torch-ops``: the torch formulation a GPU runs (``MCSD_CPU_KERNELS=0``), whose elementwise work
     Inductor fuses, as it would on a GPU: equal to fp32 rounding."""
+    import contextlib
+
     from torch._dynamo.utils import counters
 
-    from engine.models import cpu_kernels
+    from engine.models.cpu_kernels import torch_formulation
 
-    decisions = (cpu_kernels._enabled, cpu_kernels._f32_enabled, cpu_kernels._invariant_attention_decision,
-                 cpu_kernels._row_ops_decision)
-    if not ours:
-        monkeypatch.setenv("MCSD_CPU_KERNELS", "0")
-        monkeypatch.setenv("MCSD_INVARIANT_ATTENTION", "0")
-    for decision in decisions:
-        decision.cache_clear()
-    try:
-        torch._dynamo.reset()
+    torch._dynamo.reset()
+    with contextlib.nullcontext() if ours else torch_formulation():
         model = tiny_loaded("qwen2", seed=0).model  # qkv biases: the layer's every input kind
         eager, _ = _compiled_run(model, False)
         before = counters["stats"]["unique_graphs"]
         compiled, captured = _compiled_run(model, True)
-        assert captured.layer_step is not None  # compiling worked: no fallback to the eager layers
-        graphs = counters["stats"]["unique_graphs"] - before
-        assert 2 <= graphs <= 4, graphs  # 4 bucket kinds x 2 context buckets x 2 layers: 16 without dynamic shapes
-        for e, c in zip(eager, compiled, strict=True):
-            if ours:
-                assert torch.equal(e, c)
-            else:
-                torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4)
-    finally:
-        monkeypatch.undo()
-        for decision in decisions:
-            decision.cache_clear()
-        torch._dynamo.reset()
+        graphs = counters["stats"]["unique_graphs"] - before  # (before torch_formulation resets the counters)
+    assert captured.layer_step is not None  # compiling worked: no fallback to the eager layers
+    assert 2 <= graphs <= 4, graphs  # 4 bucket kinds x 2 context buckets x 2 layers: 16 without dynamic shapes
+    for e, c in zip(eager, compiled, strict=True):
+        if ours:
+            assert torch.equal(e, c)
+        else:
+            torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4)
 
 
 def test_a_layer_that_fails_to_compile_is_captured_without_compiling(caplog):

@@ -100,6 +100,41 @@ def test_keep_compacts_the_accepted_entries_across_block_boundaries_and_returns_
         cache.keep(s, [2])
 
 
+def test_keeping_several_slots_at_once_moves_them_all_in_one_copy(monkeypatch):
+    """``keep_many``: every slot's kept entries as ``keep`` would leave them (moved across block
+    boundaries, a prefix that moves nothing, nothing kept), with one copy of row indices to the device
+    for all of them; a slot whose indices are out of range gets its error and is left as it was."""
+    import engine.kv_cache as kv
+
+    def setup():
+        cache = small_cache(slots=4, blocks=16)
+        slots = [cache.allocate() for _ in range(4)]
+        for i, s in enumerate(slots):
+            fill(cache, s, 3, first=10 * i)
+            cache.commit(s)
+            fill(cache, s, 6, first=100 + 10 * i)
+        return cache, slots
+
+    keeps = [[1, 2, 5], [0, 1], [], [4, 9]]  # moved, a prefix, nothing, out of range
+    one, slots = setup()
+    for s, idx in zip(slots[:3], keeps):
+        one.keep(s, idx)
+    with pytest.raises(IndexError):
+        one.keep(slots[3], keeps[3])
+    many, slots = setup()
+    copies = []
+    real = kv.to_device_many
+    monkeypatch.setattr(kv, "to_device_many", lambda ts, dev: copies.append(len(ts)) or real(ts, dev))
+    errors = many.keep_many(list(zip(slots, keeps)))
+    assert [e is None for e in errors] == [True, True, True, False] and isinstance(errors[3], IndexError)
+    assert copies == [2]  # the source and destination rows of every slot, together
+    for s in slots:
+        assert keys(many, s) == keys(one, s)
+        assert int(many.pending[s]) == int(one.pending[s]) and many.tables[s] == one.tables[s]
+    assert keys(many, slots[0]) == [0, 1, 2, 101, 102, 105] and keys(many, slots[1]) == [10, 11, 12, 110, 111]
+    assert int(many.pending[slots[3]]) == 6  # left as it was
+
+
 def test_the_pool_and_the_sequence_length_are_bounded():
     cache = small_cache(slots=2, blocks=8, max_len=32)
     a = cache.allocate()

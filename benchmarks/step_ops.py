@@ -1,0 +1,242 @@
+"""What a step asks of a GPU's host, counted on the CPU: device operations, copies and reads.
+
+Once the forwards are captured as CUDA graphs, what is left of a step on the host is the work around
+them: building the draft tree, sampling, verification, the copies of host data to the device and
+the read of the results. Each device operation there is a kernel the host launches from Python
+(a few microseconds each). This script counts them without a GPU. It runs the engine with tiny random
+models on the CPU, in the torch formulation a GPU runs (``MCSD_CPU_KERNELS=0``,
+``MCSD_INVARIANT_ATTENTION=0``), on the fixed-shape path a graph replays (``static_shapes``), under
+the test suite's device-check mode (``tests/device_check.py``), which marks what would live on the
+device. Per decoding step (the prefill step left out):
+
+* **device ops**: torch calls outside the forwards that produce a device tensor, and indexing that
+  gathers or writes on the device; views and calls that return their input (a ``.to`` that changes
+  nothing) left out (a call may be more than one kernel);
+* **h2d copies**: copies of host data to the device: ``engine.device.to_device_many`` makes one a
+  call on CUDA (on the CPU it copies tensor by tensor; the count here is its calls with host data);
+* **forwards**: the captured forwards the step replays (target and draft);
+* **reads**: the host reads the engine declares (``engine.device.to_host``).
+
+With ``--forward`` it also counts one forward's operators eagerly (every torch call in the layers)
+and, compiled (``graph_compile``), the launches of Inductor's code for one layer. Prints tables and
+writes JSON::
+
+    python benchmarks/step_ops.py [--configs "plain;mcsd:4,2,2"] [--batches 1,8] [--temperatures 0,0.7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+import statistics
+import sys
+from collections import Counter
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import engine.device as engine_device  # noqa: E402
+import engine.graphs as engine_graphs  # noqa: E402
+from benchmarks.harness import machine, print_table, write_json  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
+from engine.models.cpu_kernels import torch_formulation  # noqa: E402
+from engine.request import GenerationRequest, SamplingParams, SpecOptions  # noqa: E402
+from tests.device_check import DeviceCheck, _tensors, is_marked, mark_engine  # noqa: E402
+from tests.tiny import tiny_loaded  # noqa: E402
+
+#: torch calls that make no kernel: views, metadata
+VIEWS = {"view", "view_as", "reshape", "transpose", "unsqueeze", "squeeze", "expand", "expand_as", "permute", "t",
+         "split", "chunk", "unbind", "narrow", "select", "flatten", "unflatten", "as_strided", "detach", "__getitem__",
+         "movedim", "diagonal", "T", "mT", "__get__", "dim", "size", "shape", "stride", "numel"}
+
+
+class StepCounter(DeviceCheck):
+    """The device-check mode, also counting device operations outside the forwards and the copies."""
+
+    def __init__(self) -> None:
+        super().__init__(strict=True)
+        self.ops: Counter[str] = Counter()
+        self.copies = 0
+        self.forwards = 0
+        self.quiet = 0  # inside a forward or a copy: not counted as the step's own operations
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs)
+        name = getattr(func, "__name__", str(func))
+        if name in ("to", "type_as", "contiguous") and args and out is args[0]:
+            return out  # nothing to do: no kernel
+        if self.quiet:
+            return out
+        if name in ("__getitem__", "__setitem__") and is_marked(args[0]):
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if name == "__setitem__" or any(isinstance(i, (torch.Tensor, list)) for i in index):
+                self.ops[name] += 1  # a gather, or a write: a kernel (plain slicing is a view)
+        elif name not in VIEWS and any(is_marked(t) for t in _tensors(out)):
+            self.ops[name] += 1
+        return out
+
+    def clear(self) -> None:
+        self.ops.clear()
+        self.copies = self.forwards = 0
+        self.reset()
+
+
+def _counting(counter_of, fn, on_call):
+    def wrapped(*args, **kwargs):
+        counter = counter_of()
+        if counter is None:
+            return fn(*args, **kwargs)
+        on_call(counter, args)
+        counter.quiet += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            counter.quiet -= 1
+    return wrapped
+
+
+def count_steps(config: dict, batch: int, temperature: float, spec: bool, steps: int) -> list[dict]:
+    """``steps`` decoding steps of ``batch`` requests under :class:`StepCounter`, one dict per step."""
+    target, draft = tiny_loaded("qwen2", seed=0), tiny_loaded("qwen2", seed=1, layers=1)
+    core = EngineCore(target, draft, EngineConfig.from_settings(
+        max_batch=batch, max_model_len=256, static_shapes=True, graph_batches=(batch,), load_aware=False,
+        maxgram_read_tree=False, **config))
+    mark_engine(core)
+    gen = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        ids = torch.randint(1, 100, (40,), generator=gen).tolist()
+        params = SamplingParams(max_tokens=steps * 8 + 8, temperature=temperature, ignore_eos=True,
+                                seed=i if temperature else None)
+        core.add_request(GenerationRequest(f"r{i}", ids, params, SpecOptions(enabled=spec)))
+    counter = StepCounter()
+    current = [None]
+    forwards = _counting(lambda: current[0], engine_graphs.static_hidden,
+                         lambda c, a: setattr(c, "forwards", c.forwards + 1))
+    copies = _counting(lambda: current[0], engine_device.to_device_many,
+                       lambda c, a: setattr(c, "copies", c.copies + any(not is_marked(t) for t in a[0])))
+    wrappers = {engine_graphs.static_hidden: forwards, engine_device.to_device_many: copies}
+    with contextlib.ExitStack() as stack:
+        # every module that imported the functions holds its own name for them
+        for module in [m for name, m in list(sys.modules.items()) if name.startswith("engine")]:
+            for attr in ("static_hidden", "to_device_many"):
+                wrapper = wrappers.get(getattr(module, attr, None))
+                if wrapper is not None:
+                    stack.enter_context(mock.patch.object(module, attr, wrapper))
+        return _count(core, counter, current, steps)
+
+
+def _count(core: EngineCore, counter: StepCounter, current: list, steps: int) -> list[dict]:
+    out = []
+    with counter:
+        core.step()  # the prefill: left out
+        current[0] = counter
+        for _ in range(steps):
+            if not core.has_unfinished():
+                break
+            counter.clear()
+            core.step()
+            out.append(dict(device_ops=sum(counter.ops.values()), h2d=counter.copies, forwards=counter.forwards,
+                            reads=counter.syncs.get("to_host", 0), top=counter.ops.most_common(8)))
+        current[0] = None
+    return out
+
+
+def parse_configs(text: str) -> list[tuple[str, dict, bool]]:
+    """``plain;mcsd:4,2,2;mcsd+maxgram:4,2,2``: (name, engine settings, speculating)."""
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        if item == "plain":
+            out.append((item, {}, False))
+            continue
+        method, _, tree = item.partition(":")
+        out.append((item, dict(spec_method=method, tree=tuple(int(x) for x in tree.split(",")) if tree else (4, 2, 2)),
+                    True))
+    return out
+
+
+def forward_ops() -> list[dict]:
+    """One decode forward (1 x 1) of the tiny 2-layer model: torch operators a layer eagerly, and the
+    launches of Inductor's code for one layer compiled (``graph_compile``: its fused kernels and
+    library calls)."""
+    from torch._inductor.graph import GraphLowering
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not any(v in str(func) for v in ("view", "split", "transpose", "unsqueeze", "reshape", "slice",
+                                                "select", "expand", "alias", "detach", "permute", "squeeze",
+                                                "unbind", "as_strided", "aten.t.")):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    model = tiny_loaded("qwen2", seed=0).model
+    cache = model.new_cache(1, 64, block_size=4)
+    grid = engine_graphs.BucketGrid((1,), (1,), (16,), width=1)
+    inputs = engine_graphs.StaticInputs.empty(grid.buckets()[0], 4, 1, model.device)
+    layers = len(model.layers)
+    with torch.inference_mode():
+        ops = Ops()
+        with ops:
+            engine_graphs.static_hidden(model, cache, inputs)
+        outside = Ops()
+        with outside:
+            engine_graphs.static_hidden(model, cache, inputs, lambda layer, x, delta, ctx: (x, delta))
+        codes: list[str] = []
+        with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+            engine_graphs.static_hidden(model, cache, inputs, engine_graphs.compiled_layer())
+    call = codes[-1][codes[-1].find("def call("):] if codes else ""
+    launches = re.findall(r"^\s+(cpp_fused_\w+|triton_\w+|extern_kernels\.\w+|aten\.\w+|torch\.ops\.\w+\.\w+)",
+                          call, re.M)
+    return [dict(layers="eager", per_layer=(ops.count - outside.count) / layers, around=outside.count),
+            dict(layers="compiled", per_layer=len(launches) or None, around=outside.count)]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="plain;mcsd:4,2,2;mcsd:2,1,1;mcsd+maxgram:4,2,2;cascade:4,2,2",
+                    help="';'-separated: plain, or METHOD:TREE")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("--steps", type=int, default=4, help="decoding steps counted (the median is reported)")
+    ap.add_argument("--forward", action=argparse.BooleanOptionalAction, default=True,
+                    help="also count one forward's operators, eager and compiled")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    with torch_formulation():  # what a GPU runs; this process's own kernels again afterwards
+        run(args)
+
+
+def run(args) -> None:
+    rows = []
+    for name, config, spec in parse_configs(args.configs):
+        for batch in (int(b) for b in args.batches.split(",")):
+            for temperature in (float(t) for t in args.temperatures.split(",")):
+                per = count_steps(config, batch, temperature, spec, args.steps)
+                med = {k: statistics.median(p[k] for p in per) for k in ("device_ops", "h2d", "forwards", "reads")}
+                rows.append(dict(config=name, batch=batch, temperature=temperature, **med, steps=len(per),
+                                 top=per[-1]["top"]))
+                print(f"{name} batch {batch} T={temperature}: {med}", flush=True)
+    print("\nper decoding step, outside the captured forwards (medians; tiny models, torch formulation, CPU)")
+    print_table(rows, [("config", "config", "s"), ("batch", "batch", "d"), ("temperature", "T", ".1f"),
+                       ("device_ops", "device ops", ".0f"), ("h2d", "h2d copies", ".0f"),
+                       ("forwards", "forwards", ".0f"), ("reads", "reads", ".0f")])
+    result = dict(machine=machine(), args=vars(args), steps=rows, forward=[])
+    if args.forward:
+        result["forward"] = forward_ops()
+        print("\none decode forward: operators a layer, and around the layers (embedding, addresses, mask, norm)")
+        print_table(result["forward"], [("layers", "layers", "s"), ("per_layer", "per layer", ".1f"),
+                                        ("around", "around them", "d")])
+    write_json("step_ops.json", result, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""``benchmarks/step_ops.py``: what a step asks of a GPU's host, counted on the CPU.  Its counts
+hold the engine to what the GPU issue asks: one read a step, the forwards a tree needs, and a step's
+device operations and copies that do not grow with the batch (no per-sequence launches)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import step_ops
+
+
+def test_step_ops_counts_a_steps_launches_and_they_do_not_grow_with_the_batch(tmp_path):
+    out = tmp_path / "step_ops.json"
+    step_ops.main(["--configs", "plain;mcsd:2,1", "--batches", "1,8", "--temperatures", "0,0.7", "--steps", "2",
+                   "--out", str(out)])
+    result = json.loads(out.read_text())
+    rows = {(r["config"], r["batch"], r["temperature"]): r for r in result["steps"]}
+    assert len(rows) == 8
+    for (config, batch, temperature), r in rows.items():
+        assert r["reads"] == 1 and r["steps"] == 2
+        assert r["forwards"] == (1 if config == "plain" else 3)  # a draft forward a level, then the target's
+        assert r["device_ops"] > 0 and r["h2d"] >= 1
+        # vectorized over the batch: eight sequences launch what one does, but for whether any kept
+        # entries move this step (one copy, a gather and a scatter a pool, for every sequence at once)
+        one = rows[(config, 1, temperature)]
+        assert r["device_ops"] <= one["device_ops"] + 8 and r["h2d"] <= one["h2d"] + 2, (config, temperature)
+    assert rows[("mcsd:2,1", 1, 0.0)]["device_ops"] > rows[("plain", 1, 0.0)]["device_ops"]
+    eager, compiled = result["forward"]
+    assert (eager["layers"], compiled["layers"]) == ("eager", "compiled")
+    assert 20 <= eager["per_layer"] <= 40 and compiled["per_layer"] <= 10  # Inductor fused the elementwise work
