@@ -21,7 +21,9 @@ not speedups:
   pay), the first tree read after every level as the level-by-level SpecDec++ stop reads it (but
   never stopping: the price of those reads) and the first tree without graphs; with ``--compile``,
   plain decoding, the first tree, mcsd+maxgram and the GPU preset again with every layer compiled
-  before capture (column "compiled").  Per step: milliseconds, against the floor and against
+  before capture (column "compiled"), in interleaved rounds of their own after the others (compiling
+  takes a while: a run cut short still has the others).  Per step: milliseconds, against the floor
+  and against
   plain decoding's step, the host reads the engine declares, its device-wide waits, and the
   synchronizing CUDA calls torch's sync debug mode counts; the graphs captured, the seconds and
   graph-pool memory capturing took;
@@ -403,22 +405,23 @@ def main(argv=None) -> None:
             configs += [(f"mcsd {','.join(map(str, t0))}", b, draft, True, t0, "mcsd", True, True),
                         (f"mcsd+maxgram {','.join(map(str, t0))}", b, draft, True, t0, "mcsd+maxgram", True, True),
                         ("adaptive (GPU preset)", b, draft, True, t0, ADAPTIVE, True, True)]
-    runs = run_configs(configs, target, args)
-    for r in runs:
-        floor = floor_of[(args.target_shape, r["batch"])]
-        r["x_floor"] = r["ms_step"] / floor  # a step's time against the floor's step at this batch
-        r["floor_tok_s_ratio"] = r["tok_s"] / (r["batch"] * 1e3 / floor)  # tokens/s against the floor's
-    # against plain decoding's captured step at the same batch, compiled or not as the row is
-    plain_ms = {(r["batch"], r["graphs"], r["compiled"]): r["ms_step"] for r in runs if r["config"] == "plain"}
-    for r in runs:
-        key = (r["batch"], True, r["compiled"])
-        r["x_plain_step"] = r["ms_step"] / plain_ms[key] if key in plain_ms else None
-    print(f"\nengine steps, greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens (decode only), "
-          f"median of {args.rounds} interleaved rounds; {args.target_shape} target, {args.draft_shape} draft")
-    print_engine_table(runs)
-    result["engine"] = runs
-    result["projection"] = project(runs, [], args)
-    save()
+    # the compiled configurations run apart, after the others: a first start compiles their layers (a
+    # minute or more), and a device call cut at its time limit then still has the others' table
+    runs = []
+    for part in ([c for c in configs if not c[7]], [c for c in configs if c[7]]):
+        if not part:
+            continue
+        rows = run_configs(part, target, args)
+        with_ratios(rows, lambda batch: floor_of[(args.target_shape, batch)])
+        compiled = " with every layer compiled (graph_compile), a run of their own" if part[0][7] else ""
+        print(f"\nengine steps{compiled}, greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens "
+              f"(decode only), median of {args.rounds} interleaved rounds; {args.target_shape} target, "
+              f"{args.draft_shape} draft")
+        print_engine_table(rows)
+        runs += rows
+        result["engine"] = runs
+        result["projection"] = project(runs, [], args)
+        save()
 
     big = []
     if args.big_shape:
@@ -438,24 +441,36 @@ def main(argv=None) -> None:
             big_configs += [("plain", 1, draft, False, (), "mcsd", True, True),
                             (f"mcsd {','.join(map(str, t0))}", 1, draft, True, t0, "mcsd", True, True),
                             ("adaptive (GPU preset)", 1, draft, True, t0, ADAPTIVE, True, True)]
-        big = run_configs(big_configs, big_target, args)
-        big_plain = {(r["batch"], r["compiled"]): r["ms_step"] for r in big if r["config"] == "plain"}
-        for r in big:
-            floor = [f["ms"] for f in floors if f["shape"] == args.big_shape and f["batch"] == r["batch"]][0]
-            r["x_floor"] = r["ms_step"] / floor
-            r["floor_tok_s_ratio"] = r["tok_s"] / (r["batch"] * 1e3 / floor)
-            key = (r["batch"], r["compiled"])
-            r["x_plain_step"] = r["ms_step"] / big_plain[key] if key in big_plain else None
-        print(f"\nthe same with the {args.big_shape} target shape")
-        print_engine_table(big)
+        for part in ([c for c in big_configs if not c[7]], [c for c in big_configs if c[7]]):
+            if not part:
+                continue
+            rows = run_configs(part, big_target, args)
+            with_ratios(rows, lambda batch: [f["ms"] for f in floors
+                                             if f["shape"] == args.big_shape and f["batch"] == batch][0])
+            print(f"\nthe same with the {args.big_shape} target shape"
+                  + (", every layer compiled (a run of its own)" if part[0][7] else ""))
+            print_engine_table(rows)
+            big += rows
+            result["big"] = big
+            result["projection"] = project(runs, big, args)
+            save()
         del big_target
-        result["big"] = big
-        result["projection"] += project([], big, args)
-        save()
 
     if args.host_profile:
         host_profile(random_model(args.target_shape, args.vocab, dtype, device, seed=0), draft, args.prompt_len,
                      trees[0], args.host_profile)
+
+
+def with_ratios(runs: list[dict], floor_ms_at) -> None:
+    """Each run's step against the floor's step at its batch (``floor_ms_at(batch)``), its tokens/s
+    against the floor's, and its step against plain decoding's captured step at the same batch in
+    the same runs."""
+    plain_ms = {r["batch"]: r["ms_step"] for r in runs if r["config"] == "plain" and r["graphs"]}
+    for r in runs:
+        floor = floor_ms_at(r["batch"])
+        r["x_floor"] = r["ms_step"] / floor  # a step's time against the floor's step at this batch
+        r["floor_tok_s_ratio"] = r["tok_s"] / (r["batch"] * 1e3 / floor)  # tokens/s against the floor's
+        r["x_plain_step"] = r["ms_step"] / plain_ms[r["batch"]] if r["batch"] in plain_ms else None
 
 
 def run_configs(configs: list[tuple], target: LoadedModel, args) -> list[dict]:
