@@ -405,25 +405,15 @@ def main(argv=None) -> None:
             configs += [(f"mcsd {','.join(map(str, t0))}", b, draft, True, t0, "mcsd", True, True),
                         (f"mcsd+maxgram {','.join(map(str, t0))}", b, draft, True, t0, "mcsd+maxgram", True, True),
                         ("adaptive (GPU preset)", b, draft, True, t0, ADAPTIVE, True, True)]
-    # the compiled configurations run apart, after the others: a first start compiles their layers (a
-    # minute or more), and a device call cut at its time limit then still has the others' table
-    runs = []
-    for part in ([c for c in configs if not c[7]], [c for c in configs if c[7]]):
-        if not part:
-            continue
-        rows = run_configs(part, target, args)
-        with_ratios(rows, lambda batch: floor_of[(args.target_shape, batch)])
-        compiled = " with every layer compiled (graph_compile), a run of their own" if part[0][7] else ""
-        print(f"\nengine steps{compiled}, greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens "
-              f"(decode only), median of {args.rounds} interleaved rounds; {args.target_shape} target, "
-              f"{args.draft_shape} draft")
-        print_engine_table(rows)
-        runs += rows
-        result["engine"] = runs
-        result["projection"] = project(runs, [], args)
+    def saved_engine(rows: list[dict]) -> None:
+        result["engine"], result["projection"] = rows, project(rows, [], args)
         save()
 
-    big = []
+    runs = run_parts(configs, target, args, lambda batch: floor_of[(args.target_shape, batch)],
+                     f"engine steps, greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens (decode "
+                     f"only), median of {args.rounds} interleaved rounds; {args.target_shape} target, "
+                     f"{args.draft_shape} draft", saved_engine)
+
     if args.big_shape:
         del target
         if device.type == "cuda":
@@ -441,24 +431,37 @@ def main(argv=None) -> None:
             big_configs += [("plain", 1, draft, False, (), "mcsd", True, True),
                             (f"mcsd {','.join(map(str, t0))}", 1, draft, True, t0, "mcsd", True, True),
                             ("adaptive (GPU preset)", 1, draft, True, t0, ADAPTIVE, True, True)]
-        for part in ([c for c in big_configs if not c[7]], [c for c in big_configs if c[7]]):
-            if not part:
-                continue
-            rows = run_configs(part, big_target, args)
-            with_ratios(rows, lambda batch: [f["ms"] for f in floors
-                                             if f["shape"] == args.big_shape and f["batch"] == batch][0])
-            print(f"\nthe same with the {args.big_shape} target shape"
-                  + (", every layer compiled (a run of its own)" if part[0][7] else ""))
-            print_engine_table(rows)
-            big += rows
-            result["big"] = big
-            result["projection"] = project(runs, big, args)
+
+        def saved_big(rows: list[dict]) -> None:
+            result["big"], result["projection"] = rows, project(runs, rows, args)
             save()
+
+        run_parts(big_configs, big_target, args,
+                  lambda batch: [f["ms"] for f in floors if f["shape"] == args.big_shape and f["batch"] == batch][0],
+                  f"the same with the {args.big_shape} target shape", saved_big)
         del big_target
 
     if args.host_profile:
         host_profile(random_model(args.target_shape, args.vocab, dtype, device, seed=0), draft, args.prompt_len,
                      trees[0], args.host_profile)
+
+
+def run_parts(configs: list[tuple], target: LoadedModel, args, floor_ms_at, title: str, done) -> list[dict]:
+    """:func:`run_configs` of the configurations without compiled layers, then of the compiled ones in
+    interleaved rounds of their own (a first start compiles their layers, a minute or more: a device
+    call cut at its time limit then still has the others), each part with its ratios
+    (:func:`with_ratios`), printed under ``title``; ``done(rows so far)`` after each part."""
+    out: list[dict] = []
+    for part in ([c for c in configs if not c[7]], [c for c in configs if c[7]]):
+        if not part:
+            continue
+        rows = run_configs(part, target, args)
+        with_ratios(rows, floor_ms_at)
+        print(f"\n{title}" + ("; every layer compiled (graph_compile), in rounds of their own" if part[0][7] else ""))
+        print_engine_table(rows)
+        out += rows
+        done(out)
+    return out
 
 
 def with_ratios(runs: list[dict], floor_ms_at) -> None:

@@ -338,18 +338,16 @@ class KVCache:
         """Checks ``keep_idx`` and makes the slot's kept entries committed (host state only); returns the
         pool rows to move (source, destination) on the host, or None when the kept entries are the
         first ones (nothing moves).  Raises IndexError, changing nothing, for indices out of range."""
+        base, moves = int(self.lens[slot]), None
         if isinstance(keep_idx, list) and keep_idx == list(range(len(keep_idx))):  # a prefix: nothing moves
-            n, base = len(keep_idx), int(self.lens[slot])
+            n = len(keep_idx)
             if n > int(self.pending[slot]):
                 raise IndexError(f"keep indices {keep_idx} out of range of {int(self.pending[slot])} pending entries")
-            moves = None
         else:
             idx = torch.as_tensor(keep_idx, dtype=torch.long)
             n = idx.numel()
-            base = int(self.lens[slot])
             if n and (int(idx.max()) >= int(self.pending[slot]) or int(idx.min()) < 0):
                 raise IndexError(f"keep indices {idx.tolist()} out of range of {int(self.pending[slot])} pending entries")
-            moves = None
             if n and not torch.equal(idx, torch.arange(n)):  # rows computed before _trim returns blocks
                 moves = (self._rows(slot, idx + base), self._rows(slot, torch.arange(base, base + n)))
         self.lens[slot] = base + n
