@@ -15,7 +15,11 @@ device. Per decoding step (the prefill step left out):
 * **h2d copies**: copies of host data to the device: ``engine.device.to_device_many`` makes one a
   call on CUDA (on the CPU it copies tensor by tensor; the count here is its calls with host data);
 * **forwards**: the captured forwards the step replays (target and draft);
-* **reads**: the host reads the engine declares (``engine.device.to_host``).
+* **reads**: the host reads the engine declares (``engine.device.to_host``);
+* **host ms**: the step's wall time less the time inside the forwards (median of ``--time-steps``
+  steps, timed apart from the counting).  With compute this small it is what the host spends on a
+  step outside its graphs, at the CPU's dispatch cost (a GPU's launches cost more): a floor under
+  the step time on any device, paid where the device waits for the host (after the step's read).
 
 With ``--forward`` it also counts one forward's operators eagerly (every torch call in the layers)
 and, compiled (``graph_compile``), the launches of Inductor's code for one layer. Prints tables and
@@ -31,6 +35,7 @@ import contextlib
 import re
 import statistics
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from unittest import mock
@@ -104,19 +109,25 @@ def _counting(counter_of, fn, on_call):
     return wrapped
 
 
-def count_steps(config: dict, batch: int, temperature: float, spec: bool, steps: int) -> list[dict]:
-    """``steps`` decoding steps of ``batch`` requests under :class:`StepCounter`, one dict per step."""
+def _engine(config: dict, batch: int, temperature: float, spec: bool, steps: int) -> EngineCore:
+    """The tiny pair on the fixed-shape path, ``batch`` requests added (long enough for ``steps``)."""
     target, draft = tiny_loaded("qwen2", seed=0), tiny_loaded("qwen2", seed=1, layers=1)
     core = EngineCore(target, draft, EngineConfig.from_settings(
-        max_batch=batch, max_model_len=256, static_shapes=True, graph_batches=(batch,), load_aware=False,
+        max_batch=batch, max_model_len=512, static_shapes=True, graph_batches=(batch,), load_aware=False,
         maxgram_read_tree=False, **config))
-    mark_engine(core)
     gen = torch.Generator().manual_seed(batch)
     for i in range(batch):
         ids = torch.randint(1, 100, (40,), generator=gen).tolist()
-        params = SamplingParams(max_tokens=steps * 8 + 8, temperature=temperature, ignore_eos=True,
+        params = SamplingParams(max_tokens=min(steps * 8 + 8, 400), temperature=temperature, ignore_eos=True,
                                 seed=i if temperature else None)
         core.add_request(GenerationRequest(f"r{i}", ids, params, SpecOptions(enabled=spec)))
+    return core
+
+
+def count_steps(config: dict, batch: int, temperature: float, spec: bool, steps: int) -> list[dict]:
+    """``steps`` decoding steps of ``batch`` requests under :class:`StepCounter`, one dict per step."""
+    core = _engine(config, batch, temperature, spec, steps)
+    mark_engine(core)
     counter = StepCounter()
     current = [None]
     forwards = _counting(lambda: current[0], engine_graphs.static_hidden,
@@ -132,6 +143,35 @@ def count_steps(config: dict, batch: int, temperature: float, spec: bool, steps:
                 if wrapper is not None:
                     stack.enter_context(mock.patch.object(module, attr, wrapper))
         return _count(core, counter, current, steps)
+
+
+def time_steps(config: dict, batch: int, temperature: float, spec: bool, steps: int) -> list[float]:
+    """Host milliseconds of ``steps`` decoding steps outside the forwards (the step's wall time less the
+    time in the forwards, which a GPU replays from graphs), without the counting mode's own cost."""
+    core = _engine(config, batch, temperature, spec, steps)
+    inside = [0.0]
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            inside[0] += time.perf_counter() - t0
+    forward = engine_graphs.static_hidden
+    out = []
+    with contextlib.ExitStack() as stack:
+        for module in [m for name, m in list(sys.modules.items()) if name.startswith("engine")]:
+            if getattr(module, "static_hidden", None) is forward:
+                stack.enter_context(mock.patch.object(module, "static_hidden", timed))
+        core.step()  # the prefill: left out
+        for _ in range(steps):
+            if not core.has_unfinished():
+                break
+            inside[0] = 0.0
+            t0 = time.perf_counter()
+            core.step()
+            out.append((time.perf_counter() - t0 - inside[0]) * 1e3)
+    return out
 
 
 def _count(core: EngineCore, counter: StepCounter, current: list, steps: int) -> list[dict]:
@@ -209,6 +249,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--steps", type=int, default=4, help="decoding steps counted (the median is reported)")
+    ap.add_argument("--time-steps", type=int, default=40,
+                    help="also time this many steps: host ms outside the forwards (median; 0: no timing)")
     ap.add_argument("--forward", action=argparse.BooleanOptionalAction, default=True,
                     help="also count one forward's operators, eager and compiled")
     ap.add_argument("--out")
@@ -224,13 +266,16 @@ def run(args) -> None:
             for temperature in (float(t) for t in args.temperatures.split(",")):
                 per = count_steps(config, batch, temperature, spec, args.steps)
                 med = {k: statistics.median(p[k] for p in per) for k in ("device_ops", "h2d", "forwards", "reads")}
+                if args.time_steps:
+                    med["host_ms"] = statistics.median(time_steps(config, batch, temperature, spec, args.time_steps))
                 rows.append(dict(config=name, batch=batch, temperature=temperature, **med, steps=len(per),
                                  top=per[-1]["top"]))
                 print(f"{name} batch {batch} T={temperature}: {med}", flush=True)
     print("\nper decoding step, outside the captured forwards (medians; tiny models, torch formulation, CPU)")
     print_table(rows, [("config", "config", "s"), ("batch", "batch", "d"), ("temperature", "T", ".1f"),
                        ("device_ops", "device ops", ".0f"), ("h2d", "h2d copies", ".0f"),
-                       ("forwards", "forwards", ".0f"), ("reads", "reads", ".0f")])
+                       ("forwards", "forwards", ".0f"), ("reads", "reads", ".0f")]
+                + ([("host_ms", "host ms", ".2f")] if args.time_steps else []))
     result = dict(machine=machine(), args=vars(args), steps=rows, forward=[])
     if args.forward:
         result["forward"] = forward_ops()

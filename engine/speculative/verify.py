@@ -89,51 +89,43 @@ class TreeBatch:
         depth = max((max(t.depths()) for t in trees if t.num_nodes), default=0)
         held_by = holders(trees)
         base = dict(zip(map(id, held_by), itertools.accumulate([0] + [h.flat.numel() for h in held_by])))
-        tokens = torch.zeros(b, r, dtype=torch.long)
-        tok_src = torch.full((b, r), -1, dtype=torch.long)  # where a token still on the device is (flat index)
-        num_events = torch.zeros(b, r, dtype=torch.long)
+        # built as Python lists and made tensors once: an element write into a tensor costs a dispatch
+        tokens = [[0] * r for _ in range(b)]
+        tok_src = [[-1] * r for _ in range(b)]  # where a token still on the device is (flat index)
         rows: list[tuple[int, int, list[tuple[int, int, int]]]] = []  # (b, row, events (node, kind, flat or -1))
         shapes = []
         for i, tree in enumerate(trees):
-            holder = tree.unread
+            holder, first = tree.unread, len(rows)
             if holder is None:
                 toks = tree.tokens
-                if toks:
-                    tokens[i, 1: 1 + len(toks)] = torch.tensor([max(t, 0) for t in toks])
+                tokens[i][1: 1 + len(toks)] = [max(t, 0) for t in toks]
                 for row, evs in enumerate(tree.events()):
                     live = [(c, k, -1) for c, k in evs if toks[c] != DEAD]
                     if live:
-                        num_events[i, row] = len(live)
                         rows.append((i, row, live))
             else:  # every drafted node's event; which are live is known on the device only
                 off, size = base[id(holder)] + holder.offset_of(tree), tree.num_sub
-                tok_src[i, 1: 1 + size] = torch.arange(off, off + size)
+                tok_src[i][1: 1 + size] = range(off, off + size)
                 appended = tree.known_tokens_after(size)  # nodes the host appended (their tokens are known)
-                if appended:
-                    tokens[i, 1 + size: 1 + size + len(appended)] = torch.tensor(appended)
+                tokens[i][1 + size: 1 + size + len(appended)] = appended
                 for row, evs in enumerate(tree.events(live_only=False)):
                     if evs:
                         rows.append((i, row, [(c, k, off + c if c < size else -1) for c, k in evs]))
-            shapes.append((1 + tree.num_nodes, max((len(x[2]) for x in rows if x[0] == i), default=0)))
+            shapes.append((1 + tree.num_nodes, max((len(x[2]) for x in rows[first:]), default=0)))
         rows.sort(key=lambda x: -len(x[2]))  # stable: ties keep (b, row) order
         e = max((len(x[2]) for x in rows), default=1)
         k = len(rows)
-        event_node = torch.full((b, r, e), -1, dtype=torch.long)
-        ev_token = torch.zeros(k, e, dtype=torch.long)
-        ev_src = torch.full((k, e), -1, dtype=torch.long)
-        ev_sampled = torch.zeros(k, e, dtype=torch.bool)
-        ev_valid = torch.zeros(k, e, dtype=torch.bool)
-        ev_rows = torch.zeros(k, dtype=torch.long)
+        num_events = [[0] * r for _ in range(b)]
+        event_node = [[[-1] * e for _ in range(r)] for _ in range(b)]
+        ev_token, ev_src, ev_sampled = [[0] * e for _ in range(k)], [[-1] * e for _ in range(k)], []
+        ev_rows = [i * r + row for i, row, _ in rows]
         q_parts, q_at = [], []
         for n, (i, row, live) in enumerate(rows):
-            ev_rows[n] = i * r + row
-            for j, (c, kind, src) in enumerate(live):
-                event_node[i, row, j] = c
-                if src < 0:
-                    ev_token[n, j] = trees[i].known_token(c)
-                ev_src[n, j] = src
-                ev_sampled[n, j] = kind == SAMPLED
-                ev_valid[n, j] = True
+            num_events[i][row] = len(live)
+            event_node[i][row][: len(live)] = [c for c, _, _ in live]
+            ev_token[n][: len(live)] = [trees[i].known_token(c) if src < 0 else 0 for c, _, src in live]
+            ev_src[n][: len(live)] = [src for _, _, src in live]
+            ev_sampled.append([kind == SAMPLED for _, kind, _ in live] + [False] * (e - len(live)))
             law = trees[i].q.get(row)
             if law is not None and any(kind == SAMPLED for _, kind, _ in live):
                 q_parts.append(law.to(torch.float32))
@@ -142,12 +134,20 @@ class TreeBatch:
         if q_parts:
             q[device_tensor(q_at, device)] = torch.stack([part[:vocab_size] for part in q_parts]).to(device)
         active = [sum(1 for x in rows if len(x[2]) > j) for j in range(e)]
-        kinds = [(bool(ev_sampled[:k_j, j].any()), not bool(ev_sampled[:k_j, j].all())) for j, k_j in enumerate(active)]
+        kinds = [(any(s[j] for s in ev_sampled[:k_j]), not all(s[j] for s in ev_sampled[:k_j]))
+                 for j, k_j in enumerate(active)]
+        as_long = [torch.tensor(x, dtype=torch.long).view(shape) for x, shape in (
+            (tokens, (b, r)), (event_node, (b, r, e)), (ev_rows, (k,)), (ev_token, (k, e)))]
+        sampled = torch.tensor(ev_sampled, dtype=torch.bool).view(k, e)
         if not held_by:
-            tensors = to_device_many([tokens, num_events, event_node, ev_rows, ev_token, ev_sampled], device)
+            tokens, event_node, ev_rows, ev_token = as_long
+            tensors = to_device_many([tokens, torch.tensor(num_events, dtype=torch.long).view(b, r), event_node,
+                                      ev_rows, ev_token, sampled], device)
             return cls(b, r, depth, *tensors, active, kinds, q, shapes)
+        valid = torch.tensor([[j < len(x[2]) for j in range(e)] for x in rows], dtype=torch.bool).view(k, e)
         (tokens, event_node, ev_rows, ev_token, ev_sampled, ev_valid, ev_src, tok_src) = to_device_many(
-            [tokens, event_node, ev_rows, ev_token, ev_sampled, ev_valid, ev_src, tok_src], device)
+            [*as_long, sampled, valid, torch.tensor(ev_src, dtype=torch.long).view(k, e),
+             torch.tensor(tok_src, dtype=torch.long).view(b, r)], device)
         flat = torch.cat([h.flat for h in held_by])
         held = flat.index_select(0, ev_src.clamp(min=0).view(-1)).view(k, e)
         on_device = ev_src >= 0

@@ -12,7 +12,7 @@ from benchmarks import step_ops
 def test_step_ops_counts_a_steps_launches_and_they_do_not_grow_with_the_batch(tmp_path):
     out = tmp_path / "step_ops.json"
     step_ops.main(["--configs", "plain;mcsd:2,1", "--batches", "1,8", "--temperatures", "0,0.7", "--steps", "2",
-                   "--out", str(out)])
+                   "--time-steps", "3", "--out", str(out)])
     result = json.loads(out.read_text())
     rows = {(r["config"], r["batch"], r["temperature"]): r for r in result["steps"]}
     assert len(rows) == 8
@@ -20,6 +20,7 @@ def test_step_ops_counts_a_steps_launches_and_they_do_not_grow_with_the_batch(tm
         assert r["reads"] == 1 and r["steps"] == 2
         assert r["forwards"] == (1 if config == "plain" else 3)  # a draft forward a level, then the target's
         assert r["device_ops"] > 0 and r["h2d"] >= 1
+        assert 0 < r["host_ms"] < 1000  # timed outside the forwards
         # vectorized over the batch: eight sequences launch what one does, but for whether any kept
         # entries move this step (one copy, a gather and a scatter a pool, for every sequence at once)
         one = rows[(config, 1, temperature)]
