@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -32,6 +33,10 @@ from engine.device import to_device, to_device_many
 from engine.request import SamplingParams
 
 _NEG_INF = float("-inf")
+
+#: the packings made last (:meth:`SamplingTensors.from_params`), most recent last
+_PACKED: "OrderedDict[tuple, tuple[tuple[SamplingParams, ...], SamplingTensors]]" = OrderedDict()
+_PACKED_MAX = 16
 
 
 # --------------------------------------------------------------------------- parameters
@@ -87,11 +92,27 @@ class SamplingTensors:
     ) -> "SamplingTensors":
         """Pack ``params`` (one per request) for rows ``r`` using ``params[row_to_request[r]]``.
 
-        ``row_to_request=None`` means one row per request.  Built on the host, moved once.
+        ``row_to_request=None`` means one row per request.  Built on the host, moved once.  The same
+        request objects over the same rows give the packing made last time (a step packs its batch
+        once a draft level and once for verification, much the same from step to step): nothing here
+        is written after it is made, and a request's parameters do not change.
         """
-        if row_to_request is None:
-            row_to_request = range(len(params))
-        rows = torch.as_tensor(list(row_to_request), dtype=torch.long)  # [rows]
+        row_list = tuple(range(len(params)) if row_to_request is None else row_to_request)
+        key = (tuple(map(id, params)), row_list, vocab_size, str(device))
+        hit = _PACKED.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], params)):
+            _PACKED.move_to_end(key)
+            return hit[1]
+        packed = cls._pack(params, vocab_size, row_list, device)
+        _PACKED[key] = (tuple(params), packed)  # holding the params keeps their ids from being reused
+        if len(_PACKED) > _PACKED_MAX:
+            _PACKED.popitem(last=False)
+        return packed
+
+    @classmethod
+    def _pack(cls, params: Sequence[SamplingParams], vocab_size: int, row_to_request: Sequence[int],
+              device: torch.device | str) -> "SamplingTensors":
+        rows = torch.as_tensor(row_to_request, dtype=torch.long)  # [rows]
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= len(params)):
             raise ValueError(f"row_to_request must index into {len(params)} params")
 
