@@ -315,7 +315,8 @@ class KVCache:
         a pool, not a few per sequence.  A slot whose indices are out of range is left as it was; its
         error is returned in its place (None where the slot kept its entries)."""
         errors: list[Optional[Exception]] = []
-        src, dst = [], []
+        src: list[int] = []
+        dst: list[int] = []
         for slot, keep_idx in keeps:
             try:
                 moves = self._keep_bookkeeping(slot, keep_idx)
@@ -324,32 +325,32 @@ class KVCache:
                 continue
             errors.append(None)
             if moves is not None:
-                src.append(moves[0])
-                dst.append(moves[1])
+                src += moves[0]
+                dst += moves[1]
         if src:
-            src_t, dst_t = to_device_many([torch.cat(src), torch.cat(dst)], self.k.device)
+            src_t, dst_t = to_device_many([torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)],
+                                          self.k.device)
             # Gather first (copy), then scatter: source and destination ranges may overlap within a
             # slot (different slots hold different blocks).
             self.k[:, dst_t] = self.k[:, src_t]
             self.v[:, dst_t] = self.v[:, src_t]
         return errors
 
-    def _keep_bookkeeping(self, slot: int, keep_idx: list[int] | torch.Tensor) -> Optional[tuple[torch.Tensor, ...]]:
+    def _keep_bookkeeping(self, slot: int, keep_idx: list[int] | torch.Tensor) -> Optional[tuple[list[int], list[int]]]:
         """Checks ``keep_idx`` and makes the slot's kept entries committed (host state only); returns the
-        pool rows to move (source, destination) on the host, or None when the kept entries are the
-        first ones (nothing moves).  Raises IndexError, changing nothing, for indices out of range."""
-        base, moves = int(self.lens[slot]), None
-        if isinstance(keep_idx, list) and keep_idx == list(range(len(keep_idx))):  # a prefix: nothing moves
-            n = len(keep_idx)
-            if n > int(self.pending[slot]):
-                raise IndexError(f"keep indices {keep_idx} out of range of {int(self.pending[slot])} pending entries")
-        else:
-            idx = torch.as_tensor(keep_idx, dtype=torch.long)
-            n = idx.numel()
-            if n and (int(idx.max()) >= int(self.pending[slot]) or int(idx.min()) < 0):
-                raise IndexError(f"keep indices {idx.tolist()} out of range of {int(self.pending[slot])} pending entries")
-            if n and not torch.equal(idx, torch.arange(n)):  # rows computed before _trim returns blocks
-                moves = (self._rows(slot, idx + base), self._rows(slot, torch.arange(base, base + n)))
+        pool rows to move (source, destination), or None when the kept entries are the first ones
+        (nothing moves).  Raises IndexError, changing nothing, for indices out of range.  Plain Python
+        on the slot's block list: a few entries a sequence, each a tensor op's dispatch otherwise."""
+        base, pending = int(self.lens[slot]), int(self.pending[slot])
+        idx = keep_idx.tolist() if isinstance(keep_idx, torch.Tensor) else [int(i) for i in keep_idx]
+        n = len(idx)
+        if n and (max(idx) >= pending or min(idx) < 0):
+            raise IndexError(f"keep indices {idx} out of range of {pending} pending entries")
+        moves = None
+        if idx != list(range(n)):  # rows computed before _trim returns blocks
+            table, bs = self.tables[slot], self.block_size
+            moves = ([table[p // bs] * bs + p % bs for p in (base + i for i in idx)],
+                     [table[p // bs] * bs + p % bs for p in range(base, base + n)])
         self.lens[slot] = base + n
         self.pending[slot] = 0
         self._trim(slot, base + n)
