@@ -163,7 +163,7 @@ def time_steps(config: dict, batch: int, temperature: float, spec: bool, steps: 
         for module in [m for name, m in list(sys.modules.items()) if name.startswith("engine")]:
             if getattr(module, "static_hidden", None) is forward:
                 stack.enter_context(mock.patch.object(module, "static_hidden", timed))
-        core.step()  # the prefill: left out
+        _past_prefill(core)
         for _ in range(steps):
             if not core.has_unfinished():
                 break
@@ -174,10 +174,18 @@ def time_steps(config: dict, batch: int, temperature: float, spec: bool, steps: 
     return out
 
 
+def _past_prefill(core: EngineCore) -> None:
+    """Steps until every request has its first token: the prefill steps are left out."""
+    started: set[str] = set()
+    waiting = len(core.scheduler.waiting) + len(core.scheduler.running)
+    while len(started) < waiting and core.has_unfinished():
+        started |= {out.request_id for out in core.step() if out.new_token_ids}
+
+
 def _count(core: EngineCore, counter: StepCounter, current: list, steps: int) -> list[dict]:
     out = []
     with counter:
-        core.step()  # the prefill: left out
+        _past_prefill(core)
         current[0] = counter
         for _ in range(steps):
             if not core.has_unfinished():

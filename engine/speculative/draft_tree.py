@@ -35,6 +35,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+import numpy as np
 import torch
 
 from engine.device import to_host
@@ -154,6 +155,24 @@ class DraftTree:
             for ev in evs:
                 (out if ev[1] == ONEHOT else sampled)[row].append(ev)
         return [o + s for o, s in zip(out, sampled)]
+
+    def event_table(self, live_only: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`events` as arrays, one entry an event: (block row, node, kind), rows ascending, each
+        row's events in verification order.  ``live_only``: events whose token is DEAD left out (reads
+        the tokens); else every event, as ``events(live_only=False)`` (the extra nodes' too)."""
+        rows, nodes = self.sub.sampled_events
+        kinds = np.full(len(nodes), SAMPLED)
+        if self.extra_events:
+            extra = np.array([(row, node, kind) for row, evs in self.extra_events.items() for node, kind in evs],
+                             dtype=np.int64).reshape(-1, 3)
+            group = np.concatenate([np.ones(len(nodes), dtype=np.int64), np.where(extra[:, 2] == ONEHOT, 0, 2)])
+            rows, nodes, kinds = (np.concatenate([a, extra[:, i]]) for i, a in enumerate((rows, nodes, kinds)))
+            order = np.lexsort((np.arange(len(rows)), group, rows))  # one-hot, drafted, then appended sampled
+            rows, nodes, kinds = rows[order], nodes[order], kinds[order]
+        if live_only and len(nodes):
+            live = np.asarray(self.tokens, dtype=np.int64)[nodes] != DEAD
+            rows, nodes, kinds = rows[live], nodes[live], kinds[live]
+        return rows, nodes, kinds
 
     def add_path(self, parent: int, tokens: list[int], source: str, kind: int = ONEHOT,
                  q: Optional[list[torch.Tensor]] = None, merge: bool = True) -> list[int]:

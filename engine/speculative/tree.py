@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 
@@ -61,6 +62,14 @@ class SubTree:
     @property
     def max_depth(self) -> int:
         return len(self.widths)
+
+    @cached_property
+    def sampled_events(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every node as its parent's row's event, in verification order: (block row, node) arrays,
+        rows ascending, a row's children in node order (made once: a step's trees share subtrees)."""
+        rows = self.parent.numpy() + 1
+        order = np.argsort(rows, kind="stable")
+        return rows[order], order
 
     def level(self, d: int) -> slice:
         """Node positions (within this subtree) of depth ``d`` (1-based)."""

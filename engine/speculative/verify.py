@@ -36,6 +36,7 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from engine.device import tensor as device_tensor
@@ -89,65 +90,66 @@ class TreeBatch:
         depth = max((max(t.depths()) for t in trees if t.num_nodes), default=0)
         held_by = holders(trees)
         base = dict(zip(map(id, held_by), itertools.accumulate([0] + [h.flat.numel() for h in held_by])))
-        # built as Python lists and made tensors once: an element write into a tensor costs a dispatch
-        tokens = [[0] * r for _ in range(b)]
-        tok_src = [[-1] * r for _ in range(b)]  # where a token still on the device is (flat index)
-        rows: list[tuple[int, int, list[tuple[int, int, int]]]] = []  # (b, row, events (node, kind, flat or -1))
-        shapes = []
+        # every event of every tree as flat arrays (numpy: a step's events are hundreds at batch 32, and
+        # per-event Python or per-element tensor writes cost more than the step's device work)
+        tokens = np.zeros((b, r), dtype=np.int64)
+        tok_src = np.full((b, r), -1, dtype=np.int64)  # where a token still on the device is (flat index)
+        parts = []  # per tree: (rows, nodes, kinds, sources (flat index or -1), host tokens)
         for i, tree in enumerate(trees):
-            holder, first = tree.unread, len(rows)
+            holder = tree.unread
             if holder is None:
-                toks = tree.tokens
-                tokens[i][1: 1 + len(toks)] = [max(t, 0) for t in toks]
-                for row, evs in enumerate(tree.events()):
-                    live = [(c, k, -1) for c, k in evs if toks[c] != DEAD]
-                    if live:
-                        rows.append((i, row, live))
+                known = np.asarray(tree.tokens, dtype=np.int64)
+                tokens[i, 1: 1 + len(known)] = np.maximum(known, 0)
+                rows, nodes, kinds = tree.event_table()
+                src = np.full(len(nodes), -1, dtype=np.int64)
             else:  # every drafted node's event; which are live is known on the device only
                 off, size = base[id(holder)] + holder.offset_of(tree), tree.num_sub
-                tok_src[i][1: 1 + size] = range(off, off + size)
-                appended = tree.known_tokens_after(size)  # nodes the host appended (their tokens are known)
-                tokens[i][1 + size: 1 + size + len(appended)] = appended
-                for row, evs in enumerate(tree.events(live_only=False)):
-                    if evs:
-                        rows.append((i, row, [(c, k, off + c if c < size else -1) for c, k in evs]))
-            shapes.append((1 + tree.num_nodes, max((len(x[2]) for x in rows[first:]), default=0)))
-        rows.sort(key=lambda x: -len(x[2]))  # stable: ties keep (b, row) order
-        e = max((len(x[2]) for x in rows), default=1)
-        k = len(rows)
-        num_events = [[0] * r for _ in range(b)]
-        event_node = [[[-1] * e for _ in range(r)] for _ in range(b)]
-        ev_token, ev_src, ev_sampled = [[0] * e for _ in range(k)], [[-1] * e for _ in range(k)], []
-        ev_rows = [i * r + row for i, row, _ in rows]
-        q_parts, q_at = [], []
-        for n, (i, row, live) in enumerate(rows):
-            num_events[i][row] = len(live)
-            event_node[i][row][: len(live)] = [c for c, _, _ in live]
-            ev_token[n][: len(live)] = [trees[i].known_token(c) if src < 0 else 0 for c, _, src in live]
-            ev_src[n][: len(live)] = [src for _, _, src in live]
-            ev_sampled.append([kind == SAMPLED for _, kind, _ in live] + [False] * (e - len(live)))
-            law = trees[i].q.get(row)
-            if law is not None and any(kind == SAMPLED for _, kind, _ in live):
-                q_parts.append(law.to(torch.float32))
-                q_at.append(n)
+                tok_src[i, 1: 1 + size] = np.arange(off, off + size)
+                known = np.asarray([0] * size + tree.known_tokens_after(size), dtype=np.int64)  # appended: the host's
+                tokens[i, 1 + size: 1 + len(known)] = known[size:]
+                rows, nodes, kinds = tree.event_table(live_only=False)
+                src = np.where(nodes < size, off + nodes, -1)
+            parts.append((rows, nodes, kinds, src, np.where(src < 0, known[nodes], 0)))
+        ev_b = np.repeat(np.arange(b), [len(p[0]) for p in parts])
+        ev_row, ev_node, ev_kind, ev_src_flat, ev_tok_flat = (
+            np.concatenate([p[f] for p in parts]) if parts else np.zeros(0, dtype=np.int64) for f in range(5))
+        key = ev_b * r + ev_row  # events are grouped by row, rows ascending within a tree
+        counts = np.bincount(key, minlength=b * r)  # events a row
+        first = np.searchsorted(key, key)  # a row's first event (keys ascend: trees in order, rows ascending)
+        ev_j = np.arange(len(key)) - first  # the event's place in its row
+        row_keys = np.flatnonzero(counts)
+        row_keys = row_keys[np.argsort(-counts[row_keys], kind="stable")]  # most events first; ties in (b, row) order
+        k, e = len(row_keys), max(int(counts.max()) if len(key) else 0, 1)
+        rank = np.empty(b * r, dtype=np.int64)
+        rank[row_keys] = np.arange(k)
+        ev_n = rank[key]
+        event_node = np.full((b * r, e), -1, dtype=np.int64)
+        event_node[key, ev_j] = ev_node
+        ev_token, ev_src = np.zeros((k, e), dtype=np.int64), np.full((k, e), -1, dtype=np.int64)
+        ev_sampled, ev_valid = np.zeros((k, e), dtype=bool), np.zeros((k, e), dtype=bool)
+        ev_token[ev_n, ev_j], ev_src[ev_n, ev_j] = ev_tok_flat, ev_src_flat
+        ev_sampled[ev_n, ev_j], ev_valid[ev_n, ev_j] = ev_kind == SAMPLED, True
+        row_counts = counts[row_keys]
+        active = [int(x) for x in (row_counts[:, None] > np.arange(e)[None, :]).sum(axis=0)]
+        kinds = [(bool(ev_sampled[:k_j, j].any()), not bool(ev_sampled[:k_j, j].all())) for j, k_j in enumerate(active)]
+        shapes = [(1 + t.num_nodes, int(c)) for t, c in zip(trees, counts.reshape(b, r).max(axis=1))]
         q = torch.zeros(k, vocab_size, dtype=torch.float32, device=device)
-        if q_parts:
-            q[device_tensor(q_at, device)] = torch.stack([part[:vocab_size] for part in q_parts]).to(device)
-        active = [sum(1 for x in rows if len(x[2]) > j) for j in range(e)]
-        kinds = [(any(s[j] for s in ev_sampled[:k_j]), not all(s[j] for s in ev_sampled[:k_j]))
-                 for j, k_j in enumerate(active)]
-        as_long = [torch.tensor(x, dtype=torch.long).view(shape) for x, shape in (
-            (tokens, (b, r)), (event_node, (b, r, e)), (ev_rows, (k,)), (ev_token, (k, e)))]
-        sampled = torch.tensor(ev_sampled, dtype=torch.bool).view(k, e)
+        if any(t.q for t in trees):  # each row's draft law, where the row has a sampled event
+            q_parts, q_at = [], []
+            for n in np.flatnonzero(ev_sampled.any(axis=1)).tolist():
+                i, row = divmod(int(row_keys[n]), r)
+                law = trees[i].q.get(row)
+                if law is not None:
+                    q_parts.append(law.to(torch.float32))
+                    q_at.append(n)
+            if q_parts:
+                q[device_tensor(q_at, device)] = torch.stack([part[:vocab_size] for part in q_parts]).to(device)
+        as_torch = [torch.from_numpy(x) for x in (tokens, event_node.reshape(b, r, e), row_keys, ev_token, ev_sampled)]
         if not held_by:
-            tokens, event_node, ev_rows, ev_token = as_long
-            tensors = to_device_many([tokens, torch.tensor(num_events, dtype=torch.long).view(b, r), event_node,
-                                      ev_rows, ev_token, sampled], device)
+            tensors = to_device_many([as_torch[0], torch.from_numpy(counts.reshape(b, r)), *as_torch[1:]], device)
             return cls(b, r, depth, *tensors, active, kinds, q, shapes)
-        valid = torch.tensor([[j < len(x[2]) for j in range(e)] for x in rows], dtype=torch.bool).view(k, e)
         (tokens, event_node, ev_rows, ev_token, ev_sampled, ev_valid, ev_src, tok_src) = to_device_many(
-            [*as_long, sampled, valid, torch.tensor(ev_src, dtype=torch.long).view(k, e),
-             torch.tensor(tok_src, dtype=torch.long).view(b, r)], device)
+            [*as_torch, torch.from_numpy(ev_valid), torch.from_numpy(ev_src), torch.from_numpy(tok_src)], device)
         flat = torch.cat([h.flat for h in held_by])
         held = flat.index_select(0, ev_src.clamp(min=0).view(-1)).view(k, e)
         on_device = ev_src >= 0

@@ -12,7 +12,7 @@ import torch
 
 from engine.request import SamplingParams
 from engine.sampler import SamplingTensors, raw_logprobs
-from engine.speculative.draft_tree import DEAD, MAXGRAM, DraftTree
+from engine.speculative.draft_tree import DEAD, MAXGRAM, SAMPLED, DraftTree
 from engine.speculative.proposer import DeviceTokens
 from engine.speculative.tree import TreeTopology
 from engine.speculative.verify import TableCoins, TreeBatch, draw_tables, start_verify, verify_batch
@@ -352,3 +352,22 @@ def test_verification_reads_held_tokens_with_its_decisions() -> None:
         sync_listeners.remove(reads.append)
     assert reads == ["to_host"]
     assert all(t.unread is None for t in trees) and [t.tokens for t in trees] == want
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_trees_event_table_is_its_events_as_arrays(seed: int) -> None:
+    """``DraftTree.event_table`` (what ``TreeBatch.build`` reads) lists ``events()`` row by row, in
+    verification order: appended one-hot chains first, DEAD nodes dropped only when asked."""
+    rng = random.Random(500 + seed)
+    tree = random_tree(9, rng)
+    if rng.random() < 0.5 and tree.num_nodes:  # a sampled chain of its own below a live node or the root
+        live = [i for i, t in enumerate(tree.tokens) if t != DEAD]
+        parent = rng.choice([-1] + live)
+        if not any(k == SAMPLED for c, k in tree.extra_events.get(parent + 1, []) if c >= tree.num_sub):
+            tree.add_path(parent, [rng.randrange(9)], "cascade", kind=SAMPLED, q=[random_law(9, rng)], merge=False)
+    for live_only in (True, False):
+        rows, nodes, kinds = tree.event_table(live_only)
+        want = [(row, c, k) for row, evs in enumerate(tree.events(live_only)) for c, k in evs]
+        if live_only:  # events() drops the drafted DEAD nodes; nothing appended is DEAD
+            assert all(tree.tokens[c] != DEAD for _, c, _ in want)
+        assert list(zip(rows.tolist(), nodes.tolist(), kinds.tolist())) == want
