@@ -42,12 +42,15 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._backend = _backend_decoder(tokenizer)
         self._ids = list(prompt_token_ids[-self.PROMPT_WINDOW:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.text = ""  # all text produced so far
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(
             ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
         )
@@ -73,6 +76,33 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At the end of generation, return text still held for an incomplete UTF-8 sequence."""
         return self._advance(allow_incomplete=True)
+
+
+def _backend_decoder(tokenizer):
+    """The ``tokenizers`` object behind a ``transformers`` fast tokenizer whose decoding is the
+    library's own: its ``decode`` without clean-up is exactly the backend's, without the wrapper's
+    conversions (a few microseconds a call, two calls a token a stream).  None otherwise (another
+    tokenizer, or a class that decodes its own way)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not callable(getattr(backend, "decode", None)):
+        return None
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    library = set()
+    for module, name in (("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
+                         ("transformers.tokenization_utils_fast", "PreTrainedTokenizerFast")):
+        try:
+            library.add(getattr(__import__(module, fromlist=[name]), name)._decode)
+        except (ImportError, AttributeError):
+            continue
+    cls = type(tokenizer)  # a wrapper that forwards attributes to a tokenizer is not one
+    if getattr(cls, "decode", None) is not PreTrainedTokenizerBase.decode:
+        return None
+    if getattr(cls, "_decode", None) not in library:
+        return None
+    return backend
 
 
 class StopChecker:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -245,3 +246,32 @@ def test_holdback_equals_the_longest_suffix_that_is_a_proper_prefix():
     long = "ab" * 32_000  # 64k characters
     checker = StopChecker([long])
     assert checker.holdback("zz" + long[:1000]) == 1000 and checker.holdback("zzz") == 0
+
+
+@pytest.mark.parametrize("name", ["byte_tok", "sp_tok"])
+def test_the_detokenizer_reads_the_backend_and_gives_the_wrappers_text(name, request) -> None:
+    """A library fast tokenizer is decoded through its ``tokenizers`` backend (the wrapper's work
+    skipped): the same deltas, token by token, as a tokenizer that must go through ``decode``."""
+    fast = request.getfixturevalue(name)
+
+    class OwnDecode(type(fast)):  # a class that decodes its own way keeps its decode
+        def decode(self, *args, **kwargs):
+            return super().decode(*args, **kwargs)
+
+    slow = copy.copy(fast)
+    slow.__class__ = OwnDecode
+    assert IncrementalDetokenizer(fast, [])._backend is not None
+    assert IncrementalDetokenizer(slow, [])._backend is None
+
+    class Forwarding:  # forwards every attribute, the backend's included, but is no library tokenizer
+        def __getattr__(self, attr):
+            return getattr(fast, attr)
+    assert IncrementalDetokenizer(Forwarding(), [])._backend is None
+    rng = random.Random(7)
+    for _ in range(20):
+        prompt = [rng.randrange(len(fast)) for _ in range(rng.randrange(0, 6))]
+        ids = [rng.randrange(len(fast)) for _ in range(rng.randrange(1, 30))]
+        for skip in (True, False):
+            a, b = IncrementalDetokenizer(fast, prompt, skip), IncrementalDetokenizer(slow, prompt, skip)
+            assert [a.add(t) for t in ids] == [b.add(t) for t in ids]
+            assert a.flush() == b.flush() and a.text == b.text
