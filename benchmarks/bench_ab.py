@@ -7,7 +7,9 @@ long run change nothing).  Each round runs the benchmark once in each tree, the 
 rounds (base, head, then head, base, ...), so slow drift of a noisy machine hits both sides alike.
 Both sides use this interpreter and its packages.  Understood outputs: ``bench_serving.py`` (rows
 per mode and concurrency), ``bench_spec.py`` (rows per config and temperature) and
-``bench_forward.py`` (milliseconds per block size).  Prints a
+``bench_forward.py`` (milliseconds per block size) and ``step_ops.py`` (a step's host ms, device ops
+and copies).  ``--current-script``: both sides run this tree's copy of the benchmark (a benchmark
+newer than the base, measuring the base's engine).  Prints a
 Markdown table of the means over rounds with head / base ratios and writes JSON
 (``--out``, default ``benchmarks/results/ab.json``).
 """
@@ -30,6 +32,7 @@ from benchmarks.harness import machine  # noqa: E402
 
 SERVING = ("output_throughput_tok_s", "ttft_ms.p50", "e2e_ms.mean", "mean_accepted_length")
 SPEC = ("tok_s", "decode_tok_s", "block_eff")
+STEP_OPS = ("host_ms", "device_ops", "h2d")
 
 
 def rows_of(result: dict) -> dict[str, dict[str, float]]:
@@ -43,13 +46,18 @@ def rows_of(result: dict) -> dict[str, dict[str, float]]:
         for r in result["rows"]:
             key = f"{r['config']} T={r['temperature']}"
             out[key] = {m: _get(r, m) for m in SPEC}
+    elif "steps" in result:  # step_ops.py: one row per config, batch and temperature
+        for r in result["steps"]:
+            key = f"{r['config']} b={r['batch']} T={r['temperature']}"
+            out[key] = {m: float(r[m]) for m in STEP_OPS if m in r}
     elif "forward" in result:  # bench_forward.py: one row per block size, milliseconds
         for r in result["forward"]:
             for metric, value in r.items():
                 if metric.endswith("_ms"):
                     out[f"{r['variant']} {metric[:-3].replace('_', ' ')}"] = {"ms": float(value)}
     else:
-        raise ValueError("unknown result format (expected bench_serving.py, bench_spec.py or bench_forward.py JSON)")
+        raise ValueError("unknown result format (expected bench_serving.py, bench_spec.py, bench_forward.py or "
+                         "step_ops.py JSON)")
     return out
 
 
@@ -67,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head", default="HEAD", help="git revision under test (default: HEAD, committed)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/ab.json")
+    ap.add_argument("--current-script", action="store_true",
+                    help="run this tree's copy of the benchmark script on both sides")
     args = ap.parse_args(argv[:split])
     bench = argv[split + 1:]
     if not bench:
@@ -81,10 +91,11 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["git", "worktree", "add", "--detach", str(trees[side]), rev], cwd=ROOT, check=True,
                            capture_output=True)
             script = Path(bench[0])
-            if not script.is_absolute() and not (trees[side] / script).exists() and (ROOT / script).exists():
+            missing = not (trees[side] / script).exists()
+            if not script.is_absolute() and (missing or args.current_script) and (ROOT / script).exists():
                 # a benchmark newer than the revision: run this tree's copy against that revision's engine
                 shutil.copy(ROOT / script, trees[side] / script)
-                print(f"{side} ({rev}) has no {script}: using the current one", flush=True)
+                print(f"{side} ({rev}): running the current {script}", flush=True)
         try:
             runs: dict[str, list[dict]] = {"base": [], "head": []}
             for r in range(args.rounds):
