@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 from typing import Sequence as Sequence_
@@ -20,7 +21,7 @@ from engine.device import DeviceTimer, Pending, finish_all, tensor as device_ten
 from engine.kv_cache import KVCache
 from engine.models.model import Model
 from engine.sequence import Sequence
-from engine.speculative.draft_tree import DEAD, DraftTree, holders
+from engine.speculative.draft_tree import DEAD, DRAFT_MODEL, DraftTree, holders
 from engine.speculative.drafter import Drafter
 from engine.registry import method
 from engine.speculative.methods import DraftPlan
@@ -387,14 +388,24 @@ def record_step(stats: StepStats, res: SeqStepResult) -> None:
     if not tokens:
         return
     depth, rank = tree.depths(), tree.ranks()
-    for i, t in enumerate(tokens):
-        if t != DEAD:
-            add_at(stats.drafted_by_depth, depth[i] - 1)
-            add_at(stats.drafted_by_rank, rank[i])
-            for m in tree.node_sources(i):
-                stats.drafted_by_method[m] = stats.drafted_by_method.get(m, 0) + 1
-    for i in r.accepted:
-        add_at(stats.accepted_by_depth, depth[i] - 1)
-        add_at(stats.accepted_by_rank, rank[i])
+    live = [i for i, t in enumerate(tokens) if t != DEAD]
+    _count_nodes(tree, live, depth, rank, stats.drafted_by_depth, stats.drafted_by_rank, stats.drafted_by_method)
+    _count_nodes(tree, r.accepted, depth, rank, stats.accepted_by_depth, stats.accepted_by_rank,
+                 stats.accepted_by_method)
+
+
+def _count_nodes(tree: DraftTree, nodes: list[int], depth: list[int], rank: list[int], by_depth: list[int],
+                 by_rank: list[int], by_method: dict[str, int]) -> None:
+    """Counts ``nodes`` by depth, sibling rank and drafter (a node may have several), a count per
+    distinct value rather than per node (a step's trees have dozens of nodes and a few depths)."""
+    for d, n in Counter(depth[i] for i in nodes).items():
+        add_at(by_depth, d - 1, n)
+    for k, n in Counter(rank[i] for i in nodes).items():
+        add_at(by_rank, k, n)
+    if not tree.sources:  # every node the draft model's
+        if nodes:
+            by_method[DRAFT_MODEL] = by_method.get(DRAFT_MODEL, 0) + len(nodes)
+        return
+    for i in nodes:
         for m in tree.node_sources(i):
-            stats.accepted_by_method[m] = stats.accepted_by_method.get(m, 0) + 1
+            by_method[m] = by_method.get(m, 0) + 1

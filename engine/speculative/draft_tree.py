@@ -94,19 +94,21 @@ class DraftTree:
         return self.sub.num_nodes
 
     def parents(self) -> list[int]:
-        return self.sub.parent.tolist()[: self.num_sub] + self.extra_parent
+        return self.sub.parent_list + self.extra_parent
 
     def depths(self) -> list[int]:
-        depth = self.sub.depth.tolist()[: self.num_sub]
+        depth = list(self.sub.depth_list)
         for p in self.extra_parent:
             depth.append(1 + (depth[p] if p >= 0 else 0))
         return depth
 
     def ranks(self) -> list[int]:
         """Sibling rank: order among the parent's children (drafted children first)."""
-        rank = self.sub.rank.tolist()[: self.num_sub]
+        rank = list(self.sub.rank_list)
+        if not self.extra_parent:
+            return rank
         kids: dict[int, int] = {}
-        for p in self.sub.parent.tolist()[: self.num_sub]:
+        for p in self.sub.parent_list:
             kids[p] = kids.get(p, 0) + 1
         for p in self.extra_parent:
             rank.append(kids.get(p, 0))
@@ -148,7 +150,7 @@ class DraftTree:
         out: list[list[tuple[int, int]]] = [[] for _ in range(self.num_nodes + 1)]
         sampled: list[list[tuple[int, int]]] = [[] for _ in range(self.num_nodes + 1)]
         tokens = self.tokens if live_only else None
-        for i, p in enumerate(self.sub.parent.tolist()[: self.num_sub]):
+        for i, p in enumerate(self.sub.parent_list):
             if tokens is None or tokens[i] != DEAD:
                 sampled[p + 1].append((i, SAMPLED))
         for row, evs in self.extra_events.items():

@@ -64,6 +64,19 @@ class SubTree:
         return len(self.widths)
 
     @cached_property
+    def parent_list(self) -> list[int]:
+        """``parent`` as a list (made once; callers copy before changing it)."""
+        return self.parent.tolist()
+
+    @cached_property
+    def depth_list(self) -> list[int]:
+        return self.depth.tolist()
+
+    @cached_property
+    def rank_list(self) -> list[int]:
+        return self.rank.tolist()
+
+    @cached_property
     def sampled_events(self) -> tuple[np.ndarray, np.ndarray]:
         """Every node as its parent's row's event, in verification order: (block row, node) arrays,
         rows ascending, a row's children in node order (made once: a step's trees share subtrees)."""
