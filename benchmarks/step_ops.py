@@ -19,7 +19,11 @@ device. Per decoding step (the prefill step left out):
 * **host ms**: the step's wall time less the time inside the forwards (median of ``--time-steps``
   steps, timed apart from the counting).  With compute this small it is what the host spends on a
   step outside its graphs, at the CPU's dispatch cost (a GPU's launches cost more): a floor under
-  the step time on any device, paid where the device waits for the host (after the step's read).
+  the step time on any device;
+* **serial ms**: the part of it from a read of the device to the next forward's launch (summed over
+  the step's forwards; the gap after a step's read ends in the next step). A GPU has nothing queued
+  then, so that time adds to the step's; the rest runs while the device works through what the
+  host queued, and costs time only where it outlasts the device's work.
 
 With ``--forward`` it also counts one forward's operators eagerly (every torch call in the layers)
 and, compiled (``graph_compile``), the launches of Inductor's code for one layer. Prints tables and
@@ -145,32 +149,42 @@ def count_steps(config: dict, batch: int, temperature: float, spec: bool, steps:
         return _count(core, counter, current, steps)
 
 
-def time_steps(config: dict, batch: int, temperature: float, spec: bool, steps: int) -> list[float]:
-    """Host milliseconds of ``steps`` decoding steps outside the forwards (the step's wall time less the
-    time in the forwards, which a GPU replays from graphs), without the counting mode's own cost."""
+def time_steps(config: dict, batch: int, temperature: float, spec: bool, steps: int) -> list[tuple[float, float]]:
+    """``(host ms, serial ms)`` of ``steps`` decoding steps, timed without the counting mode's own cost.
+    Host ms: the step's wall time less the time in the forwards (which a GPU replays from graphs).
+    Serial ms: the host's time from a read of the device to the next forward's launch (summed over the
+    step's forwards), when a GPU would have nothing queued: it adds to the step's time there."""
     core = _engine(config, batch, temperature, spec, steps)
-    inside = [0.0]
+    inside, serial, read_at = [0.0], [0.0], [None]
 
     def timed(*args, **kwargs):
         t0 = time.perf_counter()
+        if read_at[0] is not None:
+            serial[0] += t0 - read_at[0]
+            read_at[0] = None
         try:
             return forward(*args, **kwargs)
         finally:
             inside[0] += time.perf_counter() - t0
+
+    def on_sync(label: str) -> None:
+        if label == "to_host":
+            read_at[0] = time.perf_counter()
     forward = engine_graphs.static_hidden
     out = []
     with contextlib.ExitStack() as stack:
         for module in [m for name, m in list(sys.modules.items()) if name.startswith("engine")]:
             if getattr(module, "static_hidden", None) is forward:
                 stack.enter_context(mock.patch.object(module, "static_hidden", timed))
+        stack.enter_context(mock.patch.object(engine_device, "sync_listeners", [*engine_device.sync_listeners, on_sync]))
         _past_prefill(core)
         for _ in range(steps):
             if not core.has_unfinished():
                 break
-            inside[0] = 0.0
+            inside[0] = serial[0] = 0.0
             t0 = time.perf_counter()
             core.step()
-            out.append((time.perf_counter() - t0 - inside[0]) * 1e3)
+            out.append(((time.perf_counter() - t0 - inside[0]) * 1e3, serial[0] * 1e3))
     return out
 
 
@@ -275,7 +289,9 @@ def run(args) -> None:
                 per = count_steps(config, batch, temperature, spec, args.steps)
                 med = {k: statistics.median(p[k] for p in per) for k in ("device_ops", "h2d", "forwards", "reads")}
                 if args.time_steps:
-                    med["host_ms"] = statistics.median(time_steps(config, batch, temperature, spec, args.time_steps))
+                    timed = time_steps(config, batch, temperature, spec, args.time_steps)
+                    med["host_ms"] = statistics.median(h for h, _ in timed)
+                    med["serial_ms"] = statistics.median(s for _, s in timed)
                 rows.append(dict(config=name, batch=batch, temperature=temperature, **med, steps=len(per),
                                  top=per[-1]["top"]))
                 print(f"{name} batch {batch} T={temperature}: {med}", flush=True)
@@ -283,7 +299,7 @@ def run(args) -> None:
     print_table(rows, [("config", "config", "s"), ("batch", "batch", "d"), ("temperature", "T", ".1f"),
                        ("device_ops", "device ops", ".0f"), ("h2d", "h2d copies", ".0f"),
                        ("forwards", "forwards", ".0f"), ("reads", "reads", ".0f")]
-                + ([("host_ms", "host ms", ".2f")] if args.time_steps else []))
+                + ([("host_ms", "host ms", ".2f"), ("serial_ms", "serial ms", ".2f")] if args.time_steps else []))
     result = dict(machine=machine(), args=vars(args), steps=rows, forward=[])
     if args.forward:
         result["forward"] = forward_ops()

@@ -24,10 +24,10 @@ def test_serving_results_and_unknown_formats():
 
 def test_step_ops_results_become_one_row_per_config_batch_and_temperature():
     result = {"steps": [{"config": "mcsd:4,2,2", "batch": 8, "temperature": 0.0, "device_ops": 206, "h2d": 23,
-                         "forwards": 4, "reads": 1, "host_ms": 6.5, "steps": 4, "top": []},
+                         "forwards": 4, "reads": 1, "host_ms": 6.5, "serial_ms": 1.1, "steps": 4, "top": []},
                         {"config": "plain", "batch": 1, "temperature": 0.7, "device_ops": 21, "h2d": 4,
                          "forwards": 1, "reads": 1, "steps": 4, "top": []}],
               "forward": []}
     rows = rows_of(result)
-    assert rows["mcsd:4,2,2 b=8 T=0.0"] == {"host_ms": 6.5, "device_ops": 206.0, "h2d": 23.0}
+    assert rows["mcsd:4,2,2 b=8 T=0.0"] == {"host_ms": 6.5, "serial_ms": 1.1, "device_ops": 206.0, "h2d": 23.0}
     assert rows["plain b=1 T=0.7"] == {"device_ops": 21.0, "h2d": 4.0}  # not timed: no host_ms
