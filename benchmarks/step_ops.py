@@ -176,7 +176,8 @@ def time_steps(config: dict, batch: int, temperature: float, spec: bool, steps: 
         for module in [m for name, m in list(sys.modules.items()) if name.startswith("engine")]:
             if getattr(module, "static_hidden", None) is forward:
                 stack.enter_context(mock.patch.object(module, "static_hidden", timed))
-        stack.enter_context(mock.patch.object(engine_device, "sync_listeners", [*engine_device.sync_listeners, on_sync]))
+        listeners = [*engine_device.sync_listeners, on_sync]
+        stack.enter_context(mock.patch.object(engine_device, "sync_listeners", listeners))
         _past_prefill(core)
         for _ in range(steps):
             if not core.has_unfinished():
