@@ -18,6 +18,7 @@ cut right before it, and nothing after it is ever emitted.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -82,23 +83,17 @@ def _backend_decoder(tokenizer):
     """The ``tokenizers`` object behind a ``transformers`` fast tokenizer whose decoding is the
     library's own: its ``decode`` without clean-up is exactly the backend's, without the wrapper's
     conversions (a few microseconds a call, two calls a token a stream).  None otherwise (another
-    tokenizer, or a class that decodes its own way)."""
+    tokenizer, or a class that decodes its own way).  Imports nothing: a tokenizer of the library's
+    classes has their modules loaded already."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is None or not callable(getattr(backend, "decode", None)):
         return None
-    try:
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return None
-    library = set()
-    for module, name in (("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
-                         ("transformers.tokenization_utils_fast", "PreTrainedTokenizerFast")):
-        try:
-            library.add(getattr(__import__(module, fromlist=[name]), name)._decode)
-        except (ImportError, AttributeError):
-            continue
+    base = getattr(sys.modules.get("transformers.tokenization_utils_base"), "PreTrainedTokenizerBase", None)
+    library = {getattr(getattr(sys.modules.get(module), name, None), "_decode", None)
+               for module, name in (("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
+                                    ("transformers.tokenization_utils_fast", "PreTrainedTokenizerFast"))} - {None}
     cls = type(tokenizer)  # a wrapper that forwards attributes to a tokenizer is not one
-    if getattr(cls, "decode", None) is not PreTrainedTokenizerBase.decode:
+    if base is None or getattr(cls, "decode", None) is not base.decode:
         return None
     if getattr(cls, "_decode", None) not in library:
         return None
