@@ -82,6 +82,7 @@ class TreeBatch:
     q: torch.Tensor  # [K, V] float32: each row's draft law (zeros where it has no sampled event)
     shapes: list[tuple[int, int]]  # per sequence: its own rows and most events of a row (host)
     ev_live: Optional[torch.Tensor] = None  # [K, E] bool: the event's token is not DEAD (None: every event is)
+    ev_valid: Optional[torch.Tensor] = None  # [K, E] bool: an event, not padding (j < the row's events)
 
     @classmethod
     def build(cls, trees: Sequence[DraftTree], vocab_size: int, device: torch.device) -> "TreeBatch":
@@ -146,8 +147,9 @@ class TreeBatch:
                 q[device_tensor(q_at, device)] = torch.stack([part[:vocab_size] for part in q_parts]).to(device)
         as_torch = [torch.from_numpy(x) for x in (tokens, event_node.reshape(b, r, e), row_keys, ev_token, ev_sampled)]
         if not held_by:
-            tensors = to_device_many([as_torch[0], torch.from_numpy(counts.reshape(b, r)), *as_torch[1:]], device)
-            return cls(b, r, depth, *tensors, active, kinds, q, shapes)
+            host = [as_torch[0], torch.from_numpy(counts.reshape(b, r)), *as_torch[1:], torch.from_numpy(ev_valid)]
+            *tensors, ev_valid = to_device_many(host, device)
+            return cls(b, r, depth, *tensors, active, kinds, q, shapes, ev_valid=ev_valid)
         (tokens, event_node, ev_rows, ev_token, ev_sampled, ev_valid, ev_src, tok_src) = to_device_many(
             [*as_torch, torch.from_numpy(ev_valid), torch.from_numpy(ev_src), torch.from_numpy(tok_src)], device)
         flat = torch.cat([h.flat for h in held_by])
@@ -160,7 +162,7 @@ class TreeBatch:
         num_events = torch.zeros(b * r, dtype=torch.long, device=device).index_add_(
             0, ev_rows, ev_live.sum(dim=1)).view(b, r)
         return cls(b, r, depth, tokens, num_events, event_node, ev_rows, ev_token, ev_sampled, active, kinds, q,
-                   shapes, ev_live)
+                   shapes, ev_live, ev_valid)
 
 
 @dataclass
@@ -237,14 +239,11 @@ def start_verify(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, uniform
     best = x.max(dim=-1).indices  # [B, R]; the argmax (first of ties), faster than argmax on the CPU
     greedy = st.greedy.view(b, r)
     flat_best = best.reshape(-1)[trees.ev_rows]  # [K]
-    taken = torch.full((trees.ev_rows.numel(),), -1, dtype=torch.long, device=x.device)  # [K] accepted event
     probs = None
-    if st.all_greedy:
-        for j, k in enumerate(trees.active):
-            hit = (trees.ev_token[:k, j] == flat_best[:k]) & (taken[:k] < 0)
-            if trees.ev_live is not None:
-                hit &= trees.ev_live[:k, j]
-            taken[:k] = torch.where(hit, j, taken[:k])
+    # taken: [K] each row's accepted event, -1 where none is
+    if st.all_greedy:  # each row takes its first event whose token is the argmax: every event at once
+        hit = (trees.ev_token == flat_best[:, None]) & (trees.ev_valid if trees.ev_live is None else trees.ev_live)
+        taken = torch.where(hit.any(dim=1), hit.int().argmax(dim=1), -1)  # argmax: the first of equal maxima
     else:
         probs = finish_probs(x.reshape(b * r, v), st)  # [B*R, V]; greedy rows one-hot
         taken, residual = _try_events(probs, trees, uniforms, greedy.reshape(-1)[trees.ev_rows], flat_best,
@@ -254,14 +253,16 @@ def start_verify(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, uniform
     picked = trees.event_node.view(b * r, -1)[trees.ev_rows].gather(1, taken.clamp(min=0)[:, None])[:, 0]
     child[trees.ev_rows] = torch.where(taken >= 0, picked, -1)
     child = child.view(b, r)
-    # the walk: down through accepted children
+    # the walk: down through accepted children; a row without one leads to itself, so the walk stays
+    # at its last row (one gather a level)
     seq = torch.arange(b, device=x.device)
-    row = torch.zeros(b, dtype=torch.long, device=x.device)
-    path = torch.full((b, trees.depth), -1, dtype=torch.long, device=x.device)  # accepted nodes
-    for d in range(trees.depth):
-        nxt = child[seq, row]
-        path[:, d] = nxt
-        row = torch.where(nxt >= 0, nxt + 1, row)
+    step_to = torch.where(child >= 0, child + 1, torch.arange(r, device=x.device))  # [B, R]
+    visited = [torch.zeros(b, 1, dtype=torch.long, device=x.device)]
+    for _ in range(trees.depth):
+        visited.append(step_to.gather(1, visited[-1]))
+    rows = torch.cat(visited, dim=1)  # [B, D+1]
+    path = child.gather(1, rows[:, :-1])  # [B, D] accepted nodes, -1 past the last
+    row = rows[:, -1]
     final = best[seq, row]
     if probs is not None:
         drawn = sample_from_probs(probs.view(b, r, v)[seq, row], uniforms.final[seq, row])
