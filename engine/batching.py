@@ -54,7 +54,7 @@ def run_blocks(model: Model, cache: KVCache, blocks: list[Block], vocab: Optiona
     rows = torch.tensor([[*bl.logit_rows, *[0] * (k - len(bl.logit_rows))] for bl in blocks], dtype=torch.long)
     mask = None
     if any(bl.mask is not None or bl.device_mask is not None for bl in blocks):
-        pending = [int(cache.pending[bl.slot]) for bl in blocks]
+        pending = [int(cache.pending_np[bl.slot]) for bl in blocks]
         width = max(p + t for p in pending)
         mask = torch.zeros(b, t, width, dtype=torch.bool)
         for i, bl in enumerate(blocks):

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
+import numpy as np
 import torch
 
 from engine.device import to_device_many
@@ -144,26 +145,29 @@ def host_inputs(cache: KVCache, bucket: Bucket, width: int, positions: torch.Ten
     :meth:`StaticInputs.tensors` order after ``ids``, the mask causal over the pending entries and the
     block (a block's own mask replaces it on the device: :func:`place_block_mask`).  Padded rows need
     no mask column: every row sees its own position (``build_mask``)."""
+    # numpy on the cache's host views: thirty small operations, each a torch dispatch otherwise
     b, t = positions.shape
     B, R, bs = bucket.batch, bucket.rows, cache.block_size
-    slot_t = torch.tensor(slots, dtype=torch.long)
-    lens = torch.zeros(B, dtype=torch.long)
-    lens[:b] = cache.lens[slot_t]
-    start = torch.zeros(B, dtype=torch.long)
-    start[:b] = lens[:b] + cache.pending[slot_t]
-    pos = torch.zeros(B, R, dtype=torch.long)
-    pos[:b, :t] = positions
-    pos[:b, t:] = positions[:, t - 1:t]  # padded rows repeat the last (the caller padded up to t likewise)
-    cnt = torch.zeros(B, dtype=torch.long)
-    cnt[:b] = torch.tensor(counts, dtype=torch.long)
-    tables = torch.zeros(B, bucket.kv // bs, dtype=torch.long)
+    slot_a = np.asarray(slots, dtype=np.int64)
+    lens = np.zeros(B, dtype=np.int64)
+    lens[:b] = cache.lens_np[slot_a]
+    start = np.zeros(B, dtype=np.int64)
+    start[:b] = lens[:b] + cache.pending_np[slot_a]
+    given = positions.numpy()
+    pos = np.zeros((B, R), dtype=np.int64)
+    pos[:b, :t] = given
+    pos[:b, t:] = given[:, t - 1:t]  # padded rows repeat the last (the caller padded up to t likewise)
+    cnt = np.zeros(B, dtype=np.int64)
+    cnt[:b] = counts
+    tables = np.zeros((B, bucket.kv // bs), dtype=np.int64)
     width_blocks = min(tables.shape[1], cache.max_blocks)
-    tables[:b, :width_blocks] = cache.table[slot_t, :width_blocks]
-    mask = torch.zeros(B, R, width, dtype=torch.bool)
-    real = torch.arange(t)[None, :, None] < cnt[:b, None, None]  # [b, t, 1]: the sequences' real rows
-    row, col = torch.arange(t)[None, :, None], torch.arange(width)[None, None, :]
+    tables[:b, :width_blocks] = cache.table_np[slot_a, :width_blocks]
+    mask = np.zeros((B, R, width), dtype=bool)
+    real = np.arange(t)[None, :, None] < cnt[:b, None, None]  # [b, t, 1]: the sequences' real rows
+    row, col = np.arange(t)[None, :, None], np.arange(width)[None, None, :]
     rel = col - (start[:b] - lens[:b])[:, None, None]  # column within the block
     mask[:b, :t] = real & ((rel < 0) | (rel <= row))  # causal: every pending entry, and the block up to the row
+    pos, tables, lens, start, cnt, mask = (torch.from_numpy(x) for x in (pos, tables, lens, start, cnt, mask))
     return [pos, tables, lens, start, cnt, mask]
 
 
@@ -288,9 +292,9 @@ class CapturedForwards:
         """The bucket a forward of ``rows`` new tokens per slot fits (its mask spans the slots' pending
         entries and the block), or None (it runs dynamically)."""
         cache = self.cache
-        slot_t = torch.tensor(slots, dtype=torch.long)
-        pending = cache.pending[slot_t]
-        start = cache.lens[slot_t] + pending
+        slot_a = np.asarray(slots, dtype=np.int64)
+        pending = cache.pending_np[slot_a]
+        start = cache.lens_np[slot_a] + pending
         bucket = self.grid.pick(len(slots), rows, int(start.max()) + rows, int(pending.max()) + rows)
         if bucket is not None and (bucket.kv > cache.max_blocks * cache.block_size or bucket in self._failed):
             bucket = None

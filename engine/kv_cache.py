@@ -103,9 +103,9 @@ class KVCache:
         self.pending = torch.zeros(num_slots, dtype=torch.long)  # tentative entries after lens
         self.tables: list[list[int]] = [[] for _ in range(num_slots)]  # per slot, its blocks in order
         self.table = torch.zeros(num_slots, self.max_blocks, dtype=torch.long)  # host mirror, 0 = scratch
-        # numpy views of the same memory, for the bookkeeping's one-element reads and writes (a tensor
-        # element costs a dispatch; a step makes a few a sequence)
-        self._lens, self._pending, self._table = self.lens.numpy(), self.pending.numpy(), self.table.numpy()
+        # numpy views of the same memory, for the bookkeeping's one-element reads and writes and the
+        # forwards' host inputs (a tensor element costs a dispatch; a step makes a few a sequence)
+        self.lens_np, self.pending_np, self.table_np = self.lens.numpy(), self.pending.numpy(), self.table.numpy()
         self._consecutive = [True] * num_slots  # each slot's blocks are b, b + 1, ... (read as a view)
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self.ref = [0] * (self.num_blocks + 1)  # users of each block
@@ -127,8 +127,8 @@ class KVCache:
         if not self._free_slots:
             raise CacheFullError(f"all {self.num_slots} KV cache slots are in use")
         slot = self._free_slots.pop()
-        self._lens[slot] = 0
-        self._pending[slot] = 0
+        self.lens_np[slot] = 0
+        self.pending_np[slot] = 0
         return slot
 
     def free(self, slot: int) -> None:
@@ -136,8 +136,8 @@ class KVCache:
         if slot in self._free_slots:
             raise ValueError(f"slot {slot} is already free")
         self._trim(slot, 0)
-        self._lens[slot] = 0
-        self._pending[slot] = 0
+        self.lens_np[slot] = 0
+        self.pending_np[slot] = 0
         self._free_slots.append(slot)
 
     # ---------------------------------------------------------------- blocks
@@ -175,7 +175,7 @@ class KVCache:
         """Makes the slot's ``index``-th block, full and committed, findable under ``key``.  False if
         another block already holds that key (this one stays private) or this one has a key."""
         block = self.tables[slot][index]
-        if (index + 1) * self.block_size > int(self._lens[slot]):
+        if (index + 1) * self.block_size > int(self.lens_np[slot]):
             raise ValueError(f"block {index} of slot {slot} is not full of committed entries")
         if key in self._block_of or block in self._key_of:
             return False
@@ -185,14 +185,14 @@ class KVCache:
 
     def share(self, slot: int, blocks: list[int]) -> None:
         """Makes published ``blocks`` the committed prefix of an empty slot (one more user each)."""
-        if self.tables[slot] or int(self._lens[slot]) or int(self._pending[slot]):
+        if self.tables[slot] or int(self.lens_np[slot]) or int(self.pending_np[slot]):
             raise ValueError(f"slot {slot} is not empty")
         for b in blocks:
             if b not in self._key_of:
                 raise ValueError(f"block {b} is not published")
             self._take(b)
             self._append(slot, b)
-        self._lens[slot] = len(blocks) * self.block_size
+        self.lens_np[slot] = len(blocks) * self.block_size
 
     def _take(self, block: int) -> None:
         if self.ref[block] == 0:
@@ -231,7 +231,7 @@ class KVCache:
 
     def _append(self, slot: int, block: int) -> None:
         table = self.tables[slot]
-        self._table[slot, len(table)] = block
+        self.table_np[slot, len(table)] = block
         self._consecutive[slot] = not table or (self._consecutive[slot] and block == table[-1] + 1)
         table.append(block)
 
@@ -242,7 +242,7 @@ class KVCache:
             return  # nothing to return (the host mirror is zero past the slot's blocks already)
         while len(table) > keep:
             self._drop(table.pop())
-        self._table[slot, keep:] = 0
+        self.table_np[slot, keep:] = 0
         if not self._consecutive[slot]:
             self._consecutive[slot] = all(b == a + 1 for a, b in zip(table, table[1:]))
 
@@ -250,7 +250,7 @@ class KVCache:
     def reserve(self, slots: list[int], counts: list[int]) -> None:
         """Blocks for ``counts`` more entries after each slot's ``lens + pending``."""
         for s, n in zip(slots, counts):
-            need = int(self._lens[s] + self._pending[s]) + n
+            need = int(self.lens_np[s] + self.pending_np[s]) + n
             if need > self.max_len:
                 raise CacheFullError(
                     f"sequence in slot {s} needs {need} positions but the KV cache holds {self.max_len} "
@@ -285,24 +285,24 @@ class KVCache:
     def advance(self, slots: list[int], counts: list[int]) -> None:
         """Marks ``counts`` more entries of each slot as pending (after a forward wrote them)."""
         for s, n in zip(slots, counts):
-            self._pending[s] += n
+            self.pending_np[s] += n
 
     # ------------------------------------------------------ commit / rollback
     def commit(self, slot: int) -> None:
         """Keeps every pending entry."""
-        self._lens[slot] += self._pending[slot]
-        self._pending[slot] = 0
+        self.lens_np[slot] += self.pending_np[slot]
+        self.pending_np[slot] = 0
 
     def discard(self, slot: int) -> None:
         """Rolls back every pending entry."""
-        self._pending[slot] = 0
-        self._trim(slot, int(self._lens[slot]))
+        self.pending_np[slot] = 0
+        self._trim(slot, int(self.lens_np[slot]))
 
     def rewind(self, slot: int, length: int) -> None:
         """Rolls back every pending entry and the committed ones past ``length`` (a step that failed
         after committing some: its work is redone).  Entries below ``length`` are untouched, so blocks
         shared through the prefix cache, which a step never writes, stay as they are."""
-        self._lens[slot] = min(int(self._lens[slot]), length)
+        self.lens_np[slot] = min(int(self.lens_np[slot]), length)
         self.discard(slot)
 
     def keep(self, slot: int, keep_idx: list[int] | torch.Tensor) -> None:
@@ -344,7 +344,7 @@ class KVCache:
         pool rows to move (source, destination), or None when the kept entries are the first ones
         (nothing moves).  Raises IndexError, changing nothing, for indices out of range.  Plain Python
         on the slot's block list: a few entries a sequence, each a tensor op's dispatch otherwise."""
-        base, pending = int(self._lens[slot]), int(self._pending[slot])
+        base, pending = int(self.lens_np[slot]), int(self.pending_np[slot])
         idx = keep_idx.tolist() if isinstance(keep_idx, torch.Tensor) else [int(i) for i in keep_idx]
         n = len(idx)
         if n and (max(idx) >= pending or min(idx) < 0):
@@ -354,8 +354,8 @@ class KVCache:
             table, bs = self.tables[slot], self.block_size
             moves = ([table[p // bs] * bs + p % bs for p in (base + i for i in idx)],
                      [table[p // bs] * bs + p % bs for p in range(base, base + n)])
-        self._lens[slot] = base + n
-        self._pending[slot] = 0
+        self.lens_np[slot] = base + n
+        self.pending_np[slot] = 0
         self._trim(slot, base + n)
         return moves
 
