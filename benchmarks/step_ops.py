@@ -13,7 +13,8 @@ device. Per decoding step (the prefill step left out):
   gathers or writes on the device; views and calls that return their input (a ``.to`` that changes
   nothing) left out (a call may be more than one kernel);
 * **h2d copies**: copies of host data to the device: ``engine.device.to_device_many`` makes one a
-  call on CUDA (on the CPU it copies tensor by tensor; the count here is its calls with host data);
+  call on CUDA (on the CPU it copies tensor by tensor; the count here is its calls with host data),
+  and ``copy_packed`` one (a forward's inputs into its bucket's buffers);
 * **forwards**: the captured forwards the step replays (target and draft);
 * **reads**: the host reads the engine declares (``engine.device.to_host``);
 * **host ms**: the step's wall time less the time inside the forwards (median of ``--time-steps``
@@ -138,11 +139,14 @@ def count_steps(config: dict, batch: int, temperature: float, spec: bool, steps:
                          lambda c, a: setattr(c, "forwards", c.forwards + 1))
     copies = _counting(lambda: current[0], engine_device.to_device_many,
                        lambda c, a: setattr(c, "copies", c.copies + any(not is_marked(t) for t in a[0])))
-    wrappers = {engine_graphs.static_hidden: forwards, engine_device.to_device_many: copies}
+    packed = _counting(lambda: current[0], engine_device.copy_packed,  # a forward's inputs: one copy
+                       lambda c, a: setattr(c, "copies", c.copies + 1))
+    wrappers = {engine_graphs.static_hidden: forwards, engine_device.to_device_many: copies,
+                engine_device.copy_packed: packed}
     with contextlib.ExitStack() as stack:
         # every module that imported the functions holds its own name for them
         for module in [m for name, m in list(sys.modules.items()) if name.startswith("engine")]:
-            for attr in ("static_hidden", "to_device_many"):
+            for attr in ("static_hidden", "to_device_many", "copy_packed"):
                 wrapper = wrappers.get(getattr(module, attr, None))
                 if wrapper is not None:
                     stack.enter_context(mock.patch.object(module, attr, wrapper))

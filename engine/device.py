@@ -67,6 +67,35 @@ def to_device_many(tensors: list[torch.Tensor], device: torch.device) -> list[to
     return out  # type: ignore[return-value]
 
 
+def staged_layout(shapes: list[tuple[torch.Size, torch.dtype]]) -> tuple[int, Layout]:
+    """Bytes and :data:`Layout` of tensors of ``shapes`` packed by :func:`pack_bytes` (widest items
+    first): a device buffer of that size, viewed with :func:`unpack_bytes`, takes such tensors in one
+    copy (:func:`copy_packed`)."""
+    layout: Layout = [(0, 0, dtype, torch.Size(shape)) for shape, dtype in shapes]
+    at = 0
+    for i in sorted(range(len(shapes)), key=lambda i: -shapes[i][1].itemsize):
+        shape, dtype = shapes[i]
+        size = torch.Size(shape).numel() * dtype.itemsize
+        layout[i] = (at, size, dtype, torch.Size(shape))
+        at += size
+    return at, layout
+
+
+def copy_packed(buffer: torch.Tensor, tensors: list[torch.Tensor], layout: Layout) -> None:
+    """Host ``tensors`` into ``buffer`` (a uint8 device buffer laid out as ``layout``, from
+    :func:`staged_layout`) in one copy: on CUDA from a pinned buffer of this call's own, without
+    making the host wait."""
+    if [(t.dtype, t.shape) for t in tensors] != [(dtype, shape) for _, _, dtype, shape in layout]:
+        raise ValueError("the tensors do not match the buffer's layout")
+    if buffer.device.type != "cuda":
+        packed, _ = pack_bytes(tensors)
+        buffer.copy_(packed.to(buffer.device, non_blocking=True))  # the device-check mode sees a transfer
+        return
+    staging = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=True)
+    pack_bytes(tensors, out=staging)
+    buffer.copy_(staging, non_blocking=True)
+
+
 def tensor(data, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """``torch.tensor(data)`` built on the host and copied to ``device`` (see :func:`to_device`)."""
     return to_device(torch.tensor(data, dtype=dtype), device)

@@ -37,7 +37,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import torch
 
-from engine.device import to_device_many
+from engine.device import Layout, copy_packed, staged_layout, to_device_many, unpack_bytes
 from engine.kv_cache import Addresses, KVCache
 from engine.models.llama import ForwardContext
 
@@ -126,14 +126,20 @@ class StaticInputs:
     start: torch.Tensor  # [batch] cache position of the block's first token (padding: 0)
     counts: torch.Tensor  # [batch] real rows (padding: 0): rows past them write into the scratch block
     block_mask: torch.Tensor  # [batch, rows, width] what each row sees of the pending entries and the block
+    # the buffer that ``positions`` ... ``block_mask`` are views of, and where each lies: the host's
+    # inputs of a forward (:func:`host_inputs`) reach all of them in one copy (``copy_packed``)
+    staged: Optional[torch.Tensor] = None
+    layout: Optional[Layout] = None
 
     @staticmethod
     def empty(bucket: Bucket, block_size: int, width: int, device: torch.device) -> "StaticInputs":
         b, r = bucket.batch, bucket.rows
-        z = dict(dtype=torch.long, device=device)
-        return StaticInputs(torch.zeros(b, r, **z), torch.zeros(b, r, **z), torch.zeros(b, bucket.kv // block_size, **z),
-                            torch.zeros(b, **z), torch.zeros(b, **z), torch.zeros(b, **z),
-                            torch.zeros(b, r, width, dtype=torch.bool, device=device))
+        long, flag = torch.long, torch.bool
+        nbytes, layout = staged_layout([((b, r), long), ((b, bucket.kv // block_size), long), ((b,), long),
+                                        ((b,), long), ((b,), long), ((b, r, width), flag)])
+        staged = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        return StaticInputs(torch.zeros(b, r, dtype=long, device=device), *unpack_bytes(staged, layout),
+                            staged=staged, layout=layout)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.ids, self.positions, self.tables, self.lens, self.start, self.counts, self.block_mask]
@@ -317,13 +323,10 @@ class CapturedForwards:
         inp = entry.inputs
         inp.ids.zero_()  # the ids are on the device already
         inp.ids[:b, :t].copy_(ids)
-        # a block's own mask may be on the device already (the host has not read it): it joins there
-        own = block_mask_rows(block_mask, counts, self.grid.width) if block_mask is not None else []
-        moved = to_device_many(host + own, self.cache.k.device)
-        for buf, src in zip(inp.tensors()[1:], moved):
-            buf.copy_(src, non_blocking=True)
-        if own:
-            place_block_mask(inp.block_mask, *moved[len(host):])
+        copy_packed(inp.staged, host, inp.layout)  # every other input in one copy
+        if block_mask is not None:  # a block's own mask may be on the device already (not read): it joins there
+            place_block_mask(inp.block_mask, *to_device_many(block_mask_rows(block_mask, counts, self.grid.width),
+                                                             self.cache.k.device))
         self.replays += 1
         if entry.graph is not None:
             entry.graph.replay()
@@ -404,7 +407,9 @@ class CapturedForwards:
         """Every persistent device tensor of the buckets prepared so far (inputs, and graph outputs)."""
         out = []
         for entry in self._by_bucket.values():
-            out += entry.inputs.tensors() + ([entry.hidden] if entry.hidden is not None else [])
+            inp = entry.inputs
+            out += inp.tensors() + ([inp.staged] if inp.staged is not None else [])
+            out += [entry.hidden] if entry.hidden is not None else []
         return out
 
 

@@ -163,6 +163,17 @@ def test_packed_bytes_unpack_to_the_same_tensors(seed):
     for t, u in zip(tensors, out):
         assert u.dtype == t.dtype and u.shape == t.shape and torch.equal(u, t)
         assert (u.data_ptr() - u.untyped_storage().data_ptr()) % t.element_size() == 0  # aligned: a view
+    # a bucket's persistent buffer laid out in advance takes the same tensors in one copy
+    from engine.device import copy_packed, staged_layout
+
+    nbytes, planned = staged_layout([(t.shape, t.dtype) for t in tensors])
+    assert (nbytes, planned) == (packed.numel(), layout)
+    buffer = torch.full((nbytes,), 7, dtype=torch.uint8)
+    views = unpack_bytes(buffer, planned)
+    copy_packed(buffer, tensors, planned)
+    assert all(torch.equal(u, t) for t, u in zip(tensors, views))
+    with pytest.raises(ValueError, match="layout"):
+        copy_packed(buffer, tensors[::-1] + [torch.zeros(1)], planned)
 
 
 def test_the_device_timer_reads_the_host_clock_off_cuda():
