@@ -139,10 +139,11 @@ def count_steps(config: dict, batch: int, temperature: float, spec: bool, steps:
                          lambda c, a: setattr(c, "forwards", c.forwards + 1))
     copies = _counting(lambda: current[0], engine_device.to_device_many,
                        lambda c, a: setattr(c, "copies", c.copies + any(not is_marked(t) for t in a[0])))
-    packed = _counting(lambda: current[0], engine_device.copy_packed,  # a forward's inputs: one copy
-                       lambda c, a: setattr(c, "copies", c.copies + 1))
-    wrappers = {engine_graphs.static_hidden: forwards, engine_device.to_device_many: copies,
-                engine_device.copy_packed: packed}
+    wrappers = {engine_graphs.static_hidden: forwards, engine_device.to_device_many: copies}
+    copy_packed = getattr(engine_device, "copy_packed", None)  # (an engine older than it: measured by bench_ab)
+    if copy_packed is not None:  # a forward's inputs: one copy
+        wrappers[copy_packed] = _counting(lambda: current[0], copy_packed,
+                                          lambda c, a: setattr(c, "copies", c.copies + 1))
     with contextlib.ExitStack() as stack:
         # every module that imported the functions holds its own name for them
         for module in [m for name, m in list(sys.modules.items()) if name.startswith("engine")]:
