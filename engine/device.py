@@ -68,9 +68,10 @@ def to_device_many(tensors: list[torch.Tensor], device: torch.device) -> list[to
 
 
 def staged_layout(shapes: list[tuple[torch.Size, torch.dtype]]) -> tuple[int, Layout]:
-    """Bytes and :data:`Layout` of tensors of ``shapes`` packed by :func:`pack_bytes` (widest items
-    first): a device buffer of that size, viewed with :func:`unpack_bytes`, takes such tensors in one
-    copy (:func:`copy_packed`)."""
+    """Bytes and :data:`Layout` of tensors of ``shapes`` as :func:`pack_bytes` packs them: ``(byte
+    offset, bytes, dtype, shape)`` each, in their order, the widest items first so that every tensor
+    starts at a multiple of its item size and unpacks as a view.  A device buffer of that size, viewed
+    with :func:`unpack_bytes`, takes such tensors in one copy (:func:`copy_packed`)."""
     layout: Layout = [(0, 0, dtype, torch.Size(shape)) for shape, dtype in shapes]
     at = 0
     for i in sorted(range(len(shapes)), key=lambda i: -shapes[i][1].itemsize):
@@ -129,17 +130,10 @@ Layout = list[tuple[int, int, torch.dtype, torch.Size]]
 
 def pack_bytes(tensors: list[torch.Tensor], out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Layout]:
     """One uint8 tensor on the tensors' device holding the bytes of all of them (one kernel; into
-    ``out`` if given, of exactly their size), and where each one lies: ``(byte offset, bytes, dtype,
-    shape)`` in the tensors' order.  The widest items come first, so every tensor starts at a multiple
-    of its item size and unpacks as a view."""
-    layout: Layout = [(0, 0, t.dtype, t.shape) for t in tensors]
-    parts, at = [], 0
-    for i in sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size()):
-        flat = tensors[i].detach().reshape(-1)
-        size = flat.numel() * flat.element_size()
-        parts.append(flat.view(torch.uint8))
-        layout[i] = (at, size, flat.dtype, tensors[i].shape)
-        at += size
+    ``out`` if given, of exactly their size), and where each one lies (:func:`staged_layout`)."""
+    _, layout = staged_layout([(t.shape, t.dtype) for t in tensors])
+    parts = [tensors[i].detach().reshape(-1).view(torch.uint8) for i in sorted(range(len(tensors)),
+                                                                                key=lambda i: layout[i][0])]
     if out is None:
         return torch.cat(parts), layout
     return torch.cat(parts, out=out), layout
