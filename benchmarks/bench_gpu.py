@@ -260,13 +260,14 @@ def engine_core(target, draft, batch: int, prompt_len: int, new_tokens: int, tre
     curve at start and may choose plain decoding or Max-Gram where the draft cannot pay (with random
     weights it cannot).  ``compiled``: each layer compiled before capture (``graph_compile``)."""
     adaptive, level_reads = method == ADAPTIVE, method == LEVEL_READS
-    # Max-Gram as the GPU preset runs it: the draft's tokens stay on the device (one read a step)
+    # Max-Gram as the GPU preset runs it: the draft's tokens stay on the device (one read a step), its tail
+    # proposed there, 2 tokens at most
     extra = dict(adaptive_threshold=1.0) if level_reads else {}
     config = EngineConfig.from_settings(max_batch=batch, max_model_len=prompt_len + new_tokens + 64, tree=tree,
                                         spec_method="mcsd+maxgram" if adaptive else "mcsd" if level_reads else method,
                                         adaptive=adaptive or level_reads, load_aware=adaptive,
                                         adaptive_level_stop=level_reads, cuda_graphs=graphs, graph_batches=(batch,),
-                                        graph_compile=compiled, maxgram_read_tree=False, **extra)
+                                        graph_compile=compiled, maxgram_read_tree=False, maxgram_tail=2, **extra)
     return EngineCore(target, draft, config)
 
 

@@ -52,7 +52,8 @@ def parse_configs(spec: str) -> list[dict]:
     ...+maxgram:W:tN                      Max-Gram's tail below the deepest drafted path at most N tokens
                                           (default 2; t0: its branches from the root only)
     ...+maxgram:W:u                       Max-Gram without reading the draft's tree (maxgram_read_tree =
-                                          false, the GPU preset's): unmerged branches, no tail
+                                          false, the GPU preset's): unmerged branches, its tail proposed
+                                          on the device (``:u:t0``: no tail)
     adaptive...:W:ns                      no level-by-level stop inside the step (adaptive_level_stop =
                                           false, the GPU preset's): the budget's planned depth stands
     """

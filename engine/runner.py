@@ -163,7 +163,7 @@ class ModelRunner:
         for seq, tree in zip(seqs, trees):
             root_pos = len(seq.tokens) - 1
             if tree.unread is not None:  # drafted tokens still on the device: gathered there (verification_ids)
-                size = tree.num_sub  # the drafted nodes; appended ones are the host's
+                size = tree.num_held  # held on the device; nodes the host appended are its own
                 toks = [seq.root] + [0] * size + tree.known_tokens_after(size)
             else:
                 toks = [seq.root] + [t if t != DEAD else 0 for t in tree.tokens]
@@ -354,7 +354,7 @@ def verification_ids(blocks: list[Block], trees: list[DraftTree], device: torch.
         use = torch.zeros(b, t, dtype=torch.bool)
         for i, tr in enumerate(trees):
             if tr.unread is holder:
-                off, size = holder.offset_of(tr), tr.num_sub
+                off, size = holder.offset_of(tr), tr.num_held
                 at[i, 1: 1 + size] = torch.arange(off, off + size)
                 use[i, 1: 1 + size] = True
         at, use = to_device_many([at, use], device)

@@ -44,7 +44,8 @@ from engine.sampler import SamplingTensors, compute_probs
 from engine.sequence import Sequence
 from engine.speculative.cascade import review_guess
 from engine.speculative.constrained import GRAMMAR_DRAFTER, ForcedShare, GrammarDrafter, mask_rows
-from engine.speculative.draft_tree import CASCADE, DEAD, SAMPLED, DraftTree
+from engine.speculative.device_maxgram import DeviceMaxGram
+from engine.speculative.draft_tree import CASCADE, DEAD, SAMPLED, DraftTree, HeldTokens
 from engine.speculative.maxgram import BigramTable, MaxGramDrafter
 from engine.speculative.methods import DraftPlan
 from engine.speculative.target_init import draw_candidates, verify_target_init
@@ -355,6 +356,11 @@ def step_law(law: Law, ctx: tuple[int, ...]) -> tuple[dict[tuple, float], int]:
         elif law.method == "maxgram":
             tree = DraftTree(TreeTopology((1,)).subtree(()), [])
             mg.extend_tree(seq, tree, length=law.maxgram_len, branches=law.maxgram_branches)
+        elif not law.merge and law.tail:  # the GPU preset: the draft's tokens held, Max-Gram's tail on the device
+            tree = LazyTree(law, ctx, coins).eager()
+            _hold(tree)
+            DeviceMaxGram(mg, torch.device("cpu")).tails([seq], [tree], [law.tail])
+            mg.extend_tree(seq, tree, 0, law.maxgram_len, law.maxgram_branches, merge=False)
         else:  # mcsd+maxgram
             tree = LazyTree(law, ctx, coins).eager()
             mg.extend_tree(seq, tree, law.tail, law.maxgram_len, law.maxgram_branches, law.merge)
@@ -367,6 +373,19 @@ def step_law(law: Law, ctx: tuple[int, ...]) -> tuple[dict[tuple, float], int]:
         return tuple(res.tokens)
     return enumerate_law(step), max(len(law.widths), law.cascade_depth if law.method == "cascade" else 0,
                                     law.maxgram_len) + law.tail + 1 + (law.forced if law.grammar else 0)
+
+
+class _Held(HeldTokens):
+    """A drafted tree's tokens moved to a tensor, as the proposer leaves a tree it drafted on the device."""
+
+    def __init__(self, tree: DraftTree) -> None:
+        super().__init__([tree])
+        self.flat = torch.tensor(list(tree.tokens) + [0])
+
+
+def _hold(tree: DraftTree) -> None:
+    _Held(tree).hold()
+    tree.tokens = [DEAD] * tree.num_nodes  # placeholders: reading the tokens reads the holder
 
 
 def _cascade_chain(law: Law, ctx, seq, mg, coins) -> tuple[list[int], list[torch.Tensor]]:
@@ -461,9 +480,14 @@ def lossless_laws() -> list[Law]:
         Law("chain-1x1x1-threshold-stop", (1, 1, 1), stop="threshold", threshold=0.8),
         Law("maxgram-with-bigrams", method="maxgram"),
         Law("tree-2x1+maxgram-merged-T0.6", (2, 1), method="mcsd+maxgram", temperature=0.6),
-        # maxgram_read_tree = false: Max-Gram's branches beside equal drafted siblings, no tail
+        # maxgram_read_tree = false: Max-Gram's branches beside equal drafted siblings, without a tail and
+        # with its tail proposed on the device below the held tree
         Law("tree-2x1+maxgram-unmerged-T0.6", (2, 1), method="mcsd+maxgram", temperature=0.6, tail=0, merge=False),
         Law("tree-3x1+maxgram-unmerged-top_p", (3, 1), method="mcsd+maxgram", top_p=0.8, tail=0, merge=False),
+        Law("tree-2x1+maxgram-unmerged-device-tail-T0.6", (2, 1), method="mcsd+maxgram", temperature=0.6, tail=2,
+            merge=False),
+        Law("tree-1x1+maxgram-unmerged-device-tail-top_p", (1, 1), method="mcsd+maxgram", top_p=0.8, tail=2,
+            merge=False),
         Law("cascade-maxgram-draft-target", method="cascade"),
         # the draft's output layer cut to tokens 0, 1, 3, 5: q(2) = q(4) = 0
         Law("tree-2x2-draft-vocab-cut-T0.6", (2, 2), temperature=0.6, draft_vocab=(0, 1, 3, 5)),

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from engine.device import to_host
+from engine.device import to_device_many, to_host
 from engine.speculative.features import NodeFeatures
 from engine.speculative.tree import SubTree
 
@@ -75,6 +75,9 @@ class DraftTree:
     #: the device holder of ``tokens`` while the host has not read them (:class:`HeldTokens`); reading
     #: ``tokens`` reads them then, so only code that must not wait for the device looks here first
     unread: Optional["HeldTokens"] = field(default=None, repr=False, compare=False)
+    #: how many of the first nodes a holder keeps (None: the drafted ones, ``num_sub``); nodes appended
+    #: on the device (Max-Gram's tail, ``device_maxgram``) count too
+    held: Optional[int] = None
 
     def cut(self, sub: SubTree) -> None:
         """Stop at ``sub``, a prefix of this tree's subtree (its first ``sub.num_nodes`` nodes).
@@ -92,6 +95,11 @@ class DraftTree:
     @property
     def num_sub(self) -> int:
         return self.sub.num_nodes
+
+    @property
+    def num_held(self) -> int:
+        """The first nodes whose tokens a holder keeps while the tree is unread (the rest are the host's)."""
+        return self.sub.num_nodes if self.held is None else self.held
 
     def parents(self) -> list[int]:
         return self.sub.parent_list + self.extra_parent
@@ -278,6 +286,29 @@ class HeldTokens:
         """What the host reads back: the tokens first."""
         return [self.flat]
 
+    def append(self, grown: dict[int, int], values: torch.Tensor, at: list[int]) -> None:
+        """Tree ``t`` (of :attr:`trees`) keeps ``grown[id(t)]`` more nodes after its held ones: those the
+        host just appended to it, whose tokens are ``values[at]`` on the device, in ``grown``'s order.
+        The flat layout is rebuilt (a few device operations, no read)."""
+        old = [(t, self._offset_of[id(t)], t.num_held) for t in self.trees]
+        sizes = [size + grown.get(id(t), 0) for t, _, size in old]
+        offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
+        root = sum(sizes)
+        src = np.concatenate([np.arange(off, off + size) for _, off, size in old] + [np.array([self.root])])
+        dst = np.concatenate([np.arange(off, off + size) for (_, _, size), off in zip(old, offsets)]
+                             + [np.array([root])])
+        new_at = {id(t): off + size for (t, _, size), off in zip(old, offsets)}
+        added = np.concatenate([np.arange(new_at[key], new_at[key] + n) for key, n in grown.items()])
+        src_t, dst_t, added_t, at_t = to_device_many(
+            [torch.from_numpy(x.astype(np.int64)) for x in (src, dst, added, np.asarray(at))], self.flat.device)
+        flat = torch.full((root + 1,), DEAD, dtype=self.flat.dtype, device=self.flat.device)
+        flat.index_copy_(0, dst_t, self.flat.index_select(0, src_t))
+        flat.index_copy_(0, added_t, values.index_select(0, at_t).to(flat.dtype))
+        self.flat, self.offsets, self.root = flat, offsets, root
+        self._offset_of = {id(t): off for t, off in zip(self.trees, offsets)}
+        for t, size in zip(self.trees, sizes):
+            t.held = size
+
     def read(self) -> None:
         """Reads every held tree's tokens now, in one host read."""
         self.fill(to_host(*self.tensors()))
@@ -291,7 +322,7 @@ class HeldTokens:
         for off, tree in zip(self.offsets, self.trees):
             if tree.unread is self:
                 tree.unread = None
-                size = tree.num_sub  # nodes appended since (``add_path(merge=False)``) are the host's
+                size = tree.num_held  # nodes the host appended since (``add_path(merge=False)``) are its own
                 tree.tokens = flat[off: off + size] + tree.known_tokens_after(size)
         return True
 

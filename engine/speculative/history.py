@@ -52,7 +52,7 @@ class PathCounts:
         from the host; the nodes the host appended from the host."""
         size = tree.num_nodes if flat is not None else 0
         if flat is None and tree.unread is not None:
-            flat, offset, size = tree.unread.flat, tree.unread.offset_of(tree), tree.num_sub
+            flat, offset, size = tree.unread.flat, tree.unread.offset_of(tree), tree.num_held
         parent = tree.parents()
         tokens = tree.tokens if flat is None else tree.known_tokens_after(0)
         for j, row in enumerate(rows):

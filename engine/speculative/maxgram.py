@@ -32,6 +32,7 @@ from typing import Optional, Sequence as Seq
 
 from engine.config import DrafterSettings, setting
 from engine.registry import Method, drafter_settings, register_drafter, register_method
+from engine.speculative.device_maxgram import DeviceMaxGram
 from engine.speculative.draft_tree import BIGRAM, MAXGRAM, DraftTree
 from engine.speculative.drafter import DrafterContext
 from engine.speculative.methods import DraftPlan, PlanInput
@@ -57,7 +58,8 @@ class MaxGramSettings(DrafterSettings):
     read_tree: bool = setting(True, "Max-Gram reads the draft model's tree: its branches merge with equal drafted "
                               "nodes and its tail grows below the deepest drafted path.  False leaves the draft's "
                               "tokens on the device until verification reads them (one host read a step, for a "
-                              "GPU): its branches become nodes of their own and it proposes no tail")
+                              "GPU): its branches become nodes of their own and its tail is proposed on the "
+                              "device")
 
     def validate(self) -> None:
         if self.min_ngram > self.max_ngram:
@@ -72,11 +74,13 @@ class MaxGramShare:
 
     length: int = 0  # tokens per branch from the root
     branches: int = 0  # branches from the root
-    tail: int = 0  # tokens appended below the deepest drafted path (horizontal cascade)
+    tail: int = 0  # tokens appended below the deepest drafted path (horizontal cascade; on the device, without a
+    #                read, when the tree is held there and not merged: ``device_maxgram``)
     trust: int = 0  # a suffix match this long replaces the draft model for the step (0 = never)
     match_class: Optional[int] = None  # the root proposal's match class, when the length chooser capped it
     trusted: bool = False  # Max-Gram alone this step: its match reached ``trust`` (the planner's choice)
-    merge: bool = True  # branches share nodes with equal drafted ones (needs the draft's tokens on the host)
+    merge: bool = True  # branches share nodes with equal drafted ones, the tail follows the first live deepest
+    #                     node (both need the draft's tokens on the host)
 
     @property
     def rows(self) -> int:
@@ -221,7 +225,8 @@ class MaxGramDrafter:
         """Appends Max-Gram's one-hot proposals to ``tree``: a ``tail`` of up to that many tokens below its
         deepest live node (the most likely path among equals; the horizontal cascade), then up to
         ``branches`` proposals of up to ``length`` tokens from the root, merged with equal nodes, or
-        (``merge=False``, no tail) as nodes of their own, without reading the tree's tokens."""
+        (``merge=False``) as nodes of their own, without reading the tree's tokens (a held tree's tail
+        is then the device's: ``DeviceMaxGram.tails``)."""
         if tail and tree.tokens:
             leaf = tree.leaves()[0]
             for prop in self.propose(seq, tree.path_to(leaf), tail):
@@ -342,6 +347,7 @@ class MaxGramTreeDrafter:
 
     def __init__(self, maxgram: MaxGramDrafter) -> None:
         self.maxgram = maxgram
+        self._on_device: dict[torch.device, DeviceMaxGram] = {}  # the tails of held trees, by device
 
     @classmethod
     def limits(cls, config, topology) -> tuple[int, int]:
@@ -353,10 +359,23 @@ class MaxGramTreeDrafter:
         return cls(ctx.maxgram)
 
     def propose(self, seqs: list[SeqView], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
-        for seq, plan, tree in zip(seqs, plans, trees):
-            share = plan.share(self.name)
+        """Each planned share: the tail, then the branches.  The tails of unmerged held trees (the draft's
+        tokens still on the device) are proposed there, all at once, so that the step reads once."""
+        shares = [plan.share(self.name) for plan in plans]
+        held = [i for i, (share, tree) in enumerate(zip(shares, trees))
+                if share is not None and share.tail and not share.merge and tree.unread is not None
+                and tree.num_sub and tree.num_nodes == tree.num_sub]
+        if held:
+            device = trees[held[0]].unread.flat.device
+            on_device = self._on_device.get(device)
+            if on_device is None:
+                on_device = self._on_device[device] = DeviceMaxGram(self.maxgram, device)
+            on_device.tails([seqs[i] for i in held], [trees[i] for i in held], [shares[i].tail for i in held])
+        done = set(held)
+        for i, (seq, share, tree) in enumerate(zip(seqs, shares, trees)):
             if share is not None:
-                self.maxgram.extend_tree(seq, tree, share.tail, share.length, share.branches, share.merge)
+                tail = 0 if i in done else share.tail
+                self.maxgram.extend_tree(seq, tree, tail, share.length, share.branches, share.merge)
 
 
 def plan_maxgram(p: PlanInput) -> DraftPlan:
@@ -370,11 +389,11 @@ def plan_maxgram(p: PlanInput) -> DraftPlan:
 
 def plan_mcsd_maxgram(p: PlanInput) -> DraftPlan:
     """The draft model's tree, Max-Gram's branches beside it and its tail below the deepest path (without
-    ``maxgram_read_tree``: branches of their own, no tail)."""
+    ``maxgram_read_tree``: branches of their own, the tail proposed on the device)."""
     if p.room <= 0:
         return DraftPlan(MCSD_MAXGRAM, p.empty)
     mg, sub = MaxGramSettings.of(p.config), p.sub
-    tail = min(mg.tail, p.room - sub.max_depth) if sub.num_nodes and mg.read_tree else 0
+    tail = min(mg.tail, p.room - sub.max_depth) if sub.num_nodes else 0
     share = MaxGramShare(length=min(mg.len, p.room), branches=mg.branches, tail=tail, trust=mg.trust,
                          merge=mg.read_tree)
     return DraftPlan(MCSD_MAXGRAM, sub, {MAXGRAM_DRAFTER: share})

@@ -104,7 +104,7 @@ class TreeBatch:
                 rows, nodes, kinds = tree.event_table()
                 src = np.full(len(nodes), -1, dtype=np.int64)
             else:  # every drafted node's event; which are live is known on the device only
-                off, size = base[id(holder)] + holder.offset_of(tree), tree.num_sub
+                off, size = base[id(holder)] + holder.offset_of(tree), tree.num_held
                 tok_src[i, 1: 1 + size] = np.arange(off, off + size)
                 known = np.asarray([0] * size + tree.known_tokens_after(size), dtype=np.int64)  # appended: the host's
                 tokens[i, 1 + size: 1 + len(known)] = known[size:]

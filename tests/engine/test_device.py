@@ -106,13 +106,21 @@ def test_adaptive_speculation_reads_its_features_with_the_level(pair, method, mo
 
 
 @pytest.mark.parametrize("features", [["sampled"], list(FEATURES)], ids=["sampled-1", "mixed-8"])
-def test_maxgram_without_reading_the_tree_reads_once(pair, features):
+def test_maxgram_without_reading_the_tree_reads_once(pair, features, monkeypatch):
     """``maxgram_read_tree=False`` (the GPU preset): Max-Gram's branches join the held tree as nodes of
-    their own and it proposes no tail, so mcsd+maxgram reads once a step, penalties included."""
+    their own and its tail is proposed on the device, so mcsd+maxgram reads once a step, penalties
+    included."""
+    from engine.speculative.device_maxgram import DeviceMaxGram
+
+    tails = []
+    original = DeviceMaxGram.tails
+    monkeypatch.setattr(DeviceMaxGram, "tails", lambda self, seqs, trees, lengths:
+                        tails.append(sum(lengths)) or original(self, seqs, trees, lengths))
     core, steps = run_checked(pair, "mcsd+maxgram", features, maxgram_read_tree=False)
     for count, kinds, stacks in steps:
         assert set(kinds) <= {"to_host"} and count <= 1, (kinds, "\n".join(stacks[:2]))
     assert max(count for count, _, _ in steps) == 1
+    assert tails and sum(tails) > 0  # the tails were there
     stats = core.drain_step_stats()
     assert sum(s.drafted_tokens for s in stats) > 0
 

@@ -290,17 +290,39 @@ def held(trees: list[DraftTree]) -> DeviceTokens:
     return holder
 
 
+def device_tails(holder: DeviceTokens, trees: list[DraftTree], vocab: int, rng: random.Random) -> None:
+    """Most held trees get a one-hot chain below their deepest level's first node whose tokens are held
+    too (as ``device_maxgram`` appends Max-Gram's tail), DEAD past a random end and below a DEAD
+    node, and some a host branch from the root after it."""
+    grown, values = {}, []
+    for tree in trees:
+        if not tree.num_nodes or rng.random() < 0.3:
+            continue
+        leaf = tree.sub.level(tree.sub.max_depth).start
+        n, live = rng.randrange(1, 4), rng.randrange(0, 4)
+        dead = int(holder.flat[holder.offset_of(tree) + leaf]) == DEAD
+        values += [DEAD if dead or j >= live else rng.randrange(vocab) for j in range(n)]
+        tree.add_path(leaf, [0] * n, MAXGRAM, merge=False)
+        grown[id(tree)] = n
+    if grown:
+        holder.append(grown, torch.tensor(values), list(range(len(values))))
+    for tree in trees:
+        if rng.random() < 0.3:
+            tree.add_path(-1, [rng.randrange(vocab)], MAXGRAM, merge=False)
+
+
 @pytest.mark.parametrize("seed", range(40))
 @pytest.mark.parametrize("without_replacement", [True, False])
 def test_trees_held_on_the_device_verify_as_the_walk(seed: int, without_replacement: bool) -> None:
-    """The draft model's trees, their tokens still on the device (``DraftTree.unread``), batched with
-    host trees: built without reading them, every drafted node enters as an event and the DEAD ones
-    are skipped.  Against the walk over the live events, each reading the uniform its event had in
+    """The draft model's trees, their tokens still on the device (``DraftTree.unread``), with tails
+    held there too and host branches, batched with host trees: built without reading them, every
+    held node enters as an event and the DEAD ones are skipped.  Against the walk over the live events, each reading the uniform its event had in
     the table: the same accepted paths, tokens, final rows and bonus flags."""
     rng = random.Random(1000 + seed)
     vocab, n_held = 9, 3
     trees = [random_tree(vocab, rng, chains=False) for _ in range(n_held)] + [random_tree(vocab, rng) for _ in range(2)]
     holder = held(trees[:n_held])
+    device_tails(holder, trees[:n_held], vocab, rng)
     params = [SamplingParams(temperature=0.0 if rng.random() < 0.3 else 1.0, max_tokens=8) for _ in trees]
     batch = TreeBatch.build(trees, vocab, CPU)
     assert all(t.unread is holder for t in trees[:n_held])  # built without a read
