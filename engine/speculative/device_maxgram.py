@@ -28,7 +28,7 @@ from typing import Optional, Sequence as Seq
 import numpy as np
 import torch
 
-from engine.device import to_device_many
+from engine.device import to_device, to_device_many
 from engine.speculative.draft_tree import DEAD, MAXGRAM, DraftTree, holders
 from engine.speculative.view import SeqView
 
@@ -37,36 +37,39 @@ NO_TOKEN, NO_HISTORY = -2, -3
 
 
 class DeviceHistory:
-    """The tokens of sequences on one device: row ``row(seq)`` of :attr:`table` holds ``seq.tokens``
-    (which only ever grow), brought up to date by :meth:`sync` with one copy for the whole batch.  A
-    row is freed when its sequence is gone."""
+    """The tokens of sequences on one device: row ``row`` of :attr:`table` holds a sequence's tokens
+    (which only ever grow) after ``pad`` columns of NO_HISTORY, and NO_HISTORY after them, so that
+    every n-gram up to ``pad`` long ending at any position, and every continuation, is a slice.
+    :meth:`plan` says what to copy to bring a batch's rows up to date; a row is freed when its
+    sequence is gone."""
 
-    def __init__(self, device: torch.device, rows: int = 8, width: int = 1024) -> None:
-        self.device = device
-        self.table = torch.zeros(rows, width, dtype=torch.int32, device=device)
+    def __init__(self, device: torch.device, pad: int, rows: int = 8, width: int = 1024) -> None:
+        self.device, self.pad = device, pad
+        self.table = torch.full((rows, pad + width), NO_HISTORY, dtype=torch.long, device=device)
         self._row: "weakref.WeakKeyDictionary[SeqView, int]" = weakref.WeakKeyDictionary()
         self._synced = [0] * rows  # tokens of the row's sequence already in the table
         self._free = list(range(rows - 1, -1, -1))
 
-    def sync(self, seqs: Seq[SeqView]) -> list[int]:
-        """Each sequence's row, with its tokens up to date."""
-        need = max(len(s.tokens) for s in seqs)
+    def plan(self, seqs: Seq[SeqView], room: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """Each sequence's row, and where in the flat table which tokens go to bring them up to date
+        (:meth:`write`); the table has ``room`` columns of NO_HISTORY after the longest."""
+        need = self.pad + max(len(s.tokens) for s in seqs) + room
         if need > self.table.shape[1]:
             self._grow(width=1 << (need - 1).bit_length())
         rows = [self._row_of(s) for s in seqs]
         width = self.table.shape[1]
-        where, values = [], []
+        where, values = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
         for s, r in zip(seqs, rows):
             done, n = self._synced[r], len(s.tokens)
             if n > done:
-                where.append(np.arange(r * width + done, r * width + n))
-                values.append(np.asarray(s.tokens[done:n], dtype=np.int32))
+                where.append(np.arange(r * width + self.pad + done, r * width + self.pad + n))
+                values.append(np.asarray(s.tokens[done:n], dtype=np.int64))
                 self._synced[r] = n
-        if where:
-            at, vals = to_device_many([torch.from_numpy(np.concatenate(where)),
-                                       torch.from_numpy(np.concatenate(values))], self.device)
-            self.table.view(-1).index_copy_(0, at, vals)
-        return rows
+        return rows, np.concatenate(where), np.concatenate(values)
+
+    def write(self, at: torch.Tensor, values: torch.Tensor) -> None:
+        if at.numel():
+            self.table.view(-1).index_copy_(0, at, values)
 
     def _row_of(self, seq: SeqView) -> int:
         row = self._row.get(seq)
@@ -74,6 +77,8 @@ class DeviceHistory:
             if not self._free:
                 self._grow(rows=2 * self.table.shape[0])
             row = self._free.pop()
+            if self._synced[row]:
+                self.table[row].fill_(NO_HISTORY)  # the last owner's tokens
             self._synced[row] = 0
             self._row[seq] = row
             weakref.finalize(seq, self._free.append, row)
@@ -82,86 +87,93 @@ class DeviceHistory:
     def _grow(self, rows: Optional[int] = None, width: Optional[int] = None) -> None:
         old = self.table
         rows, width = rows or old.shape[0], width or old.shape[1]
-        self.table = torch.zeros(rows, width, dtype=torch.int32, device=self.device)
+        self.table = torch.full((rows, width), NO_HISTORY, dtype=torch.long, device=self.device)
         self.table[: old.shape[0], : old.shape[1]] = old
         self._free = list(range(rows - 1, old.shape[0] - 1, -1)) + self._free
         self._synced += [0] * (rows - len(self._synced))
 
 
+def match_tokens(hist: torch.Tensor, context: torch.Tensor, n_prompt: torch.Tensor, cap: torch.Tensor,
+                 lengths: torch.Tensor, successor: Optional[torch.Tensor], min_ngram: int, bigram_len: int,
+                 width: int) -> torch.Tensor:
+    """The proposals as tensor operations (no read, no copy; ``torch.compile`` fuses them):
+    ``hist`` [S, m + W + width] the sequences' rows (:class:`DeviceHistory`), ``context`` [S, m] each
+    context's last ``m`` tokens, ``n_prompt`` and ``cap`` [S], ``lengths`` [m + 1] the proposal length
+    of each match length, ``successor`` the bigram table (its last entry -1) or None.  Returns
+    [S, width] tokens, DEAD past each proposal's end."""
+    m = context.shape[1]
+    w = hist.shape[1] - m - width
+    # windows[:, j]: the m tokens before position j; run: how many of the context's last ones they end with
+    eq = hist[:, : m + w - 1].unfold(1, m, 1) == context[:, None, :]  # [S, W, m]
+    run = eq.flip(-1).cumprod(-1).sum(-1) * (hist[:, m: m + w] >= 0)  # a continuation must start there
+    best = run.max(dim=1).values
+    pos = torch.arange(w, device=hist.device)
+    prio = torch.where(pos < n_prompt[:, None], pos + w, pos)  # the prompt's occurrences first, then the text's
+    start = torch.where(run >= best[:, None], prio, -1).argmax(dim=1)  # the most recent of each
+    size = lengths[best].minimum(cap)
+    offs = torch.arange(width, device=hist.device)
+    cont = hist.gather(1, m + start[:, None] + offs)
+    cont = torch.where((offs < size[:, None]) & (best >= min_ngram)[:, None] & (cont >= 0), cont, DEAD)
+    if successor is not None and bigram_len:
+        top = successor.shape[0] - 1  # its -1: DEAD and tokens past the table have no successor
+        last, chain = context[:, m - 1], []
+        for _ in range(min(width, bigram_len)):
+            last = successor[last.clamp(max=top).remainder(top + 1)]
+            chain.append(last)
+        bigram = torch.stack(chain, 1)
+        bigram = torch.where(offs[: bigram.shape[1]] < cap[:, None], bigram, DEAD)
+        bigram = torch.nn.functional.pad(bigram, (0, width - bigram.shape[1]), value=DEAD)
+        cont = torch.where((best >= min_ngram)[:, None], cont, bigram)
+    return torch.where(context[:, m - 1:] >= 0, cont, DEAD)  # below a dead node: nothing
+
+
 class DeviceMaxGram:
     """:meth:`MaxGramDrafter.propose` (one branch) for a batch of contexts whose last tokens are on
     the device.  ``maxgram``: the host's ``maxgram.MaxGramDrafter``, whose settings and bigram table
-    this follows (that module imports this one)."""
+    this follows (that module imports this one).  ``compiled``: the proposal's tensor operations run
+    through ``torch.compile`` (a few fused kernels instead of about forty launches)."""
 
-    def __init__(self, maxgram, device: torch.device) -> None:
+    def __init__(self, maxgram, device: torch.device, compiled: bool = False) -> None:
         self.maxgram = maxgram
         self.device = device
-        self.history = DeviceHistory(device)
-        self.successor: Optional[torch.Tensor] = None  # [vocab seen + 1] long: the bigram table, -1 = none
+        m = maxgram.max_ngram
+        self.history = DeviceHistory(device, m)
+        self.lengths = to_device(torch.tensor([maxgram.proposal_length(n, maxgram.max_len) for n in range(m + 1)],
+                                              dtype=torch.long), device)
+        self.successor: Optional[torch.Tensor] = None  # the bigram table: a successor per token, -1 = none
         if maxgram.bigram is not None and maxgram.bigram.successor:
             table = maxgram.bigram.successor
             succ = torch.full((max(max(table), max(table.values())) + 2,), -1, dtype=torch.long)
             succ[torch.tensor(list(table.keys()))] = torch.tensor(list(table.values()))
-            self.successor = succ.to(device)
+            self.successor = to_device(succ, device)
+        self._match = torch.compile(match_tokens, dynamic=True, fullgraph=True) if compiled else match_tokens
 
-    def context(self, seqs: Seq[SeqView], paths: Seq[Seq[int]], flat: torch.Tensor) -> torch.Tensor:
-        """[S, max_ngram] long: each context's last ``max_ngram`` tokens, the sequence's then its
-        path's, where ``paths[s]`` lists the path's token positions in ``flat`` (a device tensor).
-        NO_TOKEN where the context is shorter."""
-        m = self.maxgram.max_ngram
-        at = np.full((len(seqs), m), -1, dtype=np.int64)
-        known = np.full((len(seqs), m), NO_TOKEN, dtype=np.int64)
+    def propose(self, seqs: Seq[SeqView], paths: Seq[Seq[int]], flat: torch.Tensor, caps: Seq[int],
+                width: int) -> torch.Tensor:
+        """[S, width] long: the proposal after each ``seqs[s].tokens + path`` (at most ``caps[s]``
+        tokens, DEAD past its end), where ``paths[s]`` lists the path's token positions in ``flat`` (a
+        device tensor).  A path whose last token is DEAD (below a node that was not drawn) gets
+        nothing.  One copy to the device, no read."""
+        mg, m = self.maxgram, self.maxgram.max_ngram
+        rows, sync_at, sync_values = self.history.plan(seqs, width)
+        at = np.full((len(seqs), m), -1, dtype=np.int64)  # context tokens still on the device: where in flat
+        known = np.full((len(seqs), m), NO_TOKEN, dtype=np.int64)  # the others
         for s, (seq, path) in enumerate(zip(seqs, paths)):
             from_path = min(len(path), m)
             if from_path:
                 at[s, m - from_path:] = path[len(path) - from_path:]
-            tail = list(seq.tokens[max(0, len(seq.tokens) - (m - from_path)):]) if m > from_path else []
-            if tail:
-                known[s, m - from_path - len(tail): m - from_path] = tail
-        at_t, known_t = to_device_many([torch.from_numpy(at), torch.from_numpy(known)], self.device)
-        return torch.where(at_t >= 0, flat.index_select(0, at_t.clamp(min=0).view(-1)).view(at_t.shape), known_t)
-
-    def propose(self, seqs: Seq[SeqView], context: torch.Tensor, caps: Seq[int], width: int) -> torch.Tensor:
-        """[S, width] long: the proposal after each context (``context`` [S, max_ngram], from
-        :meth:`context`), at most ``caps[s]`` tokens, DEAD past its end.  A context whose last token is
-        DEAD (a path below a node that was not drawn) proposes nothing."""
-        mg, dev = self.maxgram, self.device
-        m, s_n = mg.max_ngram, len(seqs)
-        rows = self.history.sync(seqs)
-        lengths = [len(s.tokens) for s in seqs]
-        w = max(lengths)
-        host = torch.tensor([lengths, [s.num_prompt for s in seqs], list(caps), rows], dtype=torch.long)
-        n_tok, n_prompt, cap, row = to_device_many([host], dev)[0]
-        hist = self.history.table.index_select(0, row)[:, :w].long()  # [S, W]
-        padded = torch.cat([torch.full((s_n, m), NO_HISTORY, dtype=torch.long, device=dev), hist], dim=1)
-        # eq[:, k, j]: the token k + 1 places before position j equals the context's k-th last one
-        eq = torch.stack([padded[:, m - 1 - k: m - 1 - k + w] == context[:, m - 1 - k, None] for k in range(m)], 1)
-        pos = torch.arange(w, device=dev)
-        valid = (pos >= 1) & (pos < n_tok[:, None])  # where a continuation can start: before the last token
-        run = torch.where(valid, eq.long().cumprod(dim=1).sum(dim=1), 0)  # [S, W] the suffix match ending there
-        best = run.max(dim=1).values  # [S] the longest match
-        matched = best >= mg.min_ngram
-        order = torch.where(run >= best[:, None], pos + torch.where(pos < n_prompt[:, None], w, 0), -1)
-        start = order.argmax(dim=1)  # the prompt's most recent occurrence first, then the text's
-        length = torch.where(best < 3, 2 * best, mg.max_len).clamp(max=mg.max_len).minimum(cap)
-        offs = torch.arange(width, device=dev)
-        at = start[:, None] + offs
-        cont = hist.gather(1, at.clamp(max=w - 1))
-        cont = torch.where(matched[:, None] & (offs < length[:, None]) & (at < n_tok[:, None]), cont, DEAD)
-        if self.successor is not None:
-            chain, last = [], context[:, m - 1]
-            size = self.successor.shape[0]
-            for _ in range(min(width, mg.bigram_len)):
-                nxt = self.successor.index_select(0, last.clamp(0, size - 1))
-                last = torch.where((last >= 0) & (last < size), nxt, DEAD)
-                chain.append(last)
-            bigram = torch.stack(chain, 1)
-            bigram = torch.where(offs[: bigram.shape[1]] < cap.clamp(max=mg.bigram_len)[:, None], bigram, DEAD)
-            if bigram.shape[1] < width:
-                bigram = torch.cat([bigram, torch.full((s_n, width - bigram.shape[1]), DEAD, dtype=torch.long,
-                                                       device=dev)], 1)
-            cont = torch.where(matched[:, None], cont, bigram)
-        return torch.where(context[:, m - 1: m] >= 0, cont, DEAD)
+            own = seq.tokens[max(0, len(seq.tokens) - (m - from_path)):] if m > from_path else []
+            if own:
+                known[s, m - from_path - len(own): m - from_path] = own
+        info = np.array([rows, [s.num_prompt for s in seqs], list(caps)], dtype=np.int64)
+        sync_at_t, sync_values_t, at_t, known_t, info_t = to_device_many(
+            [torch.from_numpy(x) for x in (sync_at, sync_values, at, known, info)], self.device)
+        self.history.write(sync_at_t, sync_values_t)
+        context = torch.where(at_t >= 0, flat[at_t.clamp(min=0)], known_t)
+        w = max(len(s.tokens) for s in seqs)
+        hist = self.history.table[info_t[0], : m + w + width]
+        return self._match(hist, context, info_t[1], info_t[2], self.lengths, self.successor, mg.min_ngram,
+                           mg.bigram_len, width)
 
     def tails(self, seqs: Seq[SeqView], trees: Seq[DraftTree], lengths: Seq[int]) -> None:
         """Appends to each held tree (``tree.unread``, nothing appended yet) a chain of ``lengths[s]``
@@ -188,7 +200,7 @@ class DeviceMaxGram:
             leaves.append(leaf)
             paths.append(path[::-1])
         width = max(lengths)
-        tokens = self.propose(seqs, self.context(seqs, paths, flat), lengths, width).view(-1)
+        tokens = self.propose(seqs, paths, flat, lengths, width).view(-1)
         by_holder: dict[int, tuple] = {}
         for s, (tree, leaf, n) in enumerate(zip(trees, leaves, lengths)):
             tree.add_path(leaf, [0] * n, MAXGRAM, merge=False)  # the host's placeholders: the tokens are held

@@ -345,8 +345,11 @@ class MaxGramTreeDrafter:
 
     name, stage = MAXGRAM_DRAFTER, 90
 
-    def __init__(self, maxgram: MaxGramDrafter) -> None:
+    def __init__(self, maxgram: MaxGramDrafter, compile_on_cuda: bool = False) -> None:
+        """``compile_on_cuda``: held trees' tails on a CUDA device through ``torch.compile``
+        (``graph_compile``)."""
         self.maxgram = maxgram
+        self.compile_on_cuda = compile_on_cuda
         self._on_device: dict[torch.device, DeviceMaxGram] = {}  # the tails of held trees, by device
 
     @classmethod
@@ -356,7 +359,7 @@ class MaxGramTreeDrafter:
 
     @classmethod
     def build(cls, ctx: DrafterContext) -> "MaxGramTreeDrafter":
-        return cls(ctx.maxgram)
+        return cls(ctx.maxgram, ctx.config.graph_compile)
 
     def propose(self, seqs: list[SeqView], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
         """Each planned share: the tail, then the branches.  The tails of unmerged held trees (the draft's
@@ -369,7 +372,8 @@ class MaxGramTreeDrafter:
             device = trees[held[0]].unread.flat.device
             on_device = self._on_device.get(device)
             if on_device is None:
-                on_device = self._on_device[device] = DeviceMaxGram(self.maxgram, device)
+                on_device = self._on_device[device] = DeviceMaxGram(
+                    self.maxgram, device, compiled=self.compile_on_cuda and device.type == "cuda")
             on_device.tails([seqs[i] for i in held], [trees[i] for i in held], [shares[i].tail for i in held])
         done = set(held)
         for i, (seq, share, tree) in enumerate(zip(seqs, shares, trees)):

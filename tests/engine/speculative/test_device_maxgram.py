@@ -38,7 +38,7 @@ def device_proposals(dmg: DeviceMaxGram, seqs: list[Seq], paths: list[list[int]]
     for p in paths:
         positions.append(list(range(at, at + len(p))))
         at += len(p)
-    return dmg.propose(seqs, dmg.context(seqs, positions, flat), caps, width).tolist()
+    return dmg.propose(seqs, positions, flat, caps, width).tolist()
 
 
 def random_case(rng: random.Random, vocab: int) -> tuple[Seq, list[int], int]:
@@ -82,7 +82,7 @@ def test_a_dead_path_proposes_nothing_and_nothing_is_read() -> None:
     sync_listeners.append(reads.append)
     try:
         flat = torch.tensor([2, DEAD, 0])
-        got = dmg.propose(seqs, dmg.context(seqs, [[0], [1]], flat), [4, 4], 4)
+        got = dmg.propose(seqs, [[0], [1]], flat, [4, 4], 4)
     finally:
         sync_listeners.remove(reads.append)
     assert reads == []
@@ -95,14 +95,14 @@ def test_rows_of_finished_sequences_are_reused() -> None:
 
     dmg = DeviceMaxGram(MaxGramDrafter(max_len=4), CPU)
     first = [Seq([1, 2, 3] * 5, 3) for _ in range(8)]
-    dmg.history.sync(first)
+    dmg.propose(first, [[]] * 8, torch.tensor([0]), [4] * 8, 4)
     rows = dmg.history.table.shape[0]
     del first
     gc.collect()
     second = [Seq([4, 5] * 4, 2) for _ in range(8)]
     flat = torch.tensor([5, 3, 0])
     paths = [[0], [1]] * 4  # 3 is only in the rows' earlier owners' tokens
-    got = dmg.propose(second, dmg.context(second, paths, flat), [4] * 8, 4)
+    got = dmg.propose(second, paths, flat, [4] * 8, 4)
     assert dmg.history.table.shape[0] == rows  # the freed rows were taken again
     assert got.tolist() == [[4, 5, DEAD, DEAD], [DEAD] * 4] * 4  # and hold the new sequences' tokens only
     assert got.tolist() == [host_proposal(dmg.maxgram, s, [[5], [3]][i % 2], 4, 4) for i, s in enumerate(second)]
@@ -156,3 +156,18 @@ def test_a_held_trees_tail_is_the_hosts_without_a_read(seed: int) -> None:
         assert got[size + n:] == [1, 2]
         leaf = tree.sub.level(tree.sub.max_depth).start
         assert tree.parents()[size: size + n] == [leaf] + list(range(size, size + n - 1))
+
+
+def test_the_compiled_proposal_is_the_eager_one() -> None:
+    """``compiled`` (CUDA with ``graph_compile``): ``torch.compile`` of the tensor operations, one
+    graph with dynamic sizes, gives the eager proposals, as histories grow."""
+    rng = random.Random(7)
+    mg = MaxGramDrafter(max_len=8, max_ngram=3, bigram=BigramTable({a: (a * 2) % 5 for a in range(5)}))
+    eager, compiled = DeviceMaxGram(mg, CPU), DeviceMaxGram(mg, CPU, compiled=True)
+    for n in (3, 5):
+        cases = [random_case(rng, 5) for _ in range(n)]
+        seqs, paths, caps = [c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases]
+        width = max(max(caps), 1)
+        want = device_proposals(eager, seqs, paths, caps, width)
+        assert device_proposals(compiled, seqs, paths, caps, width) == want
+        assert want == [host_proposal(mg, s, p, c, width) for s, p, c in cases]
