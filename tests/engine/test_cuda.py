@@ -11,6 +11,8 @@
   step at batch 8 had 17 of them against 3 declared;
 * the forwards captured as CUDA graphs give the eager engine's tokens, greedy and seeded, and so do
   they with every layer compiled first (``graph_compile``);
+* Max-Gram's tail on the device (eager and compiled) proposes what the host's Max-Gram proposes, and
+  the GPU preset's mcsd+maxgram gives plain decoding's tokens;
 * the server, on the device, answers concurrent streams with the official ``openai`` client.
 
 On a machine without CUDA these tests are skipped with that reason (``-ra`` lists them); the CPU
@@ -153,6 +155,48 @@ def test_compiled_graph_replay_equals_eager(pair32, sampling):
         assert runs[1] == runs[0], f"speculating={spec}"
         assert all(r.compiled and not r.failed for r in core.capture_reports.values())
         assert core.cache.captured.replays > 0
+
+
+def test_the_gpu_presets_maxgram_equals_plain_decoding(pair32):
+    """mcsd+maxgram as ``configs/gpu.toml`` runs it: the draft's tree held on the device, Max-Gram's
+    branches unmerged and its tail proposed there, graphs captured: the tokens of plain decoding,
+    greedy, the target drafting for itself.  (Layers and tail uncompiled, to keep the run short: the
+    compiled layers and the compiled tail have tests of their own.)"""
+    target, _ = pair32
+    prompts = PROMPTS + [[7, 8, 9, 7, 8, 9, 7, 8]]  # a repeat for Max-Gram to continue
+    plain, _ = run_engine(target, None, prompts, max_tokens=24, ignore_eos=True)
+    spec, core = run_engine(target, target, prompts, tree=(3, 2), join_every=1, max_tokens=24, ignore_eos=True,
+                            config=dict(spec_method="mcsd+maxgram", maxgram_read_tree=False, maxgram_tail=2,
+                                        cuda_graphs=True, load_aware=False))
+    assert [c.tokens for c in spec] == [c.tokens for c in plain]
+    tails = [d for d in core.runner.drafters if d.name == "maxgram"][0]._on_device
+    assert tails and all(dmg.history.table.is_cuda for dmg in tails.values())
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_maxgram_on_the_device_proposes_what_the_host_proposes(compiled):
+    """``device_maxgram`` on CUDA, eager and through ``torch.compile`` (``graph_compile``), against
+    the host's ``MaxGramDrafter.propose``: random histories, paths and caps, as histories grow."""
+    import random
+
+    from engine.speculative.device_maxgram import DeviceMaxGram
+    from engine.speculative.maxgram import BigramTable, MaxGramDrafter
+    from tests.engine.speculative.test_device_maxgram import host_proposal, random_case
+
+    rng = random.Random(3)
+    mg = MaxGramDrafter(max_len=8, max_ngram=4, bigram=BigramTable({a: (a + 2) % 6 for a in range(6)}))
+    dmg = DeviceMaxGram(mg, torch.device("cuda"), compiled=compiled)
+    for _ in range(4):
+        cases = [random_case(rng, 6) for _ in range(rng.randrange(1, 9))]
+        seqs, paths, caps = [c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases]
+        width = max(max(caps), 1)
+        flat = torch.tensor([t for p in paths for t in p] + [0], device="cuda")
+        at, positions = 0, []
+        for p in paths:
+            positions.append(list(range(at, at + len(p))))
+            at += len(p)
+        got = dmg.propose(seqs, positions, flat, caps, width).tolist()
+        assert got == [host_proposal(mg, s, p, c, width) for s, p, c in cases]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
