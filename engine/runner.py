@@ -377,31 +377,40 @@ def kept_block_rows(result: VerifyResult) -> list[int]:
 def record_step(stats: StepStats, res: SeqStepResult) -> None:
     """Adds one sequence's drafted/accepted accounting to the step's stats."""
     r, tree, tokens = res.result, res.tree, res.tree.tokens
+    drafted = len(tokens) - tokens.count(DEAD)
     stats.num_seqs += 1
-    if res.drafted:
+    if drafted:
         stats.num_spec_seqs += 1
-    stats.drafted_tokens += res.drafted
+    stats.drafted_tokens += drafted
     stats.accepted_tokens += len(r.accepted)
     stats.bonus_tokens += int(r.bonus and bool(tokens))
-    for d in range(1, len(r.accepted) + 1):
-        add_at(stats.accepted_per_position, d - 1)
+    for d in range(len(r.accepted)):  # the accepted path has a node at each depth down to its length
+        add_at(stats.accepted_per_position, d)
+        add_at(stats.accepted_by_depth, d)
     if not tokens:
         return
-    depth, rank = tree.depths(), tree.ranks()
-    live = [i for i, t in enumerate(tokens) if t != DEAD]
-    _count_nodes(tree, live, depth, rank, stats.drafted_by_depth, stats.drafted_by_rank, stats.drafted_by_method)
-    _count_nodes(tree, r.accepted, depth, rank, stats.accepted_by_depth, stats.accepted_by_rank,
-                 stats.accepted_by_method)
+    if drafted == len(tokens) and not tree.extra_parent:  # the draft model's whole subtree: counted once per shape
+        for d, n in enumerate(tree.sub.level_widths):
+            add_at(stats.drafted_by_depth, d, n)
+        for k, n in enumerate(tree.sub.rank_counts):
+            add_at(stats.drafted_by_rank, k, n)
+        _count_methods(tree, range(drafted), stats.drafted_by_method)
+        rank = tree.sub.rank_list
+    else:
+        depth, rank = tree.depths(), tree.ranks()
+        live = [i for i, t in enumerate(tokens) if t != DEAD]
+        for d, n in Counter(depth[i] for i in live).items():
+            add_at(stats.drafted_by_depth, d - 1, n)
+        for k, n in Counter(rank[i] for i in live).items():
+            add_at(stats.drafted_by_rank, k, n)
+        _count_methods(tree, live, stats.drafted_by_method)
+    for k, n in Counter(rank[i] for i in r.accepted).items():
+        add_at(stats.accepted_by_rank, k, n)
+    _count_methods(tree, r.accepted, stats.accepted_by_method)
 
 
-def _count_nodes(tree: DraftTree, nodes: list[int], depth: list[int], rank: list[int], by_depth: list[int],
-                 by_rank: list[int], by_method: dict[str, int]) -> None:
-    """Counts ``nodes`` by depth, sibling rank and drafter (a node may have several), a count per
-    distinct value rather than per node (a step's trees have dozens of nodes and a few depths)."""
-    for d, n in Counter(depth[i] for i in nodes).items():
-        add_at(by_depth, d - 1, n)
-    for k, n in Counter(rank[i] for i in nodes).items():
-        add_at(by_rank, k, n)
+def _count_methods(tree: DraftTree, nodes: Sequence_[int], by_method: dict[str, int]) -> None:
+    """Counts ``nodes`` by drafter (a node may have several)."""
     if not tree.sources:  # every node the draft model's
         if nodes:
             by_method[DRAFT_MODEL] = by_method.get(DRAFT_MODEL, 0) + len(nodes)

@@ -209,9 +209,10 @@ class Planner:
     def _observe_maxgram(self, results: list[SeqStepResult], plans: list[DraftPlan]) -> None:
         for res in results:  # Max-Gram's own rows (not also the draft's) in trees the draft model drafted
             tree = res.tree
-            if tree.num_sub:
-                own = [i for i, t in enumerate(tree.tokens)
-                       if t != DEAD and tree.node_sources(i) & MAXGRAM_SOURCES and DRAFT_MODEL not in tree.node_sources(i)]
+            if tree.num_sub and tree.sources:  # a node with no sources entry is the draft model's alone
+                tokens = tree.tokens
+                own = sorted(i for i, src in tree.sources.items()
+                             if tokens[i] != DEAD and src & MAXGRAM_SOURCES and DRAFT_MODEL not in src)
                 if own:
                     accepted = set(res.result.accepted)
                     self.mixed.observe(res.seq.request.sampling.greedy, len(own), sum(i in accepted for i in own))

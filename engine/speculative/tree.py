@@ -77,6 +77,16 @@ class SubTree:
         return self.rank.tolist()
 
     @cached_property
+    def level_widths(self) -> list[int]:
+        """Nodes at each depth (``[d - 1]``)."""
+        return [b - a for a, b in zip(self.level_offsets, self.level_offsets[1:])]
+
+    @cached_property
+    def rank_counts(self) -> list[int]:
+        """Nodes of each sibling rank."""
+        return np.bincount(self.rank.numpy(), minlength=1).tolist() if self.num_nodes else []
+
+    @cached_property
     def sampled_events(self) -> tuple[np.ndarray, np.ndarray]:
         """Every node as its parent's row's event, in verification order: (block row, node) arrays,
         rows ascending, a row's children in node order (made once: a step's trees share subtrees)."""

@@ -70,7 +70,8 @@ class SeqStepResult:
     @property
     def drafted(self) -> int:
         """Live drafted nodes of the tree."""
-        return sum(1 for t in self.tree.tokens if t != DEAD)
+        tokens = self.tree.tokens
+        return len(tokens) - tokens.count(DEAD)
 
 
 class Coins(Protocol):
