@@ -131,11 +131,14 @@ class DeviceMaxGram:
     """:meth:`MaxGramDrafter.propose` (one branch) for a batch of contexts whose last tokens are on
     the device.  ``maxgram``: the host's ``maxgram.MaxGramDrafter``, whose settings and bigram table
     this follows (that module imports this one).  ``compiled``: the proposal's tensor operations run
-    through ``torch.compile`` (a few fused kernels instead of about forty launches)."""
+    through ``torch.compile`` (a few fused kernels instead of about forty launches).  ``width``: the
+    proposals' width, fixed (at least the longest tail asked for) so that a compiled graph does not
+    change with the room a request has left; 0: each call's longest."""
 
-    def __init__(self, maxgram, device: torch.device, compiled: bool = False) -> None:
+    def __init__(self, maxgram, device: torch.device, compiled: bool = False, width: int = 0) -> None:
         self.maxgram = maxgram
         self.device = device
+        self.width = width
         m = maxgram.max_ngram
         self.history = DeviceHistory(device, m)
         self.lengths = to_device(torch.tensor([maxgram.proposal_length(n, maxgram.max_len) for n in range(m + 1)],
@@ -175,6 +178,14 @@ class DeviceMaxGram:
         return self._match(hist, context, info_t[1], info_t[2], self.lengths, self.successor, mg.min_ngram,
                            mg.bigram_len, width)
 
+    def warm_up(self) -> None:
+        """Runs the proposal once for one context and once for two, so that compiling it (one graph
+        for a single sequence, one for more) happens now, at start-up, not in a request's step."""
+        width = max(self.width, 1)
+        for n in (1, 2):
+            seqs = [_Tokens(list(range(8)) * 2) for _ in range(n)]
+            self.propose(seqs, [[0]] * n, torch.zeros(1, dtype=torch.long, device=self.device), [width] * n, width)
+
     def tails(self, seqs: Seq[SeqView], trees: Seq[DraftTree], lengths: Seq[int]) -> None:
         """Appends to each held tree (``tree.unread``, nothing appended yet) a chain of ``lengths[s]``
         Max-Gram nodes below the first node of its deepest level (the draft's most likely path), their
@@ -199,7 +210,7 @@ class DeviceMaxGram:
                 node = parent[node]
             leaves.append(leaf)
             paths.append(path[::-1])
-        width = max(lengths)
+        width = max(self.width, *lengths)
         tokens = self.propose(seqs, paths, flat, lengths, width).view(-1)
         by_holder: dict[int, tuple] = {}
         for s, (tree, leaf, n) in enumerate(zip(trees, leaves, lengths)):
@@ -209,3 +220,10 @@ class DeviceMaxGram:
             where.extend(range(s * width, s * width + n))
         for holder, grown, where in by_holder.values():
             holder.append(grown, tokens, where)
+
+
+class _Tokens:
+    """A stand-in sequence for :meth:`DeviceMaxGram.warm_up`."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens, self.num_prompt = tokens, len(tokens) // 2

@@ -345,12 +345,23 @@ class MaxGramTreeDrafter:
 
     name, stage = MAXGRAM_DRAFTER, 90
 
-    def __init__(self, maxgram: MaxGramDrafter, compile_on_cuda: bool = False) -> None:
+    def __init__(self, maxgram: MaxGramDrafter, compile_on_cuda: bool = False, tail: int = 0) -> None:
         """``compile_on_cuda``: held trees' tails on a CUDA device through ``torch.compile``
-        (``graph_compile``)."""
+        (``graph_compile``); ``tail``: the longest tail the settings ask for."""
         self.maxgram = maxgram
         self.compile_on_cuda = compile_on_cuda
+        self.tail = tail
         self._on_device: dict[torch.device, DeviceMaxGram] = {}  # the tails of held trees, by device
+
+    def on_device(self, device: torch.device) -> DeviceMaxGram:
+        """The tails' proposer on ``device`` (made, and compiled on CUDA, the first time)."""
+        dmg = self._on_device.get(device)
+        if dmg is None:
+            compiled = self.compile_on_cuda and device.type == "cuda"
+            dmg = self._on_device[device] = DeviceMaxGram(self.maxgram, device, compiled=compiled, width=self.tail)
+            if compiled:
+                dmg.warm_up()
+        return dmg
 
     @classmethod
     def limits(cls, config, topology) -> tuple[int, int]:
@@ -359,7 +370,15 @@ class MaxGramTreeDrafter:
 
     @classmethod
     def build(cls, ctx: DrafterContext) -> "MaxGramTreeDrafter":
-        return cls(ctx.maxgram, ctx.config.graph_compile)
+        """On CUDA with ``graph_compile`` and the draft's tree held there (``maxgram_read_tree = false``),
+        the tails' proposer is compiled now, at start-up."""
+        mg = MaxGramSettings.of(ctx.config)
+        drafter = cls(ctx.maxgram, ctx.config.graph_compile, mg.tail)
+        pool = getattr(getattr(ctx.proposer, "cache", None), "k", None)  # the draft's KV pool: its device
+        if pool is not None and pool.device.type == "cuda" and ctx.config.graph_compile and not mg.read_tree \
+                and mg.tail:
+            drafter.on_device(pool.device)
+        return drafter
 
     def propose(self, seqs: list[SeqView], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
         """Each planned share: the tail, then the branches.  The tails of unmerged held trees (the draft's
@@ -369,11 +388,7 @@ class MaxGramTreeDrafter:
                 if share is not None and share.tail and not share.merge and tree.unread is not None
                 and tree.num_sub and tree.num_nodes == tree.num_sub]
         if held:
-            device = trees[held[0]].unread.flat.device
-            on_device = self._on_device.get(device)
-            if on_device is None:
-                on_device = self._on_device[device] = DeviceMaxGram(
-                    self.maxgram, device, compiled=self.compile_on_cuda and device.type == "cuda")
+            on_device = self.on_device(trees[held[0]].unread.flat.device)
             on_device.tails([seqs[i] for i in held], [trees[i] for i in held], [shares[i].tail for i in held])
         done = set(held)
         for i, (seq, share, tree) in enumerate(zip(seqs, shares, trees)):

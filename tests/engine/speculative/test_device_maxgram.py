@@ -136,6 +136,7 @@ def test_a_held_trees_tail_is_the_hosts_without_a_read(seed: int) -> None:
         tails.append(rng.randrange(1, 5))
     holder = _Held(trees)
     holder.hold()
+    dmg.width = 5  # the settings' longest tail: wider than any asked for here
     reads = []
     sync_listeners.append(reads.append)
     try:
@@ -163,11 +164,37 @@ def test_the_compiled_proposal_is_the_eager_one() -> None:
     graph with dynamic sizes, gives the eager proposals, as histories grow."""
     rng = random.Random(7)
     mg = MaxGramDrafter(max_len=8, max_ngram=3, bigram=BigramTable({a: (a * 2) % 5 for a in range(5)}))
-    eager, compiled = DeviceMaxGram(mg, CPU), DeviceMaxGram(mg, CPU, compiled=True)
+    eager, compiled = DeviceMaxGram(mg, CPU), DeviceMaxGram(mg, CPU, compiled=True, width=9)
+    compiled.warm_up()  # what the engine does at start-up on CUDA
     for n in (3, 5):
         cases = [random_case(rng, 5) for _ in range(n)]
         seqs, paths, caps = [c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases]
-        width = max(max(caps), 1)
-        want = device_proposals(eager, seqs, paths, caps, width)
-        assert device_proposals(compiled, seqs, paths, caps, width) == want
-        assert want == [host_proposal(mg, s, p, c, width) for s, p, c in cases]
+        want = device_proposals(eager, seqs, paths, caps, 9)
+        assert device_proposals(compiled, seqs, paths, caps, 9) == want
+        assert want == [host_proposal(mg, s, p, c, 9) for s, p, c in cases]
+
+
+@pytest.mark.parametrize("settings,compiles", [
+    (dict(graph_compile=True, maxgram_read_tree=False), True),
+    (dict(graph_compile=False, maxgram_read_tree=False), False),
+    (dict(graph_compile=True, maxgram_read_tree=True), False),
+    (dict(graph_compile=True, maxgram_read_tree=False, maxgram_tail=0), False)])
+def test_the_engine_compiles_the_tails_at_start_up_on_cuda(monkeypatch, settings, compiles):
+    """``MaxGramTreeDrafter.build``: with the draft's KV pool on CUDA, ``graph_compile`` and held
+    trees with tails, the tails' proposer is made (and compiled) while the engine starts, not in a
+    request's first step; its width is the settings' tail."""
+    from types import SimpleNamespace
+
+    from engine.config import EngineConfig
+    from engine.speculative.drafter import DrafterContext
+    from engine.speculative.maxgram import MaxGramTreeDrafter
+    from engine.speculative.tree import TreeTopology
+
+    made = []
+    monkeypatch.setattr(MaxGramTreeDrafter, "on_device", lambda self, device: made.append((device, self.tail)))
+    config = EngineConfig.from_settings(**settings)
+    proposer = SimpleNamespace(cache=SimpleNamespace(k=SimpleNamespace(device=torch.device("cuda"))))
+    MaxGramTreeDrafter.build(DrafterContext(config, TreeTopology((2,)), MaxGramDrafter(), proposer))
+    from engine.speculative.maxgram import MaxGramSettings
+
+    assert made == ([(torch.device("cuda"), MaxGramSettings.of(config).tail)] if compiles else [])
