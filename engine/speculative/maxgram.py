@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
+import time
 import weakref
 
 import torch
@@ -38,6 +40,8 @@ from engine.speculative.drafter import DrafterContext
 from engine.speculative.methods import DraftPlan, PlanInput
 from engine.speculative.view import SeqView
 
+
+log = logging.getLogger(__name__)
 
 MAXGRAM_DRAFTER = "maxgram"
 MAXGRAM_METHOD, MCSD_MAXGRAM = "maxgram", "mcsd+maxgram"
@@ -360,7 +364,10 @@ class MaxGramTreeDrafter:
             compiled = self.compile_on_cuda and device.type == "cuda"
             dmg = self._on_device[device] = DeviceMaxGram(self.maxgram, device, compiled=compiled, width=self.tail)
             if compiled:
+                t0 = time.perf_counter()
+                log.info("compiling Max-Gram's tail proposal on %s", device)
                 dmg.warm_up()
+                log.info("Max-Gram's tail proposal compiled in %.1f s", time.perf_counter() - t0)
         return dmg
 
     @classmethod
