@@ -211,14 +211,14 @@ class DeviceMaxGram:
             leaves.append(leaf)
             paths.append(path[::-1])
         width = max(self.width, *lengths)
-        tokens = self.propose(seqs, paths, flat, lengths, width).view(-1)
-        by_holder: dict[int, tuple] = {}
-        for s, (tree, leaf, n) in enumerate(zip(trees, leaves, lengths)):
-            tree.add_path(leaf, [0] * n, MAXGRAM, merge=False)  # the host's placeholders: the tokens are held
-            grown, where = by_holder.setdefault(id(tree.unread), (tree.unread, {}, []))[1:]
-            grown[id(tree)] = n
-            where.extend(range(s * width, s * width + n))
-        for holder, grown, where in by_holder.values():
+        tokens = self.propose(seqs, paths, flat, lengths, width).view(-1)  # sequence s's at s * width + i
+        for holder in held:
+            grown, where = [], []
+            for s, (tree, leaf, n) in enumerate(zip(trees, leaves, lengths)):
+                if tree.unread is holder:
+                    tree.add_path(leaf, [0] * n, MAXGRAM, merge=False)  # placeholders: the tokens are held
+                    grown.append((tree, n))
+                    where.extend(range(s * width, s * width + n))
             holder.append(grown, tokens, where)
 
 

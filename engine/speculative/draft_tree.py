@@ -286,19 +286,21 @@ class HeldTokens:
         """What the host reads back: the tokens first."""
         return [self.flat]
 
-    def append(self, grown: dict[int, int], values: torch.Tensor, at: list[int]) -> None:
-        """Tree ``t`` (of :attr:`trees`) keeps ``grown[id(t)]`` more nodes after its held ones: those the
-        host just appended to it, whose tokens are ``values[at]`` on the device, in ``grown``'s order.
-        The flat layout is rebuilt (a few device operations, no read)."""
+    def append(self, grown: list[tuple[DraftTree, int]], values: torch.Tensor, at: list[int]) -> None:
+        """Each ``(tree, n)`` of ``grown`` (trees of :attr:`trees`) holds ``n`` more nodes after its held
+        ones: the last ``n`` the host appended to it, with placeholder tokens.  Their tokens are
+        ``values[at]`` (a device tensor; ``at`` lists the first tree's new nodes, then the next
+        tree's...).  The flat layout is rebuilt: a few device operations and one copy, no read."""
+        more = {id(t): n for t, n in grown}
         old = [(t, self._offset_of[id(t)], t.num_held) for t in self.trees]
-        sizes = [size + grown.get(id(t), 0) for t, _, size in old]
+        sizes = [size + more.get(id(t), 0) for t, _, size in old]
         offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
         root = sum(sizes)
         src = np.concatenate([np.arange(off, off + size) for _, off, size in old] + [np.array([self.root])])
         dst = np.concatenate([np.arange(off, off + size) for (_, _, size), off in zip(old, offsets)]
                              + [np.array([root])])
-        new_at = {id(t): off + size for (t, _, size), off in zip(old, offsets)}
-        added = np.concatenate([np.arange(new_at[key], new_at[key] + n) for key, n in grown.items()])
+        first_new = {id(t): off + size for (t, _, size), off in zip(old, offsets)}
+        added = np.concatenate([np.arange(first_new[id(t)], first_new[id(t)] + n) for t, n in grown])
         src_t, dst_t, added_t, at_t = to_device_many(
             [torch.from_numpy(x.astype(np.int64)) for x in (src, dst, added, np.asarray(at))], self.flat.device)
         flat = torch.full((root + 1,), DEAD, dtype=self.flat.dtype, device=self.flat.device)

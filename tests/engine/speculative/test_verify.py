@@ -294,7 +294,7 @@ def device_tails(holder: DeviceTokens, trees: list[DraftTree], vocab: int, rng: 
     """Most held trees get a one-hot chain below their deepest level's first node whose tokens are held
     too (as ``device_maxgram`` appends Max-Gram's tail), DEAD past a random end and below a DEAD
     node, and some a host branch from the root after it."""
-    grown, values = {}, []
+    grown, values = [], []
     for tree in trees:
         if not tree.num_nodes or rng.random() < 0.3:
             continue
@@ -303,7 +303,7 @@ def device_tails(holder: DeviceTokens, trees: list[DraftTree], vocab: int, rng: 
         dead = int(holder.flat[holder.offset_of(tree) + leaf]) == DEAD
         values += [DEAD if dead or j >= live else rng.randrange(vocab) for j in range(n)]
         tree.add_path(leaf, [0] * n, MAXGRAM, merge=False)
-        grown[id(tree)] = n
+        grown.append((tree, n))
     if grown:
         holder.append(grown, torch.tensor(values), list(range(len(values))))
     for tree in trees:
