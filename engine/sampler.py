@@ -239,7 +239,9 @@ def apply_penalties(
         in_history = seen if prompt_mask is None else seen | prompt_mask
         r = st.repetition_penalty[:, None]
         penalised = torch.where(logits > 0, logits / r, logits * r)
-        logits = torch.where(in_history, penalised, logits)
+        # a token already at -inf (the grammar forbids it) stays there: a penalty that is 0 in float32
+        # (a valid r below 1e-45) would make it -inf * 0 = NaN, which argmax and sampling can pick
+        logits = torch.where(in_history & (logits > float("-inf")), penalised, logits)
     if st.any_presence_frequency:
         logits = logits - st.frequency_penalty[:, None] * token_counts.to(logits.dtype)
         logits = logits - st.presence_penalty[:, None] * seen.to(logits.dtype)

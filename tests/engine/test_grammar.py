@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.grammar import EBNF, JSON, REGEX, GrammarError, Grammars, GrammarSpec, GrammarState, single_token, unpack
+from engine.registry import method as method_of
 from engine.request import GenerationRequest, RequestRejected, SamplingParams, SpecOptions
 from tests.engine_utils import run_engine
 from tests.grammar_toy import ToyMatcher, toy_state
@@ -126,6 +127,21 @@ def test_sampled_constrained_outputs_match_the_grammar(tiny_pair, method):
     spec = GrammarSpec(REGEX, PATTERN)
     outs, _ = run_engine(target, draft, PROMPTS * 2, spec=SpecOptions(method=method), grammar=spec,
                          max_tokens=20, temperature=1.0, seed=5, top_p=0.9)
+    for c in outs:
+        assert c.finish_reason == "stop" and re.fullmatch(PATTERN, text_of(c.tokens)), c.tokens
+
+
+@pytest.mark.parametrize("method", [None] + [m for m in METHODS if method_of(m).penalties])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_vanishing_repetition_penalty_keeps_to_the_grammar(tiny_pair, method, temperature):
+    """``repetition_penalty=5e-324`` (valid: > 0) is 0 in float32; the grammar's forbidden tokens,
+    at -inf, must not become NaN under it (the schemathesis fuzzer found greedy argmax picking
+    one: "the grammar refused committed token")."""
+    target, draft = tiny_pair
+    spec = GrammarSpec(REGEX, PATTERN)
+    options = SpecOptions(enabled=False) if method is None else SpecOptions(method=method)
+    outs, _ = run_engine(target, draft, PROMPTS, spec=options, grammar=spec, max_tokens=20, temperature=temperature,
+                         seed=2, repetition_penalty=5e-324)
     for c in outs:
         assert c.finish_reason == "stop" and re.fullmatch(PATTERN, text_of(c.tokens)), c.tokens
 

@@ -76,6 +76,21 @@ def test_a_tiny_repetition_penalty_saturates_instead_of_giving_nan():
         assert close(p[0], [0.5, 0.5, 0.0, 0.0])
 
 
+def test_a_tiny_repetition_penalty_leaves_forbidden_tokens_forbidden():
+    """A grammar's forbidden tokens are at -inf before the penalties; r = 5e-324 (valid, > 0) is 0 in
+    float32, and -inf * 0 would be NaN, which greedy argmax picks: they stay at -inf (found by the
+    schemathesis fuzzer: a chat request with ``structured_outputs`` and that penalty)."""
+    inf = float("-inf")
+    logits = torch.tensor([[inf, 3.0, -1.0, inf], [inf, -2.0, -1.0, inf]])
+    prompt = torch.tensor([[True, True, True, True]] * 2)
+    counts = torch.zeros(2, 4, dtype=torch.long)
+    for temperature in (0.0, 1.0):
+        params = [SamplingParams(repetition_penalty=5e-324, temperature=temperature)] * 2
+        p = probs_for(logits, params, counts=counts, prompt=prompt)
+        assert not torch.isnan(p).any()
+        assert (p[:, [0, 3]] == 0).all() and torch.allclose(p.sum(-1), torch.ones(2))
+
+
 def test_presence_and_frequency_use_generated_only():
     logits = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
     counts = torch.tensor([[0, 3, 1, 0]])
