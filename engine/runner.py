@@ -377,7 +377,7 @@ def kept_block_rows(result: VerifyResult) -> list[int]:
 def record_step(stats: StepStats, res: SeqStepResult) -> None:
     """Adds one sequence's drafted/accepted accounting to the step's stats."""
     r, tree, tokens = res.result, res.tree, res.tree.tokens
-    drafted = len(tokens) - tokens.count(DEAD)
+    drafted = res.drafted
     stats.num_seqs += 1
     if drafted:
         stats.num_spec_seqs += 1

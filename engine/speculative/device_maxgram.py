@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from engine.device import to_device, to_device_many
-from engine.speculative.draft_tree import DEAD, MAXGRAM, DraftTree, holders
+from engine.speculative.draft_tree import DEAD, MAXGRAM, DraftTree, holders, joined
 from engine.speculative.view import SeqView
 
 #: a context entry that does not exist (the sequence is shorter than the n-gram), and the history's padding
@@ -193,12 +193,7 @@ class DeviceMaxGram:
         a read.  The host's tail (``extend_tree``) hangs below the first *live* deepest node; here a
         dead one (no token drawn) gets a dead tail.  Nodes past a proposal's end are DEAD."""
         held = holders(trees)
-        flats = [h.flat for h in held]
-        base, at = {}, 0
-        for h, f in zip(held, flats):
-            base[id(h)] = at
-            at += f.numel()
-        flat = flats[0] if len(flats) == 1 else torch.cat(flats)
+        flat, base = joined(held)
         leaves, paths = [], []
         for tree in trees:
             assert tree.unread is not None and tree.num_nodes == tree.num_sub, "a held tree, before appending"

@@ -335,6 +335,15 @@ def holders(trees) -> list:
     return list({id(t.unread): t.unread for t in trees if t.unread is not None}.values())
 
 
+def joined(held: list) -> tuple[Optional[torch.Tensor], dict[int, int]]:
+    """The flats of the holders ``held`` as one device tensor (the one flat itself when there is one
+    holder; None for none), and where each holder's starts in it, by ``id``."""
+    starts = dict(zip(map(id, held), itertools.accumulate([0] + [h.flat.numel() for h in held])))
+    if not held:
+        return None, starts
+    return (held[0].flat if len(held) == 1 else torch.cat([h.flat for h in held])), starts
+
+
 def _read_tokens(tree: DraftTree) -> list[int]:
     if tree.unread is not None:  # the first host read of a tree whose tokens are still on the device
         tree.unread.read()

@@ -211,8 +211,8 @@ class Planner:
             tree = res.tree
             if tree.num_sub and tree.sources:  # a node with no sources entry is the draft model's alone
                 tokens = tree.tokens
-                own = sorted(i for i, src in tree.sources.items()
-                             if tokens[i] != DEAD and src & MAXGRAM_SOURCES and DRAFT_MODEL not in src)
+                own = [i for i, src in tree.sources.items()
+                       if tokens[i] != DEAD and src & MAXGRAM_SOURCES and DRAFT_MODEL not in src]
                 if own:
                     accepted = set(res.result.accepted)
                     self.mixed.observe(res.seq.request.sampling.greedy, len(own), sum(i in accepted for i in own))

@@ -32,7 +32,6 @@ The per-row walk driven by the same table (:class:`TableCoins`) gives identical 
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
@@ -48,7 +47,7 @@ from engine.sampler import (
     SamplingTensors, draw_uniforms, finish_probs, process_logits, raw_logprobs, sample_from_probs,
 )
 from engine.speculative.constrained import allowed_rows
-from engine.speculative.draft_tree import DEAD, SAMPLED, DraftTree, holders
+from engine.speculative.draft_tree import DEAD, SAMPLED, DraftTree, holders, joined
 from engine.speculative.history import batch_histories
 from engine.speculative.view import SeqView
 from engine.speculative.walk import SeqStepResult, VerifyResult
@@ -90,7 +89,7 @@ class TreeBatch:
         r = max(1 + t.num_nodes for t in trees)
         depth = max((max(t.depths()) for t in trees if t.num_nodes), default=0)
         held_by = holders(trees)
-        base = dict(zip(map(id, held_by), itertools.accumulate([0] + [h.flat.numel() for h in held_by])))
+        flat, base = joined(held_by)
         # every event of every tree as flat arrays (numpy: a step's events are hundreds at batch 32, and
         # per-event Python or per-element tensor writes cost more than the step's device work)
         tokens = np.zeros((b, r), dtype=np.int64)
@@ -152,7 +151,6 @@ class TreeBatch:
             return cls(b, r, depth, *tensors, active, kinds, q, shapes, ev_valid=ev_valid)
         (tokens, event_node, ev_rows, ev_token, ev_sampled, ev_valid, ev_src, tok_src) = to_device_many(
             [*as_torch, torch.from_numpy(ev_valid), torch.from_numpy(ev_src), torch.from_numpy(tok_src)], device)
-        flat = torch.cat([h.flat for h in held_by])
         held = flat.index_select(0, ev_src.clamp(min=0).view(-1)).view(k, e)
         on_device = ev_src >= 0
         ev_live = torch.where(on_device, held != DEAD, ev_valid)
