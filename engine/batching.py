@@ -39,11 +39,13 @@ def block_ids(blocks: list[Block]) -> torch.Tensor:
 
 
 def run_blocks(model: Model, cache: KVCache, blocks: list[Block], vocab: Optional[OutputVocab] = None,
-               ids: Optional[torch.Tensor] = None) -> tuple[ForwardOutput, list[torch.Tensor]]:
+               ids: Optional[torch.Tensor] = None,
+               shift: Optional[torch.Tensor] = None) -> tuple[ForwardOutput, list[torch.Tensor]]:
     """One forward over all blocks; returns the raw output and each block's logits [rows, vocab]
     (``vocab``: a restricted output layer, -inf logits outside it).  ``ids``: the blocks' token ids
     already on the device ([blocks, longest block], padded), which the host has not read: the blocks'
-    own ``tokens`` then only give their lengths."""
+    own ``tokens`` then only give their lengths.  ``shift``: [blocks] on the device, added there to
+    each block's ``positions`` (a block whose place only the device knows)."""
     b = len(blocks)
     t = max(len(bl.tokens) for bl in blocks)
     k = max(max(len(bl.logit_rows) for bl in blocks), 1)
@@ -72,6 +74,6 @@ def run_blocks(model: Model, cache: KVCache, blocks: list[Block], vocab: Optiona
     ids = to_device(block_ids(blocks), model.device) if ids is None else ids
     out = model(ids, pos, cache, [bl.slot for bl in blocks], block_mask=mask,
                 num_new=[len(bl.tokens) for bl in blocks], logits_rows=rows,
-                num_logits=[len(bl.logit_rows) for bl in blocks], vocab=vocab)
+                num_logits=[len(bl.logit_rows) for bl in blocks], vocab=vocab, position_shift=shift)
     per_block = [out.logits[i, : len(bl.logit_rows)] for i, bl in enumerate(blocks)]
     return out, per_block

@@ -310,9 +310,11 @@ class CapturedForwards:
 
     @torch.inference_mode()
     def hidden(self, bucket: Bucket, ids: torch.Tensor, positions: torch.Tensor, slots: list[int],
-               block_mask: Optional[torch.Tensor], counts: list[int]) -> torch.Tensor:
+               block_mask: Optional[torch.Tensor], counts: list[int],
+               shift: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Hidden states [len(slots), rows, hidden] of one forward run in ``bucket`` (rows past a
-        sequence's count are padding).  The caller reserved the slots' blocks; it advances them."""
+        sequence's count are padding).  The caller reserved the slots' blocks; it advances them.
+        ``shift`` ([len(slots)], on the device): added to each sequence's positions there."""
         if self.graphs and self.model.rope is not self._rope:
             raise RuntimeError("the model's rotary tables were rebuilt after its CUDA graphs were captured")
         entry = self._by_bucket.get(bucket)
@@ -324,6 +326,8 @@ class CapturedForwards:
         inp.ids.zero_()  # the ids are on the device already
         inp.ids[:b, :t].copy_(ids)
         copy_packed(inp.staged, host, inp.layout)  # every other input in one copy
+        if shift is not None:
+            inp.positions[:b] += shift[:, None]
         if block_mask is not None:  # a block's own mask may be on the device already (not read): it joins there
             place_block_mask(inp.block_mask, *to_device_many(block_mask_rows(block_mask, counts, self.grid.width),
                                                              self.cache.k.device))

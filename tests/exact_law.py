@@ -78,6 +78,7 @@ class Law:
     tail: int = 1  # Max-Gram tokens below the deepest drafted node (mcsd+maxgram, cascade)
     merge: bool = True  # Max-Gram's branches share nodes with equal drafted ones (False: siblings of their own)
     cascade_depth: int = 2
+    rounds: int = 0  # the device cascade (maxgram_read_tree = false): this many review rounds, its tail one-hot
     k: int = 1  # target-initialised candidates
     sabotage: str = ""  # see :func:`planted`
     contexts: tuple[tuple[int, ...], ...] = CONTEXTS
@@ -348,7 +349,13 @@ def step_law(law: Law, ctx: tuple[int, ...]) -> tuple[dict[tuple, float], int]:
 
     def step(coins: Replay) -> tuple:  # eager trees: the draft model's (if any), then Max-Gram's
         seq, mg = seq_for(ctx, law.grammar), maxgram(law)
-        if law.method == "cascade":
+        if law.method == "cascade" and law.rounds:  # the device's: fixed rounds, the tail as one-hot laws
+            tree = DraftTree(TreeTopology((1,)).subtree(()), [])
+            chain, chain_q = _cascade_chain(law, ctx, seq, mg, coins)
+            props = mg.propose(seq, chain, max_len=law.tail) if law.tail else []
+            tail = props[0].tokens if props else []
+            tree.add_path(-1, chain + tail, CASCADE, SAMPLED, chain_q + [onehot(t) for t in tail], merge=False)
+        elif law.method == "cascade":
             tree = DraftTree(TreeTopology((1,)).subtree(()), [])
             chain, chain_q = _cascade_chain(law, ctx, seq, mg, coins)
             tree.add_path(-1, chain, CASCADE, SAMPLED, chain_q)
@@ -388,12 +395,19 @@ def _hold(tree: DraftTree) -> None:
     tree.tokens = [DEAD] * tree.num_nodes  # placeholders: reading the tokens reads the holder
 
 
+def onehot(token: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(token), VOCAB).float()
+
+
 def _cascade_chain(law: Law, ctx, seq, mg, coins) -> tuple[list[int], list[torch.Tensor]]:
     """The vertical cascade's chain: rounds of Max-Gram's guess reviewed by the draft (the engine's
-    ``review_guess``), each chain token with the draft law it has."""
+    ``review_guess``), each chain token with the draft law it has: until the chain is whole (the
+    host's), or ``law.rounds`` rounds, which may leave it short (the device's)."""
     chain: list[int] = []
     chain_q: list[torch.Tensor] = []
-    while len(chain) < law.cascade_depth:
+    rounds = 0
+    while len(chain) < law.cascade_depth and (not law.rounds or rounds < law.rounds):
+        rounds += 1
         props = mg.propose(seq, chain, max_len=law.cascade_depth - len(chain))
         guess = props[0].tokens if props else []
         probs = torch.stack([draft(law, ctx + tuple(chain) + tuple(guess[:i])) for i in range(len(guess) + 1)])
@@ -489,6 +503,9 @@ def lossless_laws() -> list[Law]:
         Law("tree-1x1+maxgram-unmerged-device-tail-top_p", (1, 1), method="mcsd+maxgram", top_p=0.8, tail=2,
             merge=False),
         Law("cascade-maxgram-draft-target", method="cascade"),
+        # the device cascade: a fixed number of rounds (a chain may stay short), the tail's laws one-hot
+        Law("cascade-device-1-round-T0.6", method="cascade", rounds=1, cascade_depth=3, tail=1, temperature=0.6),
+        Law("cascade-device-2-rounds-top_p", method="cascade", rounds=2, cascade_depth=3, tail=2, top_p=0.8),
         # the draft's output layer cut to tokens 0, 1, 3, 5: q(2) = q(4) = 0
         Law("tree-2x2-draft-vocab-cut-T0.6", (2, 2), temperature=0.6, draft_vocab=(0, 1, 3, 5)),
         Law("target-init-k1", (1, 1), method="target-init", k=1),

@@ -50,8 +50,13 @@ class Case:
 
 
 def loaded(seed: int) -> LoadedModel:
-    model = ToyModel(random_table(VOCAB, seed))
-    return LoadedModel(model, model.cfg, tiny_tokenizer(VOCAB), f"toy-{seed}", path=None)
+    return loaded_table(random_table(VOCAB, seed), f"toy-{seed}")
+
+
+def loaded_table(table: torch.Tensor, name: str = "toy", max_len: int = 64) -> LoadedModel:
+    """A :class:`ToyModel` of ``table`` (positions up to ``max_len``) as the loader returns a model."""
+    model = ToyModel(table, max_len)
+    return LoadedModel(model, model.cfg, tiny_tokenizer(table.shape[0]), name, path=None)
 
 
 def params(case: Case, seed: int) -> SamplingParams:

@@ -49,8 +49,10 @@ class ToyModel(LlamaModel):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, cache, slots, block_mask=None, num_new=None, logits_rows=None,
-                num_logits=None, vocab=None):  # noqa: ARG002 - num_logits: every row is computed here
+                num_logits=None, vocab=None, position_shift=None):  # noqa: ARG002 - num_logits: every row computed
         b, t = input_ids.shape
+        if position_shift is not None:
+            positions = positions + position_shift.to(positions.device)[:, None]
         counts = num_new if num_new is not None else [t] * b
         cache.reserve(slots, counts)
         ctx = self._context(cache, slots, positions, block_mask)

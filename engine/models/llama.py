@@ -327,6 +327,7 @@ class LlamaModel(nn.Module):
         logits_rows: Optional[torch.Tensor] = None,  # [batch, rows] block indices; None = all
         num_logits: Optional[list[int]] = None,  # wanted rows of each row of logits_rows; None = all
         vocab: Optional[OutputVocab] = None,  # restricted output layer (drafts); None = the whole lm_head
+        position_shift: Optional[torch.Tensor] = None,  # [batch] on the device, added to each row's positions
     ) -> ForwardOutput:
         """Appends the block to each slot's pending entries and returns logits for it.
 
@@ -337,6 +338,9 @@ class LlamaModel(nn.Module):
         Rows of different lengths (``num_new``) run packed (:class:`Packing`): padding costs no
         linear rows.  ``num_logits[b]``: how many of ``logits_rows[b]`` are wanted (the rest is
         padding, whose logits are not computed: they repeat the row's first).
+        ``position_shift``: a device tensor added to each row's positions there, for a block whose
+        place in its sequence only the device knows (``cascade.DeviceCascade``); the host's
+        ``positions`` plus the largest shift must stay within the cache's length.
         """
         b, t = input_ids.shape
         counts = num_new if num_new is not None else [t] * b
@@ -347,10 +351,10 @@ class LlamaModel(nn.Module):
         if bucket is not None:
             self._check_positions(cache, positions)
             packing = None
-            hidden = cache.captured.hidden(bucket, input_ids, positions, slots, block_mask, counts)
+            hidden = cache.captured.hidden(bucket, input_ids, positions, slots, block_mask, counts, position_shift)
         else:
             packing = Packing.of(counts, t, self.device)
-            ctx = self._context(cache, slots, positions, block_mask, packing)
+            ctx = self._context(cache, slots, positions, block_mask, packing, position_shift)
             hidden = self.hidden_states(input_ids if packing is None else packing.pack(input_ids), ctx)
         cache.advance(slots, counts)
         if logits_rows is None:
@@ -430,7 +434,8 @@ class LlamaModel(nn.Module):
             raise ValueError(f"position ids must be in [0, {self.rope.max_pos})")
 
     def _context(self, cache: KVCache, slots: list[int], positions: torch.Tensor,
-                 block_mask: Optional[torch.Tensor], packing: Optional[Packing] = None) -> ForwardContext:
+                 block_mask: Optional[torch.Tensor], packing: Optional[Packing] = None,
+                 shift: Optional[torch.Tensor] = None) -> ForwardContext:
         self._check_positions(cache, positions)
         b, t = positions.shape
         slot_t = torch.tensor(slots, dtype=torch.long)
@@ -441,6 +446,8 @@ class LlamaModel(nn.Module):
         # only the small per-block mask [batch, block, width] and two [batch] vectors cross to the device
         host = [positions, lens, start] + ([] if block_mask is None else [block_mask])
         positions, lens_d, start_d, *mask_d = to_device_many(host, dev)
+        if shift is not None:
+            positions = positions + shift[:, None]
         at = cache.addresses(slots, start, t, kv_len, dev, start_on_device=start_d)
         if packing is not None:  # the layers write and rotate the real rows only
             positions = packing.pack(positions)

@@ -49,10 +49,12 @@ class Model(Protocol):
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: list[int],
                  block_mask: Optional[torch.Tensor] = None, num_new: Optional[list[int]] = None,
                  logits_rows: Optional[torch.Tensor] = None, num_logits: Optional[list[int]] = None,
-                 vocab: Optional[OutputVocab] = None) -> ForwardOutput:
+                 vocab: Optional[OutputVocab] = None,
+                 position_shift: Optional[torch.Tensor] = None) -> ForwardOutput:
         """One forward over a block batch: ``input_ids`` and ``positions`` [batch, block] (row ``b``
         has ``num_new[b]`` real tokens) written to ``slots``' pending cache entries, under
         ``block_mask`` [batch, block, width] over the pending entries and the block (None: causal);
-        logits for ``logits_rows`` [batch, rows] (None: every row), through ``vocab`` if given."""
+        logits for ``logits_rows`` [batch, rows] (None: every row), through ``vocab`` if given;
+        ``position_shift`` [batch] (on the device) added to each row's positions there."""
 
     def modules(self) -> Iterator[torch.nn.Module]: ...

@@ -24,6 +24,8 @@ below the chain's last node (``MaxGramShare.tail``).
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -36,6 +38,7 @@ from engine.device import to_device, to_host
 from engine.registry import Method, drafter_settings, register_drafter, register_method
 from engine.sampler import SamplingTensors, compute_probs, sample_from_probs
 from engine.speculative.constrained import mask_rows, path_masks
+from engine.speculative.device_cascade import DeviceCascade
 from engine.speculative.draft_tree import CASCADE, SAMPLED, DraftTree
 from engine.speculative.drafter import DrafterContext
 from engine.speculative.maxgram import MAXGRAM_DRAFTER, MaxGramDrafter, MaxGramSettings, MaxGramShare
@@ -47,6 +50,8 @@ from engine.speculative.view import SeqView
 from engine.speculative.walk import Coins, onehot_residual
 
 CASCADE_DRAFTER = CASCADE_METHOD = "cascade"
+
+log = logging.getLogger(__name__)
 
 
 @drafter_settings("cascade")
@@ -251,12 +256,16 @@ def review_guess(probs: torch.Tensor, guess: list[int], room: int, greedy: bool,
 
 @register_drafter
 class CascadeDrafter:
-    """The vertical cascade's chains (method ``cascade``; Max-Gram's tail follows at its own stage)."""
+    """The vertical cascade's chains (method ``cascade``; Max-Gram's tail follows at its own stage, or
+    comes with the chain from the device cascade).  With ``maxgram_read_tree = false`` the rounds run on
+    the device and the step reads once (``device_cascade``), but for a sequence under a grammar, whose
+    masks follow each round's tokens on the host."""
 
     name, stage = CASCADE_DRAFTER, 20
 
-    def __init__(self, cascade: CascadeProposer) -> None:
+    def __init__(self, cascade: CascadeProposer, on_device: Optional[DeviceCascade] = None) -> None:
         self.cascade = cascade
+        self.on_device = on_device
 
     @classmethod
     def limits(cls, config, topology) -> tuple[int, int]:
@@ -265,14 +274,31 @@ class CascadeDrafter:
 
     @classmethod
     def build(cls, ctx: DrafterContext) -> Optional["CascadeDrafter"]:
-        return cls(CascadeProposer(ctx.proposer, ctx.maxgram)) if ctx.proposer is not None else None
+        """On CUDA with ``graph_compile``, the device cascade's Max-Gram is compiled now, at start-up."""
+        if ctx.proposer is None:
+            return None
+        mg = MaxGramSettings.of(ctx.config)
+        on_device = None
+        if not mg.read_tree:
+            compiled = ctx.config.graph_compile and ctx.proposer.cache.k.device.type == "cuda"
+            on_device = DeviceCascade(ctx.proposer, ctx.maxgram, mg.len, max(mg.len, mg.tail), compiled)
+            if compiled:
+                t0 = time.perf_counter()
+                on_device.warm_up()
+                log.info("the device cascade's Max-Gram compiled in %.1f s", time.perf_counter() - t0)
+        return cls(CascadeProposer(ctx.proposer, ctx.maxgram), on_device)
 
     def propose(self, seqs: list[SeqView], plans: list[DraftPlan], trees: list[DraftTree]) -> None:
         idx = [i for i, p in enumerate(plans) if p.share(self.name, 0) > 0]
         if not idx:
             return
-        chains = self.cascade.propose([seqs[i] for i in idx], [plans[i].share(self.name) for i in idx],
-                                      [plans[i].sub for i in idx])
+        picked, depths, empties = [seqs[i] for i in idx], [plans[i].share(self.name) for i in idx], \
+            [plans[i].sub for i in idx]
+        if self.on_device is not None and all(s.grammar is None for s in picked):
+            tails = [getattr(plans[i].share(MAXGRAM_DRAFTER), "tail", 0) for i in idx]
+            chains = self.on_device.propose(picked, depths, tails, empties)
+        else:
+            chains = self.cascade.propose(picked, depths, empties)
         for i, tree in zip(idx, chains):
             trees[i] = tree
 

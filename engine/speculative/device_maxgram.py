@@ -157,8 +157,7 @@ class DeviceMaxGram:
         tokens, DEAD past its end), where ``paths[s]`` lists the path's token positions in ``flat`` (a
         device tensor).  A path whose last token is DEAD (below a node that was not drawn) gets
         nothing.  One copy to the device, no read."""
-        mg, m = self.maxgram, self.maxgram.max_ngram
-        rows, sync_at, sync_values = self.history.plan(seqs, width)
+        m = self.maxgram.max_ngram
         at = np.full((len(seqs), m), -1, dtype=np.int64)  # context tokens still on the device: where in flat
         known = np.full((len(seqs), m), NO_TOKEN, dtype=np.int64)  # the others
         for s, (seq, path) in enumerate(zip(seqs, paths)):
@@ -168,14 +167,32 @@ class DeviceMaxGram:
             own = seq.tokens[max(0, len(seq.tokens) - (m - from_path)):] if m > from_path else []
             if own:
                 known[s, m - from_path - len(own): m - from_path] = own
-        info = np.array([rows, [s.num_prompt for s in seqs], list(caps)], dtype=np.int64)
-        sync_at_t, sync_values_t, at_t, known_t, info_t = to_device_many(
-            [torch.from_numpy(x) for x in (sync_at, sync_values, at, known, info)], self.device)
-        self.history.write(sync_at_t, sync_values_t)
+        hist, n_prompt, (at_t, known_t, caps_t) = self._history(seqs, width, [at, known, np.asarray(caps)])
         context = torch.where(at_t >= 0, flat[at_t.clamp(min=0)], known_t)
+        return self._proposal(hist, context, n_prompt, caps_t, width)
+
+    def after(self, seqs: Seq[SeqView], context: torch.Tensor, caps: torch.Tensor, width: int) -> torch.Tensor:
+        """[S, width] long: the proposal after each context, ``context`` [S, max_ngram] its last tokens
+        (NO_TOKEN before a sequence's first), at most ``caps[s]`` tokens; both on the device already (a
+        context that ends past what the host knows: ``device_cascade``).  One copy, no read."""
+        hist, n_prompt, _ = self._history(seqs, width, [])
+        return self._proposal(hist, context, n_prompt, caps, width)
+
+    def _history(self, seqs: Seq[SeqView], width: int, extra: list[np.ndarray]):
+        """The batch's rows of the history brought up to date ([S, max_ngram + longest + width]), each
+        sequence's prompt length and the ``extra`` host arrays, on the device in one copy."""
+        m = self.maxgram.max_ngram
+        rows, sync_at, sync_values = self.history.plan(seqs, width)
+        info = np.array([rows, [s.num_prompt for s in seqs]], dtype=np.int64)
+        sync_at_t, sync_values_t, info_t, *extra_t = to_device_many(
+            [torch.from_numpy(x.astype(np.int64)) for x in (sync_at, sync_values, info, *extra)], self.device)
+        self.history.write(sync_at_t, sync_values_t)
         w = max(len(s.tokens) for s in seqs)
-        hist = self.history.table[info_t[0], : m + w + width]
-        return self._match(hist, context, info_t[1], info_t[2], self.lengths, self.successor, mg.min_ngram,
+        return self.history.table[info_t[0], : m + w + width], info_t[1], extra_t
+
+    def _proposal(self, hist, context, n_prompt, caps, width: int) -> torch.Tensor:
+        mg = self.maxgram
+        return self._match(hist, context, n_prompt, caps, self.lengths, self.successor, mg.min_ngram,
                            mg.bigram_len, width)
 
     def warm_up(self) -> None:

@@ -78,6 +78,8 @@ class DraftTree:
     #: how many of the first nodes a holder keeps (None: the drafted ones, ``num_sub``); nodes appended
     #: on the device (Max-Gram's tail, ``device_maxgram``) count too
     held: Optional[int] = None
+    #: Max-Gram's tail came with the tree (the device cascade proposes it after its chain's end)
+    has_tail: bool = False
 
     def cut(self, sub: SubTree) -> None:
         """Stop at ``sub``, a prefix of this tree's subtree (its first ``sub.num_nodes`` nodes).

@@ -400,7 +400,7 @@ class MaxGramTreeDrafter:
         done = set(held)
         for i, (seq, share, tree) in enumerate(zip(seqs, shares, trees)):
             if share is not None:
-                tail = 0 if i in done else share.tail
+                tail = 0 if i in done or tree.has_tail else share.tail
                 self.maxgram.extend_tree(seq, tree, tail, share.length, share.branches, share.merge)
 
 

@@ -125,10 +125,11 @@ class DraftModelProposer:
                 trees[i].cut(self.topology.subtree(trees[i].sub.widths[:d]))
 
     # ------------------------------------------------------------------ draft forwards
-    def forward(self, blocks: list[Block], ids: Optional[torch.Tensor] = None):
+    def forward(self, blocks: list[Block], ids: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None):
         """One draft forward over ``blocks`` (every drafter that runs the draft model goes through here;
-        ``ids``: their tokens already on the device, ``run_blocks``)."""
-        return run_blocks(self.model, self.cache, blocks, self.vocab, ids=ids)
+        ``ids``: their tokens already on the device, ``shift``: their positions' offsets there,
+        ``run_blocks``)."""
+        return run_blocks(self.model, self.cache, blocks, self.vocab, ids=ids, shift=shift)
 
     def _catch_up(self, seqs: list[SeqView]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Root logits [vocab] and draft hidden states [hidden] of every sequence.

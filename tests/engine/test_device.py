@@ -125,6 +125,24 @@ def test_maxgram_without_reading_the_tree_reads_once(pair, features, monkeypatch
     assert sum(s.drafted_tokens for s in stats) > 0
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("features", [["greedy"], ["sampled"] * 8, list(FEATURES)], ids=["greedy-1", "sampled-8",
+                                                                                          "mixed-8"])
+def test_the_cascade_without_reading_its_rounds_reads_once(pair, features, adaptive, monkeypatch):
+    """``maxgram_read_tree=False``: the cascade's review rounds run on the device
+    (``device_cascade``), each guess continuing the chain there, and the chains, their draft-cache
+    entries and the rounds they needed come back with verification's one read, penalties included,
+    and with the adaptive budget (its cost curves fixed, as above)."""
+    flat = CostModel(target=CostCurve((1.0, 64.0), (0.010, 0.011)), draft=CostCurve((1.0, 64.0), (0.001, 0.002)))
+    monkeypatch.setattr(CostModel, "measure", classmethod(lambda cls, *args, **kwargs: flat))
+    core, steps = run_checked(pair, "cascade", features, maxgram_read_tree=False, adaptive=adaptive, max_tokens=14)
+    for count, kinds, stacks in steps:
+        assert set(kinds) <= {"to_host"} and count <= 1, (kinds, "\n".join(stacks[:2]))
+    assert max(count for count, _, _ in steps) == 1
+    if not adaptive:  # (the budget may leave the draft idle: with its timings, drafting may not pay)
+        assert sum(s.drafted_tokens for s in core.drain_step_stats()) > 0
+
+
 @pytest.mark.parametrize("method,bound,config", [("mcsd", 1, {}), ("mcsd+maxgram", 2, {}),
                                                  ("mcsd+maxgram", 1, {"maxgram_read_tree": False})],
                          ids=["mcsd", "mcsd+maxgram", "mcsd+maxgram-unread"])

@@ -199,6 +199,25 @@ def test_the_static_step_gives_todays_tokens_for_every_method(pair, method_name,
     assert all(len(t) == 16 for t in runs[0])
 
 
+@pytest.mark.parametrize("method_name", ["mcsd+maxgram", "cascade"])
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_the_static_step_gives_todays_tokens_with_the_tree_unread(pair, method_name, sampling):
+    """``maxgram_read_tree=False`` (the GPU preset's one read a step): Max-Gram's tail and the cascade's
+    rounds on the device, their draft forwards (the cascade's at positions shifted there) in buckets."""
+    target, draft = pair
+    params = dict(temperature=0.0) if sampling == "greedy" else dict(temperature=0.9, top_p=0.9, seed=11)
+    runs = []
+    for static in (False, True):
+        out, core = run_engine(target, draft, PROMPTS, tree=(3, 2, 2), join_every=1, max_tokens=16, ignore_eos=True,
+                               config=dict(spec_method=method_name, static_shapes=static, load_aware=False,
+                                           maxgram_read_tree=False), **params)
+        runs.append([c.tokens for c in out])
+        if static:
+            assert core.runner.proposer.cache.captured.replays > 0
+    assert runs[1] == runs[0]
+    assert all(len(t) == 16 for t in runs[0])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method_name", ["mcsd", "mcsd+maxgram", "cascade"])
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
@@ -243,6 +262,14 @@ def test_the_static_path_mixes_no_host_tensor_and_adds_no_read(tiny_pair, method
     _, steps = run_checked(tiny_pair, method_name, ["greedy", "sampled", "logit-bias"], static_shapes=True)
     for count, kinds, stacks in steps:
         assert set(kinds) <= {"to_host"} and count <= bound, (kinds, "\n".join(stacks[:2]))
+
+
+@pytest.mark.parametrize("method_name", ["mcsd+maxgram", "cascade"])
+def test_the_static_path_reads_once_with_the_tree_unread(tiny_pair, method_name):
+    _, steps = run_checked(tiny_pair, method_name, ["greedy", "sampled", "penalties"], static_shapes=True,
+                           maxgram_read_tree=False)
+    for count, kinds, stacks in steps:
+        assert set(kinds) <= {"to_host"} and count <= 1, (kinds, "\n".join(stacks[:2]))
 
 
 def test_graph_settings_parse_like_the_tree():

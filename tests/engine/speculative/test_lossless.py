@@ -75,6 +75,9 @@ E2E = [
     Case("mcsd+maxgram-unread-tree-2x1-T0.6", (2, 1), method="mcsd+maxgram", temperature=0.6, bigram=BIGRAMS,
          runs=RUNS, extra={"maxgram_read_tree": False}),
     Case("cascade-maxgram-draft-target", (1,), method="cascade", bigram=BIGRAMS, runs=RUNS),
+    # the GPU preset's cascade: its review rounds on the device, read once with verification
+    Case("cascade-unread-rounds", (1,), method="cascade", bigram=BIGRAMS, runs=RUNS,
+         extra={"maxgram_read_tree": False}),
     # the lossy target-initialised mode with a single candidate is exactly speculative sampling
     Case("target-init-k1", (1,), method="target-init-lossy", runs=RUNS, extra={"target_init_k": 1}),
     # under a grammar (xgrammar, a regex over the toy tokens): the masked target's law; the second token is
