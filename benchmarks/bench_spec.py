@@ -56,6 +56,9 @@ def parse_configs(spec: str) -> list[dict]:
                                           on the device (``:u:t0``: no tail)
     adaptive...:W:ns                      no level-by-level stop inside the step (adaptive_level_stop =
                                           false, the GPU preset's): the budget's planned depth stands
+    cascade[:D][:u]                       the vertical cascade: D draft-reviewed tokens (default 4), then
+                                          Max-Gram's tail; ``:u``: its review rounds on the device, one
+                                          read a step (maxgram_read_tree = false)
     """
     out = []
     for item in spec.split(";"):
@@ -64,6 +67,12 @@ def parse_configs(spec: str) -> list[dict]:
                  config={})
         if kind in ("plain", "hf-assisted", "hf-plain"):
             c["method"] = None
+        elif kind == "cascade":
+            depth = [int(x) for x in parts if x.isdigit()]
+            if len(parts) != len(depth) + parts.count("u") or len(depth) > 1 or parts.count("u") > 1:
+                raise SystemExit(f"unknown config {item!r}")
+            c.update(method="cascade", tree=(1,), config={**MAXGRAM, "cascade_depth": depth[0] if depth else 4,
+                                                          "maxgram_read_tree": "u" not in parts, "load_aware": False})
         elif kind in ("chain", "tree", "tree+maxgram", "adaptive", "adaptive+maxgram") and parts:
             c["tree"] = parse_widths(parts[0])
             c["adaptive"] = kind.startswith("adaptive")
@@ -160,7 +169,7 @@ def main(argv=None) -> None:
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS,
                     help="';'-separated, see parse_configs: plain, chain:W, tree:W, tree+maxgram:W, adaptive:W[:heads], "
-                         "adaptive+maxgram:W[:heads], hf-assisted, hf-plain")
+                         "adaptive+maxgram:W[:heads], cascade[:D][:u], hf-assisted, hf-plain")
     ap.add_argument("--heads", default="", help="acceptance head files for adaptive configs, comma separated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")

@@ -63,7 +63,7 @@ class MaxGramSettings(DrafterSettings):
                               "nodes and its tail grows below the deepest drafted path.  False leaves the draft's "
                               "tokens on the device until verification reads them (one host read a step, for a "
                               "GPU): its branches become nodes of their own and its tail is proposed on the "
-                              "device")
+                              "device; the cascade's review rounds run there too")
 
     def validate(self) -> None:
         if self.min_ngram > self.max_ngram:

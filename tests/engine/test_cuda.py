@@ -157,20 +157,27 @@ def test_compiled_graph_replay_equals_eager(pair32, sampling):
         assert core.cache.captured.replays > 0
 
 
-def test_the_gpu_presets_maxgram_equals_plain_decoding(pair32):
-    """mcsd+maxgram as ``configs/gpu.toml`` runs it: the draft's tree held on the device, Max-Gram's
-    branches unmerged and its tail proposed there, graphs captured: the tokens of plain decoding,
-    greedy, the target drafting for itself.  (Layers and tail uncompiled, to keep the run short: the
-    compiled layers and the compiled tail have tests of their own.)"""
+@pytest.mark.parametrize("method_name", ["mcsd+maxgram", "cascade"])
+def test_the_gpu_presets_maxgram_equals_plain_decoding(pair32, method_name):
+    """mcsd+maxgram and the cascade as ``configs/gpu.toml`` runs them (``maxgram_read_tree = false``):
+    the draft's tree held on the device, Max-Gram's branches unmerged and its tail proposed there, the
+    cascade's review rounds there (positions shifted on the device), graphs captured: the tokens of
+    plain decoding, greedy, the target drafting for itself.  (Layers and tail uncompiled, to keep the
+    run short: the compiled layers and the compiled tail have tests of their own.)"""
     target, _ = pair32
     prompts = PROMPTS + [[7, 8, 9, 7, 8, 9, 7, 8]]  # a repeat for Max-Gram to continue
     plain, _ = run_engine(target, None, prompts, max_tokens=24, ignore_eos=True)
     spec, core = run_engine(target, target, prompts, tree=(3, 2), join_every=1, max_tokens=24, ignore_eos=True,
-                            config=dict(spec_method="mcsd+maxgram", maxgram_read_tree=False, maxgram_tail=2,
+                            config=dict(spec_method=method_name, maxgram_read_tree=False, maxgram_tail=2,
                                         cuda_graphs=True, load_aware=False))
     assert [c.tokens for c in spec] == [c.tokens for c in plain]
-    tails = [d for d in core.runner.drafters if d.name == "maxgram"][0]._on_device
-    assert tails and all(dmg.history.table.is_cuda for dmg in tails.values())
+    if method_name == "cascade":
+        cascade = [d for d in core.runner.drafters if d.name == "cascade"][0].on_device
+        assert cascade.maxgram.history.table.is_cuda
+        assert core.runner.proposer.cache.captured.replays > 0
+    else:
+        tails = [d for d in core.runner.drafters if d.name == "maxgram"][0]._on_device
+        assert tails and all(dmg.history.table.is_cuda for dmg in tails.values())
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -200,11 +207,15 @@ def test_maxgram_on_the_device_proposes_what_the_host_proposes(compiled):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("method_name", method_names())
+@pytest.mark.parametrize("method_name", [*method_names(), "mcsd+maxgram-unread", "cascade-unread"])
 def test_a_mixed_batch_has_no_hidden_host_syncs(pair32, pair16, method_name, dtype):
+    """Each step: no synchronizing CUDA call but the reads the engine declares.  ``-unread``: with
+    ``maxgram_read_tree = false`` (the GPU preset's), one read a step."""
     target, draft = pair32 if dtype == torch.float32 else pair16
+    unread = method_name.endswith("-unread")
     core = EngineCore(target, draft, EngineConfig.from_settings(max_batch=8, max_model_len=128, tree=(2, 1, 1),
-                                                                spec_method=method_name))
+                                                                spec_method=method_name.removesuffix("-unread"),
+                                                                maxgram_read_tree=not unread))
     for i, name in enumerate(FEATURES):
         params = dict(FEATURES[name])
         if method_name == "mjsd-lossy" and name == "penalties":
@@ -222,7 +233,7 @@ def test_a_mixed_batch_has_no_hidden_host_syncs(pair32, pair16, method_name, dty
         # torch/cuda/streams.py), at most one per declared read; a step makes no device-wide wait (its
         # timings are CUDA events read after its read: engine.device.DeviceTimer)
         elsewhere = [f"{w.filename}:{w.lineno}" for w in syncs if not w.filename.endswith("torch/cuda/streams.py")]
-        if elsewhere or len(syncs) > counts["to_host"]:
+        if elsewhere or len(syncs) > counts["to_host"] or (unread and counts["to_host"] > 1):
             hidden.append((len(syncs), counts["to_host"], elsewhere))
         outs += step
     assert not [o.error for o in outs if o.error]

@@ -125,6 +125,21 @@ def test_maxgram_without_reading_the_tree_reads_once(pair, features, monkeypatch
     assert sum(s.drafted_tokens for s in stats) > 0
 
 
+@pytest.mark.parametrize("features", [["sampled"], list(FEATURES)], ids=["sampled-1", "mixed-8"])
+@pytest.mark.parametrize("method", method_names())
+def test_with_the_gpu_presets_settings_every_method_reads_once(pair, method, features, monkeypatch):
+    """``configs/gpu.toml``'s speculation settings (adaptive, load-aware, no level-by-level stop, Max-Gram
+    not reading the draft's tree): one read a step for every method, every sampling feature in the
+    batch (the cost curves fixed, as above)."""
+    flat = CostModel(target=CostCurve((1.0, 64.0), (0.010, 0.011)), draft=CostCurve((1.0, 64.0), (0.001, 0.002)))
+    monkeypatch.setattr(CostModel, "measure", classmethod(lambda cls, *args, **kwargs: flat))
+    _, steps = run_checked(pair, method, features, adaptive=True, load_aware=True, adaptive_level_stop=False,
+                           maxgram_read_tree=False)
+    for count, kinds, stacks in steps:
+        assert set(kinds) <= {"to_host"} and count <= 1, (kinds, "\n".join(stacks[:2]))
+    assert max(count for count, _, _ in steps) == 1
+
+
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
 @pytest.mark.parametrize("features", [["greedy"], ["sampled"] * 8, list(FEATURES)], ids=["greedy-1", "sampled-8",
                                                                                           "mixed-8"])
