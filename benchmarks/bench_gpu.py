@@ -553,7 +553,9 @@ def project(runs: list[dict], big: list[dict], args) -> list[dict]:
                 method = {"tree": "mcsd", "chain": "mcsd"}.get(kind) if not extra else None
                 if kind == "tree+maxgram" and extra == ["u"]:
                     method = "mcsd+maxgram"
-                step = [r for r in table if r["batch"] == 1 and r["graphs"] and r["tree"] == widths
+                if name == "cascade u":  # the cascade as here: its review rounds on the device (one read)
+                    method = "cascade"
+                step = [r for r in table if r["batch"] == 1 and r["graphs"] and (r["tree"] == widths or method == "cascade")
                         and r["method"] == method and r["config"] != "mcsd, target as draft"
                         and r["compiled"] == compiled]
                 if not step or not row.get("block_eff"):

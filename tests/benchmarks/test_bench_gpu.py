@@ -20,7 +20,9 @@ def test_bench_gpu_runs_on_the_cpu_and_its_figures_add_up(tmp_path, capsys):
         dict(config="chain 1", temperature=0.7, block_eff=1.5), dict(config="tree 9,9", temperature=0.0, block_eff=3.0),
         # Max-Gram's rows run as the GPU preset's (the draft's tree unread): only its "u" row is projected
         dict(config="tree+maxgram 2,1", temperature=0.0, block_eff=4.0),
-        dict(config="tree+maxgram 2,1 u", temperature=0.0, block_eff=3.5)])))
+        dict(config="tree+maxgram 2,1 u", temperature=0.0, block_eff=3.5),
+        # the cascade's likewise: the "u" row (its review rounds on the device)
+        dict(config="cascade", temperature=0.0, block_eff=3.2), dict(config="cascade u", temperature=0.0, block_eff=3.1)])))
     bench_gpu.main(["--device", "cpu", "--dtype", "fp32", "--target-shape", "tiny", "--draft-shape", "tiny",
                     "--big-shape", "", "--vocab", "101", "--rows", "1,4", "--reps", "1", "--batches", "1,2",
                     "--spec-batches", "1", "--trees", "2,1;1", "--new-tokens", "12", "--prompt-len", "16",
@@ -55,15 +57,19 @@ def test_bench_gpu_runs_on_the_cpu_and_its_figures_add_up(tmp_path, capsys):
     assert all(r["tok_step"] > 1.5 for r in self_draft)  # the target drafting for itself is accepted
     assert [r["declared"] for r in engine if r["config"] == "mcsd 2,1"] == [1.0] * 3  # the tree comes with verification
     assert [r["declared"] for r in engine if r["config"] == "mcsd+maxgram 2,1"] == [1.0] * 2  # Max-Gram reads no tree
+    assert [r["declared"] for r in engine if r["config"] == "cascade"] == [1.0]  # its rounds on the device
     # the same tree read after every level (never stopping): the same tokens, more reads
     (levels,) = [r for r in engine if r["config"] == "mcsd 2,1, a read per level"]
     (once,) = [r for r in engine if r["config"] == "mcsd 2,1" and r["graphs"] and not r["compiled"]]
     assert levels["tok_step"] == once["tok_step"] and levels["declared"] > 2
     projection = result["projection"]
     assert [(p["config"], p["temperature"], p["compiled"]) for p in projection] == [
-        ("tree 2,1", 0.0, False), ("chain 1", 0.7, False), ("tree+maxgram 2,1 u", 0.0, False),
+        ("tree 2,1", 0.0, False), ("chain 1", 0.7, False), ("tree+maxgram 2,1 u", 0.0, False), ("cascade u", 0.0, False),
         ("tree 2,1", 0.0, True), ("tree+maxgram 2,1 u", 0.0, True)]  # compiled: the first tree only
-    for p, compiled in ((projection[0], False), (projection[3], True)):  # each against plain decoding of its kind
+    (cascade,) = [r for r in engine if r["config"] == "cascade"]
+    assert projection[3]["projected"] == pytest.approx(3.1 * plain[0]["ms_step"] / cascade["ms_step"])
+    assert plain[0]["batch"] == 1 and plain[0]["graphs"] and not plain[0]["compiled"]
+    for p, compiled in ((projection[0], False), (projection[4], True)):  # each against plain decoding of its kind
         plain_ms = [r["ms_step"] for r in plain if r["batch"] == 1 and r["graphs"] and r["compiled"] == compiled]
         step_ms = [r["ms_step"] for r in engine if r["config"] == "mcsd 2,1" and r["graphs"]
                    and r["compiled"] == compiled]
