@@ -24,7 +24,9 @@ device. Per decoding step (the prefill step left out):
 * **serial ms**: the part of it from a read of the device to the next forward's launch (summed over
   the step's forwards; the gap after a step's read ends in the next step). A GPU has nothing queued
   then, so that time adds to the step's; the rest runs while the device works through what the
-  host queued, and costs time only where it outlasts the device's work.
+  host queued, and costs time only where it outlasts the device's work.  A read with the next
+  forward already queued behind it (``decode_ahead``, on here as on CUDA; ``--no-decode-ahead``:
+  off) starts no serial time.
 
 With ``--forward`` it also counts one forward's operators eagerly (every torch call in the layers)
 and, compiled (``graph_compile``), the launches of Inductor's code for one layer. Prints tables and
@@ -115,11 +117,12 @@ def _counting(counter_of, fn, on_call):
 
 
 def _engine(config: dict, batch: int, temperature: float, spec: bool, steps: int) -> EngineCore:
-    """The tiny pair on the fixed-shape path, ``batch`` requests added (long enough for ``steps``)."""
+    """The tiny pair on the fixed-shape path, ``batch`` requests added (long enough for ``steps``), set
+    as on CUDA: Max-Gram not reading the draft's tree, plain decoding ahead of its reads."""
     target, draft = tiny_loaded("qwen2", seed=0), tiny_loaded("qwen2", seed=1, layers=1)
     core = EngineCore(target, draft, EngineConfig.from_settings(
         max_batch=batch, max_model_len=512, static_shapes=True, graph_batches=(batch,), load_aware=False,
-        maxgram_read_tree=False, **config))
+        **{"maxgram_read_tree": False, "decode_ahead": "on", **config}))
     gen = torch.Generator().manual_seed(batch)
     for i in range(batch):
         ids = torch.randint(1, 100, (40,), generator=gen).tolist()
@@ -173,8 +176,8 @@ def time_steps(config: dict, batch: int, temperature: float, spec: bool, steps: 
             inside[0] += time.perf_counter() - t0
 
     def on_sync(label: str) -> None:
-        if label == "to_host":
-            read_at[0] = time.perf_counter()
+        if label == "to_host":  # (the next forward queued behind the read keeps the device busy)
+            read_at[0] = time.perf_counter() if core.runner.ahead is None else None
     forward = engine_graphs.static_hidden
     out = []
     with contextlib.ExitStack() as stack:
@@ -195,11 +198,14 @@ def time_steps(config: dict, batch: int, temperature: float, spec: bool, steps: 
 
 
 def _past_prefill(core: EngineCore) -> None:
-    """Steps until every request has its first token: the prefill steps are left out."""
+    """Steps until every request has its first token, and one more: the prefill steps are left out, and
+    so is the first decoding step, which runs its own forward and the next one's (``decode_ahead``)."""
     started: set[str] = set()
     waiting = len(core.scheduler.waiting) + len(core.scheduler.running)
     while len(started) < waiting and core.has_unfinished():
         started |= {out.request_id for out in core.step() if out.new_token_ids}
+    if core.has_unfinished():
+        core.step()
 
 
 def _count(core: EngineCore, counter: StepCounter, current: list, steps: int) -> list[dict]:
@@ -281,6 +287,8 @@ def main(argv=None) -> None:
                     help="also time this many steps: host ms outside the forwards (median; 0: no timing)")
     ap.add_argument("--forward", action=argparse.BooleanOptionalAction, default=True,
                     help="also count one forward's operators, eager and compiled")
+    ap.add_argument("--decode-ahead", action=argparse.BooleanOptionalAction, default=True,
+                    help="plain decoding queues its next forward before reading (decode_ahead, as on CUDA)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     with torch_formulation():  # what a GPU runs; this process's own kernels again afterwards
@@ -290,6 +298,7 @@ def main(argv=None) -> None:
 def run(args) -> None:
     rows = []
     for name, config, spec in parse_configs(args.configs):
+        config = {"decode_ahead": "on" if args.decode_ahead else "off", **config}
         for batch in (int(b) for b in args.batches.split(",")):
             for temperature in (float(t) for t in args.temperatures.split(",")):
                 per = count_steps(config, batch, temperature, spec, args.steps)

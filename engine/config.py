@@ -59,6 +59,10 @@ class EngineConfig:
                                   "graphs (Inductor fuses a layer's elementwise work: 27 torch kernels a layer "
                                   "eagerly); 4 graphs a model serve every bucket, kept in $MCSD_CACHE/inductor, and "
                                   "a layer that fails to compile is captured without it (logged)")
+    decode_ahead: str = setting("auto", "plain decoding queues the next step's forward on the device before the "
+                                "host reads this step's tokens, so the host's work between steps (output, "
+                                "scheduling) overlaps the device's; waiting requests join a step later.  "
+                                "'auto': on CUDA", choices=("auto", "on", "off"))
     static_shapes: bool = setting(False, "run every forward that fits a bucket through the padded fixed-shape path "
                                   "a CUDA graph replays, on any device (tests; off the GPU it is slower)",
                                   server=False)

@@ -94,6 +94,8 @@ class EngineCore:
         # structured outputs: the server compiles each request's grammar with this (off the event loop)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids, cfg.grammar_whitespace)
         self._stats: list[StepStats] = []
+        ahead = cfg.decode_ahead
+        self.decode_ahead = ahead == "on" or (ahead == "auto" and target.model.device.type == "cuda")
 
     def _new_cache(self, model: LoadedModel, max_len: int) -> KVCache:
         """A paged cache of ``kv_cache_tokens`` (default: ``max_batch`` sequences of ``max_len``) for one
@@ -245,7 +247,8 @@ class EngineCore:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        ahead = self.runner.ahead is not None  # this step's forward is queued already: no one joins it
+        plan = self.scheduler.schedule(admit=not ahead)
         stats = StepStats()
         stats.prefix_queried_tokens, stats.prefix_hit_tokens, stats.preemptions = self.scheduler.take_counts()
         outputs = []
@@ -257,10 +260,12 @@ class EngineCore:
                 outputs += [self._fail(seq, exc) for seq, exc in failed]
                 gone = {id(seq) for seq, _ in failed}
                 decode = [s for s in decode if id(s) not in gone]
+        if not decode or plan.prefill:
+            self.runner.drop_ahead()
         if decode:
-            plans = self._plan(decode)
+            plans = self.planner.plain(decode) if self.runner.ahead is not None else self._plan(decode)
             stats.budget = max(p.sub.num_nodes for p in plans)
-            step = self.runner.step(decode, plans, stats)
+            step = self.runner.step(decode, plans, stats, ahead=self._may_go_ahead(plan, plans))
             results, failed = step.results, step.failed
             for seq in step.stopped:
                 self.scheduler.stop_drafting(seq)
@@ -278,10 +283,23 @@ class EngineCore:
                     log.exception("postprocessing failed for request %s", res.seq.request_id)
                     failed.append((res.seq, exc))
             outputs += [self._fail(seq, exc) for seq, exc in failed]
+        if self.runner.ahead is not None and not self.scheduler.running:
+            self.runner.drop_ahead()  # every sequence it ran has ended
         stats.step_seconds = time.perf_counter() - t0
         if not plan.empty:
             self._stats.append(stats)
         return outputs
+
+    def _may_go_ahead(self, plan, plans: list[DraftPlan]) -> bool:
+        """Whether the step may queue the next step's forward before reading its tokens
+        (``decode_ahead``): the whole batch decodes plainly, without a grammar, none of it ends by its
+        token count this step, and no request waits to join."""
+        if not self.decode_ahead or plan.prefill or self.scheduler.waiting:
+            return False
+        if len(plan.decode) != len(self.scheduler.running):
+            return False
+        return all(not p.sub.num_nodes and not p.shares for p in plans) and all(
+            s.grammar is None and s.num_output + 1 < s.request.sampling.max_tokens for s in plan.decode)
 
     def _plan(self, seqs: list[Sequence]) -> list[DraftPlan]:
         """The step's plans; if planning fails, plain decoding for the step (speculation only saves

@@ -106,12 +106,35 @@ def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """Host copies of ``tensors`` behind a single synchronization with their device.  On CUDA the
     device's tensors travel in one non-blocking copy into pinned memory: their bytes packed into one
     buffer there (:func:`pack_bytes`), unpacked here as views of the pinned copy."""
-    for listener in sync_listeners:
-        listener("to_host")
+    return start_read(*tensors).wait()
+
+
+class Read:
+    """A read of device tensors whose copy is queued (:func:`start_read`): :meth:`wait` waits for that
+    copy alone, so work queued on the device after it (the next forward) does not delay it."""
+
+    def __init__(self, out: list[torch.Tensor], done: Optional["torch.cuda.Event"]) -> None:
+        self._out, self._done = out, done
+
+    def wait(self) -> list[torch.Tensor]:
+        """The host copies, behind the read's one synchronization (a declared read)."""
+        for listener in sync_listeners:
+            listener("to_host")
+        with _transfer():
+            if self._done is not None:
+                self._done.synchronize()
+            return [t.detach().cpu() for t in self._out]
+
+
+def start_read(*tensors: torch.Tensor) -> Read:
+    """Queues the copy of ``tensors`` to the host and returns at once; :meth:`Read.wait` gives them.
+    On CUDA the device's tensors are packed into one buffer (:func:`pack_bytes`) and copied in one
+    non-blocking copy into pinned memory, after which an event is recorded; elsewhere the copy is made
+    when waited for."""
+    cuda = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
+    if not cuda:
+        return Read(list(tensors), None)
     with _transfer():
-        cuda = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
-        if not cuda:
-            return [t.detach().cpu() for t in tensors]
         out = list(tensors)
         if len(cuda) == 1:
             out[cuda[0]] = tensors[cuda[0]].detach().to("cpu", non_blocking=True)
@@ -121,8 +144,9 @@ def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
             host.copy_(packed, non_blocking=True)
             for i, t in zip(cuda, unpack_bytes(host, layout)):
                 out[i] = t
-        torch.cuda.current_stream(tensors[cuda[0]].device).synchronize()
-        return out
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(tensors[cuda[0]].device))
+    return Read(out, done)
 
 
 Layout = list[tuple[int, int, torch.dtype, torch.Size]]
@@ -148,9 +172,13 @@ class Pending:
     """Results still on the device: ``tensors`` to bring back, and ``finish`` to turn their host
     copies into the answer.  Several pendings are read back together by :func:`finish_all`."""
 
-    def __init__(self, tensors: list[torch.Tensor], finish: Callable[[list[torch.Tensor]], object]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], finish: Callable[[list[torch.Tensor]], object],
+                 next_roots: Optional[torch.Tensor] = None) -> None:
         self.tensors = tensors
         self.finish = finish
+        #: [sequences] each sequence's next root token on the device, when the step is plain decoding: the
+        #: next forward's input, which the engine may run before the host reads it (``decode_ahead``)
+        self.next_roots = next_roots
 
     def result(self):
         return self.finish(to_host(*self.tensors))
@@ -158,12 +186,17 @@ class Pending:
     def then(self, fn: Callable[[object], object]) -> "Pending":
         """The same device results, with ``fn`` applied to this pending's answer."""
         finish = self.finish
-        return Pending(self.tensors, lambda host: fn(finish(host)))
+        return Pending(self.tensors, lambda host: fn(finish(host)), self.next_roots)
 
 
-def finish_all(pendings: list[Pending]) -> list:
-    """Every pending's answer, behind one synchronization for all of them."""
-    host = to_host(*[t for p in pendings for t in p.tensors]) if any(p.tensors for p in pendings) else []
+def finish_all(pendings: list[Pending], before_wait: Optional[Callable[[], None]] = None) -> list:
+    """Every pending's answer, behind one synchronization for all of them.  ``before_wait``: called
+    once the read is queued and before the host waits for it (work queued on the device then does
+    not delay the read)."""
+    read = start_read(*[t for p in pendings for t in p.tensors]) if any(p.tensors for p in pendings) else None
+    if before_wait is not None:
+        before_wait()
+    host = read.wait() if read is not None else []
     out, at = [], 0
     for p in pendings:
         out.append(p.finish(host[at: at + len(p.tensors)]))

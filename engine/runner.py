@@ -11,7 +11,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 from typing import Sequence as Sequence_
 
 import torch
@@ -47,6 +47,16 @@ class StepOutcome:
 
 
 @dataclass
+class _Ahead:
+    """The next step's target forward, run before the host read this step's tokens (``decode_ahead``):
+    plain decoding of ``seqs`` from the roots the step drew on the device."""
+
+    seqs: list[Sequence]
+    logits: torch.Tensor  # [len(seqs), 1, vocab]
+    seconds: float
+
+
+@dataclass
 class _Forward:
     """Sequences drafted and run through the target together: their plans, trees and block logits."""
 
@@ -75,6 +85,7 @@ class ModelRunner:
         self._observers = [d for d in self.drafters if hasattr(d, "observe")]  # Drafter.observe is optional
         without = proposer is None or proposer.without_replacement
         self.rules: dict[str, VerifyRule] = {LOSSLESS: LosslessRule(vocab_size, without), **(rules or {})}
+        self.ahead: Optional[_Ahead] = None  # the next step's forward, already queued (decode_ahead)
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Exception]]:
@@ -117,8 +128,13 @@ class ModelRunner:
             s.target_cached = end
 
     # ------------------------------------------------------------------ decode
-    def step(self, seqs: list[Sequence], plans: list[DraftPlan], stats: StepStats) -> StepOutcome:
+    def step(self, seqs: list[Sequence], plans: list[DraftPlan], stats: StepStats,
+             ahead: bool = False) -> StepOutcome:
         """Drafts, verifies and updates the caches of ``seqs`` (``plans[i]``: what sequence i drafts).
+
+        ``ahead``: when the step is plain decoding of the whole batch, the next step's forward of the
+        same sequences is queued on the device before the host waits for this step's tokens
+        (:meth:`_decode_ahead`); the next step then uses it (:attr:`ahead`) if its batch is among them.
 
         One request's failure is that request's alone:
 
@@ -130,12 +146,19 @@ class ModelRunner:
           time, so its failure costs the request none of its output; one that fails without
           speculation ends with the error."""
         out = StepOutcome()
-        forwards = self._forward_isolated(seqs, plans, out, stats)
+        forwards = self._from_ahead(seqs, plans) or self._forward_isolated(seqs, plans, out, stats)
         t1 = time.perf_counter()
         for f in forwards:
             plan_of = {id(s): p for s, p in zip(f.seqs, f.plans)}
-            results, failed = self._verify_all(f.seqs, f.trees, f.plans, f.logits)  # logits: [B, rows, vocab]
-            for res, exc in zip(results, self._update_caches(results)):
+            committed: set[int] = set()  # sequences whose caches the step updated before its read
+            go_ahead = (lambda pendings: self._decode_ahead(f.seqs, pendings, committed)) \
+                if ahead and len(forwards) == 1 and out.whole else None
+            results, failed = self._verify_all(f.seqs, f.trees, f.plans, f.logits, go_ahead)  # logits: [B, rows, vocab]
+            if committed:
+                out.whole = False  # the step's time holds the next forward's launch
+            updated = self._update_caches([r for r in results if id(r.seq) not in committed])
+            errors = iter(updated)
+            for res, exc in zip(results, [None if id(r.seq) in committed else next(errors) for r in results]):
                 if exc is not None:  # the engine ends this request, the others go on
                     log.error("cache update failed for request %s", res.seq.request_id, exc_info=exc)
                     failed.append((res.seq, exc))
@@ -152,6 +175,62 @@ class ModelRunner:
             stats.verify_seconds += max(0.0, f.draft.host_seconds() + f.seconds - draft)
         stats.verify_seconds += end - t1
         return out
+
+    def _from_ahead(self, seqs: list[Sequence], plans: list[DraftPlan]) -> list[_Forward]:
+        """The step's forward from :attr:`ahead`, when it ran this batch's plain step (every sequence
+        among its own, every plan plain); else [] (and its entries are discarded)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return []
+        at = {id(s): i for i, s in enumerate(ahead.seqs)}
+        if all(id(s) in at for s in seqs) and all(not p.sub.num_nodes and not p.shares for p in plans):
+            logits = _rows_of(ahead.logits, [at[id(s)] for s in seqs])
+            timer = DeviceTimer(self.target.device).start()
+            timer.stop()
+            return [_Forward(seqs, plans, [DraftTree(p.sub, []) for p in plans], logits, ahead.seconds, timer)]
+        self._undo(ahead)
+        return []
+
+    def drop_ahead(self) -> None:
+        """Undoes a queued next forward (:attr:`ahead`) that no step will use."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            self._undo(ahead)
+
+    def _undo(self, ahead: _Ahead) -> None:
+        """Discards what a forward ahead wrote into the caches of its sequences still holding a slot."""
+        for s in ahead.seqs:
+            if s.slot is not None:
+                self.cache.discard(s.slot)
+
+    def _decode_ahead(self, seqs: list[Sequence], pendings: list[Pending], committed: set[int]) -> None:
+        """Queues the next step's forward of ``seqs`` (the whole batch, decoding plainly) before the host
+        waits for this step's tokens: each sequence's root entry is kept now (a plain step always keeps
+        it), and the next forward runs the roots the step drew, still on the device, one position on.
+        Any failure leaves things as they were: the step goes on without it."""
+        if len(pendings) != 1 or pendings[0].next_roots is None or pendings[0].next_roots.shape[0] != len(seqs):
+            return
+        slots = [s.slot for s in seqs]
+        try:
+            outcome = self.cache.keep_many([(slot, [0]) for slot in slots])
+            if any(exc is not None for exc in outcome):
+                raise next(exc for exc in outcome if exc is not None)
+        except Exception:  # noqa: BLE001 - the step's own update will try again (and fail alone)
+            log.exception("keeping the root entries before the read failed; decoding without going ahead")
+            return
+        for s in seqs:
+            s.target_cached = len(s.tokens)
+            committed.add(id(s))
+        t0 = time.perf_counter()
+        try:
+            blocks = [Block(s.slot, [0], [len(s.tokens)], [0]) for s in seqs]
+            out, _ = run_blocks(self.target, self.cache, blocks, ids=pendings[0].next_roots[:, None])
+        except Exception:  # noqa: BLE001 - the next step runs its own forward
+            log.exception("the forward ahead failed; the next step runs its own")
+            for s in seqs:
+                self.cache.discard(s.slot)
+            return
+        self.ahead = _Ahead(list(seqs), out.logits, time.perf_counter() - t0)
 
     def _forward(self, seqs: list[Sequence], plans: list[DraftPlan], stats: StepStats) -> _Forward:
         """Drafts the sequences' trees and runs the target over them, in one forward."""
@@ -229,7 +308,8 @@ class ModelRunner:
             seq.draft_cached = draft_cached
 
     def _verify_all(self, seqs: list[Sequence], trees: list[DraftTree], plans: list[DraftPlan],
-                    logits: torch.Tensor) -> tuple[list[SeqStepResult], list[tuple[Sequence, Exception]]]:
+                    logits: torch.Tensor, before_wait: Optional[Callable[[list[Pending]], None]] = None,
+                    ) -> tuple[list[SeqStepResult], list[tuple[Sequence, Exception]]]:
         """Verifies every tree by its method's rule (``Method.rule``; the lossless one when the rule
         declines the tree), each rule over its sequences at once, then reads every decision back
         together.  A failure is isolated to the sequences it belongs to: when the batch fails, each
@@ -249,7 +329,9 @@ class ModelRunner:
         done: dict[int, SeqStepResult] = {}
         failed: list[tuple[Sequence, Exception]] = []
         try:  # every rule decides on the device, then one read for all of them
-            for (idx, _), results in zip(groups, finish_all([start(idx, rule) for idx, rule in groups])):
+            pendings = [start(idx, rule) for idx, rule in groups]
+            wait = (lambda: before_wait(pendings)) if before_wait is not None else None
+            for (idx, _), results in zip(groups, finish_all(pendings, wait)):
                 done.update(zip(idx, results))
         except Exception:  # noqa: BLE001 - find whose it is: verify each sequence alone
             log.exception("verifying the batch failed; verifying its sequences one by one")

@@ -53,15 +53,17 @@ class Scheduler:
         self.waiting.append(seq)
         self._by_id[seq.request_id] = seq
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, admit: bool = True) -> SchedulerOutput:
         """The step's prefill chunks and decoding sequences.  When the pools cannot hold what they
         would append, the most recently admitted sequences are preempted (their blocks freed, their
-        tokens kept) and recomputed later from the prefix cache, until the step fits."""
+        tokens kept) and recomputed later from the prefix cache, until the step fits.  ``admit``:
+        False holds waiting requests back for this step (its forward already ran: ``decode_ahead``)."""
         for seq in self.running:  # what earlier steps committed becomes shareable
             self.prefix.publish(seq.slot, seq.tokens, seq.target_cached)
             if seq.draft_slot is not None:
                 self.draft_prefix.publish(seq.draft_slot, seq.tokens, seq.draft_cached)
-        self._admit()
+        if admit:
+            self._admit()
         while True:
             out = self._plan()
             if self._fits(out) or len(self.running) == 1:

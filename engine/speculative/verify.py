@@ -491,4 +491,4 @@ class LosslessRule:
         def unpack(host: list[torch.Tensor]) -> list[SeqStepResult]:
             return [SeqStepResult(s, VerifyResult([], [tok], True, 0, [0]), t, None, raw[i])
                     for i, (s, t, tok) in enumerate(zip(seqs, trees, host[0].tolist()))]
-        return Pending([tokens], unpack)
+        return Pending([tokens], unpack, next_roots=tokens)

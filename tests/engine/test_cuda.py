@@ -138,6 +138,32 @@ def test_graph_replay_equals_eager(pair32, method_name, sampling):
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_decoding_ahead_gives_the_same_tokens(pair32, sampling):
+    """``decode_ahead`` (on by default on CUDA): plain decoding with the next step's forward replayed
+    before the host reads the step's tokens, requests joining: the tokens of the engine without it, and
+    one declared read a step with no device-wide wait."""
+    target, _ = pair32
+    params = dict(temperature=0.0) if sampling == "greedy" else dict(temperature=0.9, top_p=0.9, seed=5)
+    runs = []
+    for ahead in ("off", "on"):
+        out, core = run_engine(target, None, PROMPTS * 2, max_batch=8, join_every=1, max_tokens=20, ignore_eos=True,
+                               config=dict(decode_ahead=ahead, cuda_graphs=True), **params)
+        runs.append([c.tokens for c in out])
+    assert core.decode_ahead and core.cache.captured.replays > 0
+    assert runs[1] == runs[0]
+    core = EngineCore(target, None, EngineConfig.from_settings(max_batch=8, max_model_len=128))
+    assert core.decode_ahead  # "auto"
+    for i, prompt in enumerate(PROMPTS * 2):
+        core.add_request(GenerationRequest(f"r{i}", prompt, SamplingParams(max_tokens=12, ignore_eos=True, **params),
+                                           SpecOptions()))
+    while core.has_unfinished():
+        with engine_device.sync_report() as report:
+            core.step()
+        assert report.declared["to_host"] <= 1 and not report.declared["synchronize"]
+        assert all(w.filename.endswith("torch/cuda/streams.py") for w in report.reported)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_compiled_graph_replay_equals_eager(pair32, sampling):
     """``graph_compile``: every layer compiled (Inductor's fused kernels) before capture gives the
     eager engine's tokens, plain and speculating, in fp32 with TF32 off; compiling worked for both
