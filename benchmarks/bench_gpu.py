@@ -198,7 +198,7 @@ def forward_curve(lm: LoadedModel, rows: list[int], context: int, reps: int, dev
     slot = cache.allocate()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, lm.config.vocab_size, (1, context + max(rows)), generator=gen).to(device)
-    pos = torch.arange(context + max(rows), device=device)[None]
+    pos = torch.arange(context + max(rows))[None]  # positions are the host's (the fixed-shape path packs them there)
     with torch.inference_mode():
         model(ids[:, :context], pos[:, :context], cache, [slot], logits_rows=torch.tensor([[context - 1]], device=device))
         cache.commit(slot)
@@ -456,7 +456,11 @@ def run_parts(configs: list[tuple], target: LoadedModel, args, floor_ms_at, titl
     for part in ([c for c in configs if not c[7]], [c for c in configs if c[7]]):
         if not part:
             continue
-        rows = run_configs(part, target, args)
+        def partial(rows: list[dict]) -> None:  # after each timed round: a run cut short keeps these
+            with_ratios(rows, floor_ms_at)
+            done(out + rows)
+
+        rows = run_configs(part, target, args, partial)
         with_ratios(rows, floor_ms_at)
         print(f"\n{title}" + ("; every layer compiled (graph_compile), in rounds of their own" if part[0][7] else ""))
         print_engine_table(rows)
@@ -477,9 +481,11 @@ def with_ratios(runs: list[dict], floor_ms_at) -> None:
         r["x_plain_step"] = r["ms_step"] / plain_ms[r["batch"]] if r["batch"] in plain_ms else None
 
 
-def run_configs(configs: list[tuple], target: LoadedModel, args) -> list[dict]:
+def run_configs(configs: list[tuple], target: LoadedModel, args, partial=None) -> list[dict]:
     """Every configuration in interleaved rounds (each round in another order), each on its own core
-    made once; then one short run per configuration under torch's sync debug mode for the counts."""
+    made once; then one short run per configuration under torch's sync debug mode for the counts.
+    ``partial(rows)``: after each timed round, the rows so far (medians of the rounds run; no sync
+    counts yet)."""
     cores = {}
     t0 = time.perf_counter()
     for i, (name, batch, d, spec_on, t, method, graphs, compiled) in enumerate(configs):
@@ -497,9 +503,20 @@ def run_configs(configs: list[tuple], target: LoadedModel, args) -> list[dict]:
             (warm if rnd < args.warmup_rounds else samples)[i].append(run)
         kind = "warm-up round" if rnd < args.warmup_rounds else "round"
         print(f"{kind} {rnd + 1}/{args.warmup_rounds + args.rounds} done", flush=True)
+        if partial is not None and rnd >= args.warmup_rounds:
+            partial(_rows(configs, cores, samples, warm, [dict(declared=None, waits=None, cuda_syncs=None)] * len(configs)))
+    syncs = [engine_run(cores[i], c[1], args.prompt_len, 8, c[3], True) for i, c in enumerate(configs)]
+    runs = _rows(configs, cores, samples, warm, syncs)
+    del cores
+    return runs
+
+
+def _rows(configs: list[tuple], cores: dict, samples: dict, warm: dict, syncs: list[dict]) -> list[dict]:
+    """One result row a configuration: the medians of its timed rounds, its sync counts (``syncs[i]``)
+    and what capturing its graphs took."""
     runs = []
     for i, (name, batch, d, spec_on, t, method, graphs, compiled) in enumerate(configs):
-        s = engine_run(cores[i], batch, args.prompt_len, 8, spec_on, True)
+        s = syncs[i]
         med = {k: statistics.median(x[k] for x in samples[i]) for k in ("tok_s", "ms_step", "host_ms_step", "tok_step")}
         captured = cores[i].capture_reports
         runs.append(dict(samples[i][0], **med, config=name, method=method, graphs=graphs, compiled=compiled,
@@ -512,7 +529,6 @@ def run_configs(configs: list[tuple], target: LoadedModel, args) -> list[dict]:
                          layers_compiled=all(r.compiled for r in captured.values()) if captured else False,
                          capture_s=sum(r.seconds for r in captured.values()),
                          graph_pool_mib=sum(r.pool_bytes for r in captured.values()) / 2**20))
-    del cores
     return runs
 
 

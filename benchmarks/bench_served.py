@@ -256,6 +256,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                              engine_rounds=[s["tok_s"] for s in samples["engine"]],
                              served_rounds=[s["tok_s"] for s in samples[mode]],
                              tokens=samples[mode][0]["tokens"]))
+        write_json("served.json", dict(machine=info, args=vars(args), rows=rows), args.out, quiet=True)  # so far
     print(f"\nserved / engine throughput, {args.max_tokens} tokens a request, median of {args.rounds} rounds")
     print_table(rows, [("concurrency", "streams", "d"), ("serve", "engine runs in", "s"),
                        ("engine_tok_s", "engine alone tok/s", ".1f"), ("served_tok_s", "served tok/s", ".1f"),

@@ -136,9 +136,12 @@ def print_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> None:
         print(" | ".join(format(r.get(k, float("nan")), f) if r.get(k) is not None else "-" for k, _, f in cols))
 
 
-def write_json(name: str, payload: dict, out: Optional[str] = None) -> Path:
+def write_json(name: str, payload: dict, out: Optional[str] = None, quiet: bool = False) -> Path:
+    """Writes ``payload`` to ``out`` (default ``benchmarks/results/NAME``); ``quiet``: without saying so
+    (a result saved as it grows)."""
     path = Path(out) if out else RESULTS / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))
-    print(f"\nwrote {path}")
+    if not quiet:
+        print(f"\nwrote {path}")
     return path

@@ -289,7 +289,9 @@ class CapturedForwards:
         self.layer_step: Optional[Callable] = compiled_layer() if compile else None
         self._by_bucket: dict[Bucket, _Captured] = {}
         self._failed: set[Bucket] = set()  # buckets whose capture failed: their forwards run dynamically
-        self._rope = model.rope  # the rotary tables the graphs read (replacing them would strand the graphs)
+        # the rotary tables the graphs read, kept alive: a longer cache on the same model (a second engine)
+        # rebuilds the model's, and the graphs captured before go on reading these, which cover this cache
+        self._rope = model.rope
         self._pool = None
         self.replays = 0  # forwards run through a bucket (tests and the benchmark read it)
         self.fallbacks = 0  # forwards that fit no bucket
@@ -315,8 +317,6 @@ class CapturedForwards:
         """Hidden states [len(slots), rows, hidden] of one forward run in ``bucket`` (rows past a
         sequence's count are padding).  The caller reserved the slots' blocks; it advances them.
         ``shift`` ([len(slots)], on the device): added to each sequence's positions there."""
-        if self.graphs and self.model.rope is not self._rope:
-            raise RuntimeError("the model's rotary tables were rebuilt after its CUDA graphs were captured")
         entry = self._by_bucket.get(bucket)
         if entry is None:
             entry = self._prepare(bucket)

@@ -23,19 +23,23 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
     2>&1 | tee -a "$DIR/gpu_info.log"
 # Each part has a time limit (TESTS_S, BENCH_S, SERVED_S seconds), so that the whole script fits one
-# device call of 10 minutes: a part that hangs is cut, and the others still run.
-timeout "${TESTS_S:-180}" "$PY" -m pytest -q -m gpu -p no:cacheprovider --timeout 120 --durations=5 \
+# device call of 10 minutes with room for the wheels and the imports: a part that hangs is cut, and the
+# others still run.  Each part keeps what it measured as it goes (the CUDA tests that compile with
+# Inductor come last in their file; bench_gpu.py saves its rows after every timed round, bench_served.py
+# after every concurrency).
+timeout "${TESTS_S:-160}" "$PY" -m pytest -q -m gpu -p no:cacheprovider --timeout 120 --durations=5 \
     tests/engine/test_cuda.py 2>&1 | tee "$DIR/gpu_tests.log"
 tests=${PIPESTATUS[0]}
 # without arguments: a run sized to fit (fewer new tokens, repetitions and trees than bench_gpu.py's
-# defaults; the compiled-layer rows, --compile, are in)
-[ "$#" -gt 0 ] || set -- --new-tokens 32 --reps 5 --rows 1,8,32 --trees "4,2,2;4,2,2,1;2,1,1"
-timeout "${BENCH_S:-300}" "$PY" benchmarks/bench_gpu.py --out "$DIR/gpu.json" \
+# defaults, speculation at batch 1 only, where its goals are; the compiled-layer rows, --compile, and
+# the 7B shape are in)
+[ "$#" -gt 0 ] || set -- --new-tokens 32 --reps 5 --rows 1,8,32 --trees "4,2,2;2,1,1" --spec-batches 1 --warmup-s 3
+timeout "${BENCH_S:-290}" "$PY" benchmarks/bench_gpu.py --out "$DIR/gpu.json" \
     --host-profile "$DIR/gpu_host_profile.txt" "$@" 2>&1 | tee "$DIR/gpu_bench.log"
 bench=${PIPESTATUS[0]}
 # the HTTP layer at GPU speeds: served / engine-alone throughput at 8 and 32 streams
 # , with the engine in the server's process and in one of its own (--engine-process)
-timeout "${SERVED_S:-100}" "$PY" benchmarks/bench_served.py --device cuda --shape qwen2.5-1.5b --concurrency 8,32 \
+timeout "${SERVED_S:-90}" "$PY" benchmarks/bench_served.py --device cuda --shape qwen2.5-1.5b --concurrency 8,32 \
     --max-tokens 128 --rounds 2 --serve thread,process --out "$DIR/served.json" 2>&1 | tee "$DIR/gpu_served.log"
 served=${PIPESTATUS[0]}
 echo "tests: exit $tests; benchmark: exit $bench; served: exit $served (124: cut at its time limit)"

@@ -174,6 +174,25 @@ def test_the_compiled_proposal_is_the_eager_one() -> None:
         assert want == [host_proposal(mg, s, p, c, 9) for s, p, c in cases]
 
 
+def test_after_the_warm_up_no_batch_compiles_again() -> None:
+    """Compiled at start-up for one sequence and for two (``warm_up``), the proposal serves every batch
+    size without compiling again, also a batch as large as the proposals' width (2, the GPU preset's
+    tail) or the n-gram length: sizes are never assumed equal ("duck" sizes)."""
+    from torch._dynamo.utils import counters
+
+    rng = random.Random(5)
+    mg = MaxGramDrafter(max_len=8, max_ngram=4, bigram=BigramTable({a: (a * 2) % 5 for a in range(5)}))
+    compiled = DeviceMaxGram(mg, CPU, compiled=True, width=2)
+    compiled.warm_up()
+    graphs = counters["stats"]["unique_graphs"]
+    for n in (3, 4, 5, 8):
+        cases = [random_case(rng, 5) for _ in range(n)]
+        seqs, paths, caps = [c[0] for c in cases], [c[1] for c in cases], [min(c[2], 2) for c in cases]
+        assert device_proposals(compiled, seqs, paths, caps, 2) == [host_proposal(mg, s, p, c, 2)
+                                                                     for s, p, c in zip(seqs, paths, caps)]
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 @pytest.mark.parametrize("settings,compiles", [
     (dict(graph_compile=True, maxgram_read_tree=False), True),
     (dict(graph_compile=False, maxgram_read_tree=False), False),
