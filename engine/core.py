@@ -263,9 +263,13 @@ class EngineCore:
         if not decode or plan.prefill:
             self.runner.drop_ahead()
         if decode:
-            plans = self.planner.plain(decode) if self.runner.ahead is not None else self._plan(decode)
+            # the planner is asked every step; when the step's forward already ran ahead, its plans wait
+            # a step (the step decodes plainly), and the next forward is queued ahead only if it too
+            # planned plain decoding
+            wish = self._plan(decode)
+            plans = self.planner.plain(decode) if self.runner.ahead is not None else wish
             stats.budget = max(p.sub.num_nodes for p in plans)
-            step = self.runner.step(decode, plans, stats, ahead=self._may_go_ahead(plan, plans))
+            step = self.runner.step(decode, plans, stats, ahead=self._may_go_ahead(plan, wish))
             results, failed = step.results, step.failed
             for seq in step.stopped:
                 self.scheduler.stop_drafting(seq)

@@ -201,3 +201,31 @@ def test_auto_is_on_for_cuda_only(tiny_pair):
     target, draft = tiny_pair
     assert not EngineCore(target, draft, EngineConfig.from_settings(max_model_len=64)).decode_ahead  # the CPU
     assert EngineCore(target, draft, EngineConfig.from_settings(max_model_len=64, decode_ahead="on")).decode_ahead
+
+
+def test_speculation_resumes_when_the_planner_wants_it(tiny_pair, used, monkeypatch):
+    """The planner is still asked every step: a batch that decoded plainly ahead of its reads goes back
+    to speculating (a step later) when the planner plans drafting again, as a load-aware budget does
+    when the batch shrinks.  Here the planner plans plain steps for the first four steps, then its own
+    plans; greedy, the tokens are those of the engine without decoding ahead (a seeded request's would
+    not be: its step after the plain ones decodes plainly, which draws other numbers than a
+    speculative step)."""
+    from engine.speculative.planner import Planner
+
+    original = Planner.plan
+    calls = [0]
+
+    def plain_first(self, seqs):
+        calls[0] += 1
+        return self.plain(seqs) if calls[0] <= 4 else original(self, seqs)
+    monkeypatch.setattr(Planner, "plan", plain_first)
+    target, draft = tiny_pair
+    reqs = requests({"greedy": FEATURES["greedy"], "logit-bias": FEATURES["logit-bias"]}, max_tokens=20, spec=True)
+    base = drive(target, draft, reqs, "off")
+    drafted_base = sum(s.drafted_tokens for s in base[2].drain_step_stats())
+    calls[0] = 0
+    used[0] = 0
+    ahead = drive(target, draft, reqs, "on")
+    assert ahead[:2] == base[:2]
+    assert used[0] >= 3  # the plain steps ran ahead
+    assert sum(s.drafted_tokens for s in ahead[2].drain_step_stats()) > 0 < drafted_base  # then it drafted
