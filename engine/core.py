@@ -214,6 +214,8 @@ class EngineCore:
         seq = self.scheduler.find(request_id)
         if seq is not None:
             self.scheduler.finish(seq)
+            if not self.scheduler.running:
+                self.runner.drop_ahead()  # a forward queued for the batch has no one left to serve
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)

@@ -130,6 +130,22 @@ def test_an_aborted_request_leaves_nothing_and_the_rest_go_on(tiny_pair, used, l
     assert used[0] >= 5
 
 
+def test_aborting_the_whole_batch_leaves_no_forward_queued(tiny_pair):
+    """The last running request aborted between steps: the forward queued for it is undone at once, so
+    the next request is admitted at the next step."""
+    target, draft = tiny_pair
+    core = EngineCore(target, draft, EngineConfig.from_settings(max_batch=8, max_model_len=128, decode_ahead="on"))
+    (rid, prompt, params, spec), (rid2, prompt2, params2, spec2) = requests(PLAIN_FEATURES, max_tokens=14)[:2]
+    core.add_request(GenerationRequest(rid, prompt, params, spec))
+    for _ in range(3):
+        core.step()
+    assert core.runner.ahead is not None
+    core.abort_request(rid)
+    assert core.runner.ahead is None and core.cache.used_blocks == 0
+    core.add_request(GenerationRequest(rid2, prompt2, params2, spec2))
+    assert core.step()[0].new_token_ids  # admitted and prefilled at once
+
+
 def test_a_forward_ahead_no_step_uses_is_undone(tiny_pair, logits, monkeypatch):
     """Dropped after every step that queued one (as when its batch changes): its cache entries are
     discarded, and each next step runs its own forward from the right place."""
