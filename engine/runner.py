@@ -210,17 +210,18 @@ class ModelRunner:
         Any failure leaves things as they were: the step goes on without it."""
         if len(pendings) != 1 or pendings[0].next_roots is None or pendings[0].next_roots.shape[0] != len(seqs):
             return
-        slots = [s.slot for s in seqs]
         try:
-            outcome = self.cache.keep_many([(slot, [0]) for slot in slots])
-            if any(exc is not None for exc in outcome):
-                raise next(exc for exc in outcome if exc is not None)
-        except Exception:  # noqa: BLE001 - the step's own update will try again (and fail alone)
+            outcome = self.cache.keep_many([(s.slot, [0]) for s in seqs])
+        except Exception:  # noqa: BLE001 - the step's own update tries again, and a failure there is per request
             log.exception("keeping the root entries before the read failed; decoding without going ahead")
             return
-        for s in seqs:
-            s.target_cached = len(s.tokens)
-            committed.add(id(s))
+        for s, exc in zip(seqs, outcome):
+            if exc is None:  # kept: the step's own update leaves it alone
+                s.target_cached = len(s.tokens)
+                committed.add(id(s))
+        if len(committed) < len(seqs):
+            log.error("keeping a root entry before the read failed; decoding without going ahead")
+            return
         t0 = time.perf_counter()
         try:
             blocks = [Block(s.slot, [0], [len(s.tokens)], [0]) for s in seqs]
