@@ -273,7 +273,9 @@ def start_verify(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, uniform
     if raw_logits is not None:
         emitted_rows = torch.cat([torch.zeros_like(n), (path + 1).clamp(min=0)], dim=1)  # [B, D+1]
         packed += emitted_logprobs(raw_logits[:, :r], emitted_rows, emitted, logprobs)
-    return Pending(packed, lambda host: _unpack(host, trees.depth, logprobs))
+    # every tree empty: plain decoding (with logprobs), whose next roots the engine may run ahead
+    return Pending(packed, lambda host: _unpack(host, trees.depth, logprobs),
+                   next_roots=final if trees.depth == 0 else None)
 
 
 def emitted_logprobs(raw: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,

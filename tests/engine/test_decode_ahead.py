@@ -14,7 +14,7 @@ from engine.request import GenerationRequest, SamplingParams, SpecOptions
 from tests.device_check import DeviceCheck, mark_engine
 from tests.engine.test_device import FEATURES
 
-PLAIN_FEATURES = {k: v for k, v in FEATURES.items() if k != "logprobs"}  # logprobs: no plain step's tokens
+PLAIN_FEATURES = dict(FEATURES)
 
 
 @pytest.fixture
@@ -57,7 +57,8 @@ def drive(target, draft, requests, ahead: str, join_every: int = 0, abort_at: di
     core = EngineCore(target, draft, EngineConfig.from_settings(max_batch=8, max_model_len=128, tree=(2, 1),
                                                                 decode_ahead=ahead, **config))
     out = {rid: [] for rid, *_ in requests}
-    reasons = {}
+    reasons: dict = {}
+    logprobs: dict = {rid: [] for rid, *_ in requests}
     pending, steps = list(requests), 0
     while pending or core.has_unfinished():
         if pending and (join_every == 0 or steps % join_every == 0):
@@ -71,12 +72,13 @@ def drive(target, draft, requests, ahead: str, join_every: int = 0, abort_at: di
         for o in core.step():
             assert o.error is None, o.error
             out[o.request_id] += o.new_token_ids
+            logprobs[o.request_id] += o.logprobs or []
             if o.finished:
                 reasons[o.request_id] = o.finish_reason
         steps += 1
     assert core.runner.ahead is None
     assert core.cache.used_blocks == 0 and core.cache.free_slots == core.cache.num_slots  # nothing left behind
-    return out, reasons, core
+    return out, reasons, core, logprobs
 
 
 def requests(features: dict, max_tokens: int = 14, spec: bool = False):
@@ -88,10 +90,10 @@ def requests(features: dict, max_tokens: int = 14, spec: bool = False):
 
 @pytest.mark.parametrize("join_every", [0, 2], ids=["together", "joining"])
 def test_every_sampling_feature_gives_the_same_tokens(tiny_pair, used, logits, join_every):
-    """Greedy, sampled, top-k/p/min-p, seeded, penalties (counted by the host after the forward ran
-    ahead: sampling still waits for them), logit bias and stop strings, eight requests of different
-    lengths, all at once or joining: the tokens and finish reasons of the engine without it, from the
-    same logits bit for bit (the CPU's rows are batch-invariant)."""
+    """Greedy, sampled, top-k/p/min-p, seeded, logprobs, penalties (counted by the host after the
+    forward ran ahead: sampling still waits for them), logit bias and stop strings, eight requests of
+    different lengths, all at once or joining: the tokens, logprobs and finish reasons of the engine
+    without it, from the same logits bit for bit (the CPU's rows are batch-invariant)."""
     target, draft = tiny_pair
     reqs = requests(PLAIN_FEATURES)
     base = drive(target, draft, reqs, "off", join_every)
@@ -99,14 +101,15 @@ def test_every_sampling_feature_gives_the_same_tokens(tiny_pair, used, logits, j
     logits.clear()
     used[0] = 0
     ahead = drive(target, draft, reqs, "on", join_every)
-    assert ahead[:2] == base[:2]
+    assert ahead[:2] == base[:2] and ahead[3] == base[3]
+    assert any(ahead[3].values())  # the logprobs request's
     assert same_logits(logits, base_logits)
     assert used[0] >= 5  # it ran ahead
 
 
-def test_it_waits_for_speculation_logprobs_and_grammars(tiny_pair, used):
-    """A step where any request speculates, or one asks for logprobs, reads before its next forward:
-    the tokens are the same, and nothing ran ahead while such a request was in the batch."""
+def test_it_waits_for_speculation(tiny_pair, used):
+    """A step where any request speculates reads before its next forward: the tokens are the same, and
+    nothing ran ahead while such a request was in the batch."""
     target, draft = tiny_pair
     reqs = requests({"greedy": FEATURES["greedy"], "sampled": FEATURES["sampled"]}, spec=True)
     reqs += requests({"logprobs": FEATURES["logprobs"]})
