@@ -14,7 +14,9 @@ not speedups:
   fuses a layer's elementwise work), the kernels a captured graph of it replays;
 * **engine**: ``EngineCore`` steps of greedy requests, each configuration on its own core (its CUDA
   graphs captured once, at its start), in ``--rounds`` interleaved rounds after ``--warmup-rounds``
-  untimed ones: plain decoding at ``--batches`` with graphs and without, and at ``--spec-batches``
+  untimed ones: plain decoding at ``--batches`` with graphs and without, and with graphs but reading
+  each step before the next forward (``decode_ahead`` off: what queuing it ahead saves), and at
+  ``--spec-batches``
   the draft-model trees ``--trees``, Max-Gram, mcsd+maxgram, the cascade, the target as its own draft
   (every token accepted: the ceiling of tokens per step), the GPU preset's adaptive speculation (which
   should fall back to about plain decoding's step where, as with random weights, drafting cannot
@@ -250,6 +252,9 @@ ADAPTIVE = "adaptive mcsd+maxgram"
 #: the fixed tree drafted as the CPU default's level-by-level SpecDec++ stop drafts it, a host read after
 #: every level, but never stopping (threshold 1): against the same tree read once, the price of those reads
 LEVEL_READS = "mcsd, a read per level"
+#: plain decoding that reads each step's tokens before it launches the next forward (decode_ahead off):
+#: against "plain" (ahead, the default on CUDA), what queuing the next forward before the read saves
+READ_FIRST = "plain, read before the next forward"
 
 
 def engine_core(target, draft, batch: int, prompt_len: int, new_tokens: int, tree, method: str,
@@ -259,12 +264,13 @@ def engine_core(target, draft, batch: int, prompt_len: int, new_tokens: int, tre
     adaptive depth, no load-aware budget) unless ``method`` is :data:`ADAPTIVE`, which measures its cost
     curve at start and may choose plain decoding or Max-Gram where the draft cannot pay (with random
     weights it cannot).  ``compiled``: each layer compiled before capture (``graph_compile``)."""
-    adaptive, level_reads = method == ADAPTIVE, method == LEVEL_READS
+    adaptive, level_reads, read_first = method == ADAPTIVE, method == LEVEL_READS, method == READ_FIRST
     # Max-Gram as the GPU preset runs it: the draft's tokens stay on the device (one read a step), its tail
     # proposed there, 2 tokens at most
     extra = dict(adaptive_threshold=1.0) if level_reads else {}
     config = EngineConfig.from_settings(max_batch=batch, max_model_len=prompt_len + new_tokens + 64, tree=tree,
-                                        spec_method="mcsd+maxgram" if adaptive else "mcsd" if level_reads else method,
+                                        spec_method="mcsd+maxgram" if adaptive else "mcsd" if level_reads or read_first
+                                        else method, decode_ahead="off" if read_first else "auto",
                                         adaptive=adaptive or level_reads, load_aware=adaptive,
                                         adaptive_level_stop=level_reads, cuda_graphs=graphs, graph_batches=(batch,),
                                         graph_compile=compiled, maxgram_read_tree=False, maxgram_tail=2, **extra)
@@ -390,6 +396,7 @@ def main(argv=None) -> None:
 
     # (name, batch, draft, speculating, tree, method, graphs, layers compiled)
     configs = [("plain", b, draft, False, (), "mcsd", g, False) for b in batches for g in (True, False)]
+    configs += [(READ_FIRST, b, draft, False, (), READ_FIRST, True, False) for b in batches]
     configs += [("plain", b, draft, False, (), "mcsd", True, True) for b in batches if args.compile]
     for b in spec_batches:
         for t in trees:

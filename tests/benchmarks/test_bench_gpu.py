@@ -36,6 +36,7 @@ def test_bench_gpu_runs_on_the_cpu_and_its_figures_add_up(tmp_path, capsys):
     engine = result["engine"]
     assert sorted((r["config"], r["batch"], r["graphs"], r["compiled"]) for r in engine) == sorted([
         ("plain", 1, True, False), ("plain", 1, False, False), ("plain", 2, True, False), ("plain", 2, False, False),
+        (bench_gpu.READ_FIRST, 1, True, False), (bench_gpu.READ_FIRST, 2, True, False),
         ("mcsd 2,1", 1, True, False), ("mcsd 1", 1, True, False), ("maxgram", 1, True, False),
         ("cascade", 1, True, False), ("mcsd+maxgram 2,1", 1, True, False), ("adaptive (GPU preset)", 1, True, False),
         ("mcsd 2,1, a read per level", 1, True, False), ("mcsd, target as draft", 1, True, False),
