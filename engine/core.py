@@ -299,9 +299,9 @@ class EngineCore:
     def _may_go_ahead(self, plan, plans: list[DraftPlan]) -> bool:
         """Whether the step may queue the next step's forward before reading its tokens
         (``decode_ahead``): the whole batch decodes plainly, without a grammar, none of it ends by its
-        token count this step, and no request waits to join."""
-        if not self.decode_ahead or plan.prefill or self.scheduler.waiting:
-            return False
+        token count this step, and no waiting request could join now."""
+        if not self.decode_ahead or plan.prefill or (self.scheduler.waiting and self.scheduler.free_slots):
+            return False  # (a request that could join now would wait a step)
         if len(plan.decode) != len(self.scheduler.running):
             return False
         return all(not p.sub.num_nodes and not p.shares for p in plans) and all(

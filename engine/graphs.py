@@ -194,11 +194,13 @@ def place_block_mask(buffer: torch.Tensor, mask: torch.Tensor, real: torch.Tenso
     buffer[:b, :t, :w] = mask & real
 
 
-def static_hidden(model, cache: KVCache, inp: StaticInputs, layer_step: Optional[Callable] = None) -> torch.Tensor:
+def static_hidden(model, cache: KVCache, inp: StaticInputs, layer_step: Optional[Callable] = None,
+                  rope=None) -> torch.Tensor:
     """The decoder stack over one bucket's buffers: final-norm hidden states [batch, rows, hidden].
     Device work only, the same kernels at the same shapes every call (what a CUDA graph records):
     pool rows come from the block tables, padded rows write into the scratch block.  ``layer_step``:
-    what runs each layer (:func:`compiled_layer`), else the layers themselves."""
+    what runs each layer (:func:`compiled_layer`), else the layers themselves; ``rope``: the rotary
+    tables (default: the model's), those its captured forwards read (:class:`CapturedForwards`)."""
     bs = cache.block_size
     b, r = inp.ids.shape
     kv = inp.tables.shape[1] * bs
@@ -209,7 +211,7 @@ def static_hidden(model, cache: KVCache, inp: StaticInputs, layer_step: Optional
     wpos = inp.start[:, None] + i  # [batch, rows] cache positions written
     wblock = torch.gather(inp.tables, 1, (wpos // bs).clamp(max=inp.tables.shape[1] - 1))
     write = torch.where(i[None, :] < inp.counts[:, None], wblock * bs + wpos % bs, i[None, :] % bs)
-    cos, sin = model.rope.lookup(inp.positions)
+    cos, sin = (rope or model.rope).lookup(inp.positions)
     ctx = ForwardContext(cache=cache, at=Addresses(write, read), kv_len=kv, cos=cos, sin=sin, lens=inp.lens,
                          start=inp.start, block_mask=inp.block_mask)
     ctx.mask  # built here, once: every layer takes it as an input
@@ -336,7 +338,7 @@ class CapturedForwards:
             entry.graph.replay()
             out = entry.hidden
         else:
-            out = static_hidden(self.model, self.cache, entry.inputs, self.layer_step)
+            out = static_hidden(self.model, self.cache, entry.inputs, self.layer_step, self._rope)
         return out[:b, :t].clone()
 
     def _prepare(self, bucket: Bucket) -> _Captured:
@@ -345,7 +347,7 @@ class CapturedForwards:
         if self.graphs:
             entry = self._capture_one(inputs)
         elif self.layer_step is not None:  # compiles now rather than in a request's forward (scratch block only)
-            static_hidden(self.model, self.cache, inputs, self.layer_step)
+            static_hidden(self.model, self.cache, inputs, self.layer_step, self._rope)
         self._by_bucket[bucket] = entry
         return entry
 
@@ -357,11 +359,11 @@ class CapturedForwards:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                static_hidden(self.model, self.cache, inputs, self.layer_step)
+                static_hidden(self.model, self.cache, inputs, self.layer_step, self._rope)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            hidden = static_hidden(self.model, self.cache, inputs, self.layer_step)
+            hidden = static_hidden(self.model, self.cache, inputs, self.layer_step, self._rope)
         self._pool = graph.pool()
         return _Captured(inputs, hidden, graph)
 

@@ -53,7 +53,6 @@ class _Ahead:
 
     seqs: list[Sequence]
     logits: torch.Tensor  # [len(seqs), 1, vocab]
-    seconds: float
 
 
 @dataclass
@@ -146,7 +145,8 @@ class ModelRunner:
           time, so its failure costs the request none of its output; one that fails without
           speculation ends with the error."""
         out = StepOutcome()
-        forwards = self._from_ahead(seqs, plans) or self._forward_isolated(seqs, plans, out, stats)
+        ran_ahead = self._from_ahead(seqs, plans)
+        forwards = ran_ahead or self._forward_isolated(seqs, plans, out, stats)
         t1 = time.perf_counter()
         for f in forwards:
             plan_of = {id(s): p for s, p in zip(f.seqs, f.plans)}
@@ -174,6 +174,8 @@ class ModelRunner:
             stats.draft_seconds += draft
             stats.verify_seconds += max(0.0, f.draft.host_seconds() + f.seconds - draft)
         stats.verify_seconds += end - t1
+        if ran_ahead:
+            out.whole = False  # its forward ran during the last step: the step's time is not its rows' cost
         return out
 
     def _from_ahead(self, seqs: list[Sequence], plans: list[DraftPlan]) -> list[_Forward]:
@@ -187,7 +189,7 @@ class ModelRunner:
             logits = _rows_of(ahead.logits, [at[id(s)] for s in seqs])
             timer = DeviceTimer(self.target.device).start()
             timer.stop()
-            return [_Forward(seqs, plans, [DraftTree(p.sub, []) for p in plans], logits, ahead.seconds, timer)]
+            return [_Forward(seqs, plans, [DraftTree(p.sub, []) for p in plans], logits, 0.0, timer)]
         self._undo(ahead)
         return []
 
@@ -222,7 +224,6 @@ class ModelRunner:
         if len(committed) < len(seqs):
             log.error("keeping a root entry before the read failed; decoding without going ahead")
             return
-        t0 = time.perf_counter()
         try:
             blocks = [Block(s.slot, [0], [len(s.tokens)], [0]) for s in seqs]
             out, _ = run_blocks(self.target, self.cache, blocks, ids=pendings[0].next_roots[:, None])
@@ -231,7 +232,7 @@ class ModelRunner:
             for s in seqs:
                 self.cache.discard(s.slot)
             return
-        self.ahead = _Ahead(list(seqs), out.logits, time.perf_counter() - t0)
+        self.ahead = _Ahead(list(seqs), out.logits)
 
     def _forward(self, seqs: list[Sequence], plans: list[DraftPlan], stats: StepStats) -> _Forward:
         """Drafts the sequences' trees and runs the target over them, in one forward."""
@@ -336,6 +337,7 @@ class ModelRunner:
                 done.update(zip(idx, results))
         except Exception:  # noqa: BLE001 - find whose it is: verify each sequence alone
             log.exception("verifying the batch failed; verifying its sequences one by one")
+            self.drop_ahead()  # it ran from the tokens drawn the first time, which the second may not draw
             done.clear()
             for idx, rule in groups:
                 for i in idx:

@@ -295,6 +295,6 @@ class HeldChain(HeldTokens):
             return False
         entries, needed = host[1].tolist(), host[2].tolist()
         for off, tree, seq, n in zip(self.offsets, self.trees, self.seqs, needed):
-            tree.draft_index = entries[off: off + tree.num_nodes]
+            tree.draft_index = entries[off: off + tree.num_held]
             self.rounds.observe(seq, n)
         return True

@@ -54,8 +54,9 @@ def drive(target, draft, requests, ahead: str, join_every: int = 0, abort_at: di
     """Runs ``requests`` ((id, prompt, params, spec) tuples) to the end; ``join_every``: one joins every
     that many steps; ``abort_at``: request id -> step it is aborted at.  Returns each request's tokens
     and finish reason, and the engine."""
-    core = EngineCore(target, draft, EngineConfig.from_settings(max_batch=8, max_model_len=128, tree=(2, 1),
-                                                                decode_ahead=ahead, **config))
+    config = {"max_batch": 8, **config}
+    core = EngineCore(target, draft, EngineConfig.from_settings(max_model_len=128, tree=(2, 1), decode_ahead=ahead,
+                                                                **config))
     out = {rid: [] for rid, *_ in requests}
     reasons: dict = {}
     logprobs: dict = {rid: [] for rid, *_ in requests}
@@ -248,3 +249,44 @@ def test_speculation_resumes_when_the_planner_wants_it(tiny_pair, used, monkeypa
     assert ahead[:2] == base[:2]
     assert used[0] >= 3  # the plain steps ran ahead
     assert sum(s.drafted_tokens for s in ahead[2].drain_step_stats()) > 0 < drafted_base  # then it drafted
+
+
+def test_a_batch_verified_again_drops_its_forward_ahead(tiny_pair, logits, monkeypatch):
+    """When reading a step's decisions fails after the forward ahead was queued, each sequence is
+    verified again alone, drawing anew: the forward ahead ran from the first draws, so it is undone and
+    the next step runs its own.  Seeded sampling, the failure at the same step with and without
+    decoding ahead: the same tokens, from the same logits."""
+    target, draft = tiny_pair
+    reqs = requests({k: FEATURES[k] for k in ("sampled", "top-p", "seed", "penalties")})
+    real = engine_runner.finish_all
+    calls = [0]
+
+    def failing_once(pendings, before_wait=None):
+        out = real(pendings, before_wait)
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("planted: unpacking the read failed")
+        return out
+    monkeypatch.setattr(engine_runner, "finish_all", failing_once)
+    base = drive(target, draft, reqs, "off")
+    base_logits = dict(logits)
+    logits.clear()
+    calls[0] = 0
+    ahead = drive(target, draft, reqs, "on")
+    assert ahead[:2] == base[:2] and same_logits(logits, base_logits)
+
+
+def test_a_full_batch_decodes_ahead_while_others_wait(tiny_pair, monkeypatch):
+    """Requests waiting for a slot do not stop decoding ahead: none of them could join anyway."""
+    target, draft = tiny_pair
+    reqs = requests(PLAIN_FEATURES)
+    base = drive(target, draft, reqs, "off", max_batch=3)
+    waiting_ahead = [0]  # steps that began with a forward queued while requests waited
+    original = EngineCore.step
+
+    def counting(self):
+        waiting_ahead[0] += bool(self.scheduler.waiting) and self.runner.ahead is not None
+        return original(self)
+    monkeypatch.setattr(EngineCore, "step", counting)
+    ahead = drive(target, draft, reqs, "on", max_batch=3)
+    assert ahead[:2] == base[:2] and waiting_ahead[0] >= 5
