@@ -4,6 +4,7 @@ byte-level tokenizer, a real uvicorn, the official ``openai`` client."""
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,11 +35,12 @@ def tiny_loaded(kind: str, seed: int, tokenizer, device: str = "cpu") -> LoadedM
 
 
 @contextmanager
-def tiny_server(tokenizer, max_model_len: int = 128):
-    """A real uvicorn serving the real engine on a tiny random target and draft over ``tokenizer``
-    (``s.core`` is the engine core)."""
-    core = EngineCore(tiny_loaded("qwen2", 0, tokenizer), tiny_loaded("qwen2", 1, tokenizer),
-                      EngineConfig(max_batch=4, max_model_len=max_model_len, tree=(2, 2), load_aware=False),
+def tiny_server(tokenizer, max_model_len: int = 128, draft: bool = True, **config):
+    """A real uvicorn serving the real engine on a tiny random target and draft (``draft``) over
+    ``tokenizer``, with ``config``'s engine settings (``s.core`` is the engine core)."""
+    core = EngineCore(tiny_loaded("qwen2", 0, tokenizer), tiny_loaded("qwen2", 1, tokenizer) if draft else None,
+                      EngineConfig(**{"max_batch": 4, "max_model_len": max_model_len, "tree": (2, 2),
+                                      "load_aware": False, **config}),
                       model_name=MODEL)
     with ServerThread(create_app(Settings(served_model_name=MODEL), AsyncEngine(core, max_queue=32))) as s:
         s.core = core
@@ -255,3 +257,35 @@ def test_a_request_whose_drafting_fails_is_served_plainly_and_its_batch_is_untou
     assert notes[:2] + notes[3:] == [None, None, None]
     assert after["mcsd:spec_decode_failures_total"] - before["mcsd:spec_decode_failures_total"] == 1
     assert failed_requests == errors(srv)
+
+
+def test_decoding_ahead_serves_streams_as_one_at_a_time(monkeypatch):
+    """The engine decoding ahead of its reads (``decode_ahead``, CUDA's default) behind the real server:
+    sixteen concurrent greedy streams give the text of the same requests one at a time, a client that
+    walks away mid-stream costs nobody else, and nothing is left queued or held afterwards."""
+    import engine.runner as engine_runner
+
+    used = [0]
+    original = engine_runner.ModelRunner._from_ahead
+
+    def spy(self, seqs, plans):
+        forwards = original(self, seqs, plans)
+        used[0] += bool(forwards)
+        return forwards
+    monkeypatch.setattr(engine_runner.ModelRunner, "_from_ahead", spy)
+    with tiny_server(make_tokenizer(), draft=False, decode_ahead="on") as s:
+        sequential, together = greedy_one_by_one_and_streamed(s.url, MODEL, PROMPTS)
+        assert together == sequential and any(sequential)
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+                          json=dict(model=MODEL, prompt=PROMPTS[0], max_tokens=60, stream=True, ignore_eos=True)) as r:
+            next(r.iter_lines())  # the first event, then the client leaves
+        again = client(s).completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+        assert again == sequential[1]
+        core = s.core
+        deadline = time.monotonic() + 30
+        while (core.has_unfinished() or core.runner.ahead is not None) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not core.has_unfinished() and core.runner.ahead is None and core.cache.used_blocks == 0
+    assert used[0] > 0
+
