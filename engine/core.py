@@ -25,7 +25,7 @@ from engine.models.qweight import QuantLinear, quantized_copy
 from engine.models.vocab import OutputVocab, frequent_vocab
 from engine.request import GenerationRequest, RequestOutput, RequestRejected
 from engine.runner import ModelRunner, SeqStepResult, record_step
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.speculative.adaptive import AdaptiveSpeculation, SpecPolicy
 from engine.speculative.drafter import build_drafters
@@ -296,7 +296,7 @@ class EngineCore:
             self._stats.append(stats)
         return outputs
 
-    def _may_go_ahead(self, plan, plans: list[DraftPlan]) -> bool:
+    def _may_go_ahead(self, plan: SchedulerOutput, plans: list[DraftPlan]) -> bool:
         """Whether the step may queue the next step's forward before reading its tokens
         (``decode_ahead``): the whole batch decodes plainly, without a grammar, none of it ends by its
         token count this step, and no waiting request could join now."""
@@ -304,7 +304,7 @@ class EngineCore:
             return False  # (a request that could join now would wait a step)
         if len(plan.decode) != len(self.scheduler.running):
             return False
-        return all(not p.sub.num_nodes and not p.shares for p in plans) and all(
+        return all(p.plain for p in plans) and all(
             s.grammar is None and s.num_output + 1 < s.request.sampling.max_tokens for s in plan.decode)
 
     def _plan(self, seqs: list[Sequence]) -> list[DraftPlan]:

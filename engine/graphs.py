@@ -234,7 +234,6 @@ def compiled_layer() -> Callable:
     Inductor keeps what it compiled in ``$MCSD_CACHE/inductor`` (unless ``TORCHINDUCTOR_CACHE_DIR``
     says otherwise), beside the model packs: a restart, or a container with that volume, reuses it."""
     import torch._dynamo.config as dynamo_config
-    import torch.fx.experimental._config as shape_config
 
     from engine.models.fetch import default_cache_dir
 
@@ -243,15 +242,21 @@ def compiled_layer() -> Callable:
     for limit in ("recompile_limit", "cache_size_limit"):  # target + draft, 4 each, and slack
         if hasattr(dynamo_config, limit):
             setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), 32))
-    compiled = torch.compile(run_layer, fullgraph=True, dynamic=True)
+    return compile_dynamic(run_layer)
 
-    def layer_step(layer, x: torch.Tensor, delta: Optional[torch.Tensor], ctx: ForwardContext):
-        # no "duck" sizes: two sizes that happen to be equal in one bucket (a context of 64 positions
-        # and a head of 64) would otherwise be assumed equal, and the next bucket would recompile
+
+def compile_dynamic(fn: Callable) -> Callable:
+    """``fn`` through ``torch.compile`` as one graph with dynamic sizes, never "duck" sizes: two sizes
+    that happen to be equal in one call (a context of 64 positions and a head of 64; a batch as large
+    as a proposal's width) would otherwise be assumed equal, and the next call would compile again."""
+    import torch.fx.experimental._config as shape_config
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+
+    def call(*args):
         with shape_config.patch(use_duck_shape=False):
-            return compiled(layer, x, delta, ctx)
-
-    return layer_step
+            return compiled(*args)
+    return call
 
 
 @dataclass

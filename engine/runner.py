@@ -156,9 +156,7 @@ class ModelRunner:
             results, failed = self._verify_all(f.seqs, f.trees, f.plans, f.logits, go_ahead)  # logits: [B, rows, vocab]
             if committed:
                 out.whole = False  # the step's time holds the next forward's launch
-            updated = self._update_caches([r for r in results if id(r.seq) not in committed])
-            errors = iter(updated)
-            for res, exc in zip(results, [None if id(r.seq) in committed else next(errors) for r in results]):
+            for res, exc in zip(results, self._update_caches(results, committed)):
                 if exc is not None:  # the engine ends this request, the others go on
                     log.error("cache update failed for request %s", res.seq.request_id, exc_info=exc)
                     failed.append((res.seq, exc))
@@ -185,7 +183,7 @@ class ModelRunner:
         if ahead is None:
             return []
         at = {id(s): i for i, s in enumerate(ahead.seqs)}
-        if all(id(s) in at for s in seqs) and all(not p.sub.num_nodes and not p.shares for p in plans):
+        if all(id(s) in at for s in seqs) and all(p.plain for p in plans):
             logits = _rows_of(ahead.logits, [at[id(s)] for s in seqs])
             timer = DeviceTimer(self.target.device).start()
             timer.stop()
@@ -281,7 +279,7 @@ class ModelRunner:
         """``seq``'s forward failed alone with ``exc``: again without speculation, if it speculated."""
         out.whole = False
         self._roll_back(seq, mark)
-        if not plan.sub.num_nodes and not plan.shares:  # it drafted nothing: the target's own forward failed
+        if plan.plain:  # it drafted nothing: the target's own forward failed
             log.error("the target forward failed for request %s", seq.request_id, exc_info=exc)
             out.failed.append((seq, exc))
             return []
@@ -368,15 +366,19 @@ class ModelRunner:
             except Exception:  # noqa: BLE001 - learning is optional; the step's tokens are already decided
                 log.exception("drafter %s failed to observe the step", drafter.name)
 
-    def _update_caches(self, results: list[SeqStepResult]) -> list[Optional[Exception]]:
+    def _update_caches(self, results: list[SeqStepResult], done: frozenset[int] | set[int] = frozenset(),
+                       ) -> list[Optional[Exception]]:
         """Each sequence's caches after its step: the target keeps root + accepted path, the draft the
         accepted nodes it ran (``KVCache.keep_many``: every sequence's entries move together).  When
         the rule says so (``SeqStepResult.last_is_root``), the last emitted token is the accepted
         path's last node, and it stays uncached (it is the next root).  One exception per result
-        (None: updated); a sequence whose update failed is that sequence's failure alone."""
+        (None: updated); a sequence whose update failed is that sequence's failure alone.  ``done``:
+        sequences (by ``id``) whose caches the step updated already (:meth:`_decode_ahead`)."""
         errors: list[Optional[Exception]] = [None] * len(results)
         target, draft = [], []  # (result index, slot, kept entries)
         for i, res in enumerate(results):
+            if id(res.seq) in done:
+                continue
             try:
                 rows, kept = self._kept_entries(res)
             except Exception as exc:  # noqa: BLE001 - this sequence's alone

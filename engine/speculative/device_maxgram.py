@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from engine.device import to_device, to_device_many
+from engine.graphs import compile_dynamic
 from engine.speculative.draft_tree import DEAD, MAXGRAM, DraftTree, holders, joined
 from engine.speculative.view import SeqView
 
@@ -149,7 +150,7 @@ class DeviceMaxGram:
             succ = torch.full((max(max(table), max(table.values())) + 2,), -1, dtype=torch.long)
             succ[torch.tensor(list(table.keys()))] = torch.tensor(list(table.values()))
             self.successor = to_device(succ, device)
-        self._match = _compiled_match() if compiled else match_tokens
+        self._match = compile_dynamic(match_tokens) if compiled else match_tokens
 
     def propose(self, seqs: Seq[SeqView], paths: Seq[Seq[int]], flat: torch.Tensor, caps: Seq[int],
                 width: int) -> torch.Tensor:
@@ -232,20 +233,6 @@ class DeviceMaxGram:
                     grown.append((tree, n))
                     where.extend(range(s * width, s * width + n))
             holder.append(grown, tokens, where)
-
-
-def _compiled_match():
-    """:func:`match_tokens` through ``torch.compile``, sizes dynamic and never "duck" sizes: a batch of
-    as many sequences as the proposals' width would otherwise be assumed to match it, and the next
-    batch would compile again (in a request's step)."""
-    import torch.fx.experimental._config as shape_config
-
-    compiled = torch.compile(match_tokens, dynamic=True, fullgraph=True)
-
-    def match(*args):
-        with shape_config.patch(use_duck_shape=False):
-            return compiled(*args)
-    return match
 
 
 class _Tokens:

@@ -63,6 +63,11 @@ class DraftPlan:
     def share(self, drafter: str, default: Any = None) -> Any:
         return self.shares.get(drafter, default)
 
+    @property
+    def plain(self) -> bool:
+        """Whether the plan drafts nothing (the step decodes plainly for its sequence)."""
+        return not self.sub.num_nodes and not self.shares
+
     def with_share(self, drafter: str, value: Any) -> "DraftPlan":
         return replace(self, shares={**self.shares, drafter: value})
 

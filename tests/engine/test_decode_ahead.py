@@ -36,9 +36,8 @@ def same_logits(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.fixture
-def used(monkeypatch):
-    """How many steps took their forward from the one queued ahead."""
+def count_forwards_ahead(monkeypatch) -> list[int]:
+    """``[n]``: how many steps took their forward from the one queued ahead, counted from now."""
     count = [0]
     original = engine_runner.ModelRunner._from_ahead
 
@@ -48,6 +47,11 @@ def used(monkeypatch):
         return forwards
     monkeypatch.setattr(engine_runner.ModelRunner, "_from_ahead", spy)
     return count
+
+
+@pytest.fixture
+def used(monkeypatch):
+    return count_forwards_ahead(monkeypatch)
 
 
 def drive(target, draft, requests, ahead: str, join_every: int = 0, abort_at: dict | None = None, **config):

@@ -263,16 +263,9 @@ def test_decoding_ahead_serves_streams_as_one_at_a_time(monkeypatch):
     """The engine decoding ahead of its reads (``decode_ahead``, CUDA's default) behind the real server:
     sixteen concurrent greedy streams give the text of the same requests one at a time, a client that
     walks away mid-stream costs nobody else, and nothing is left queued or held afterwards."""
-    import engine.runner as engine_runner
+    from tests.engine.test_decode_ahead import count_forwards_ahead
 
-    used = [0]
-    original = engine_runner.ModelRunner._from_ahead
-
-    def spy(self, seqs, plans):
-        forwards = original(self, seqs, plans)
-        used[0] += bool(forwards)
-        return forwards
-    monkeypatch.setattr(engine_runner.ModelRunner, "_from_ahead", spy)
+    used = count_forwards_ahead(monkeypatch)
     with tiny_server(make_tokenizer(), draft=False, decode_ahead="on") as s:
         sequential, together = greedy_one_by_one_and_streamed(s.url, MODEL, PROMPTS)
         assert together == sequential and any(sequential)
