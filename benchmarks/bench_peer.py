@@ -16,6 +16,8 @@ prefix, ours its prefix cache), so both reuse only what prompts share, the chat 
 * ``ours plain``:    our server (``--config default`` plus ``--server-args``), requests with speculation off
 * ``ours default``:  the same server, requests with the preset's speculation
 * ``dense plain`` / ``dense default``: a second server of ours with ``--gguf-weights dequantize`` (bf16)
+* ``base plain`` / ``base default``: ours as it was at ``--base REV`` (a temporary git worktree), the
+  same flags: an A/B of two revisions in one interleaved run, with llama-server's rows as the anchor
 
 Greedy requests send ``temperature: 0, top_k: 1``; sampled ones ``temperature: T`` and a per-prompt seed.
 Per (configuration, temperature, concurrency): end-to-end tokens/s (completion tokens / summed request
@@ -26,6 +28,7 @@ start-up time (process start to ``/health`` 200).  Prints a table and writes JSO
 
     .venv/bin/python benchmarks/bench_peer.py --limit 4 --max-tokens 128 --temperatures 0,0.7 --concurrency 1,4
     .venv/bin/python benchmarks/bench_peer.py --build-only        # just build and cache llama-server
+    .venv/bin/python benchmarks/bench_peer.py --base 722e305 --configs "llama plain,base default,ours default"
 """
 
 from __future__ import annotations
@@ -119,11 +122,25 @@ def build_llama_server(version: str = LLAMA_VERSION, jobs: int = 2, cmake_args: 
 
 
 # ----------------------------------------------------------------------------------------- servers
+def checkout(rev: str, repo: Path = ROOT) -> Path:
+    """A detached git worktree of ``repo`` at ``rev`` in a new temporary directory (see :func:`remove`)."""
+    tree = Path(tempfile.mkdtemp(prefix="mcsd-peer-base-")) / "tree"
+    subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=repo, check=True, capture_output=True)
+    return tree
+
+
+def remove(tree: Path, repo: Path = ROOT) -> None:
+    """Removes a worktree made by :func:`checkout`, and its temporary directory."""
+    subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=repo, capture_output=True)
+    shutil.rmtree(tree.parent, ignore_errors=True)
+
+
 class Server:
     """A server child process in its own session; ``url`` once healthy."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, env: Optional[dict] = None) -> None:
-        self.name, self.cmd, self.port = name, cmd, port
+    def __init__(self, name: str, cmd: list[str], port: int, env: Optional[dict] = None,
+                 cwd: Path = ROOT) -> None:
+        self.name, self.cmd, self.port, self.cwd = name, cmd, port, cwd
         self.url = f"http://127.0.0.1:{port}"
         self.log = Path(tempfile.gettempdir()) / f"mcsd-bench-peer-{os.getpid()}-{port}.log"
         self.env = env
@@ -134,7 +151,7 @@ class Server:
     def start(self) -> None:
         self.t0 = time.monotonic()
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
+            self.proc = subprocess.Popen(self.cmd, cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_healthy(self, timeout: float) -> None:
@@ -289,6 +306,9 @@ def main(argv=None) -> int:
                     "e.g. to leave out an instruction set whose kernels fail on this machine")
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--startup-timeout", type=float, default=1800)
+    ap.add_argument("--base", default=None, metavar="REV",
+                    help="serve the 'base plain' / 'base default' configurations from this revision (a temporary "
+                         "git worktree; python -m server finds that tree's packages first)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -310,20 +330,27 @@ def main(argv=None) -> int:
                    "llama ngram": ["--spec-type", "ngram-simple"]}
     servers: dict[str, Server] = {}
     configs: list[tuple[str, Server, dict]] = []
+    base_tree: Optional[Path] = None
     for name in wanted:
         if name in llama_extra:
             port = free_port()
             servers[name] = Server(name, [str(binary), *common, *llama_extra[name], "--port", str(port)], port, env)
             configs.append((name, servers[name], {}))
-        elif name.split()[0] in ("ours", "dense") and name.split()[-1] in ("plain", "default"):
-            # "ours": --server-args as given; "dense": the same with GGUFs dequantized.  "plain" and "default"
-            # are two servers, so neither meets a prompt the other has cached
+        elif name.split()[0] in ("ours", "dense", "base") and name.split()[-1] in ("plain", "default"):
+            # "ours": --server-args as given; "dense": the same with GGUFs dequantized; "base": the same
+            # flags at --base.  "plain" and "default" are two servers, so neither meets a prompt the other
+            # has cached
+            if name.startswith("base") and base_tree is None:
+                if args.base is None:
+                    ap.error(f"{name!r} needs --base REV")
+                base_tree = checkout(args.base)
+            tree = base_tree if name.startswith("base") else ROOT
             port = free_port()
             flags = args.server_args.split() + (["--gguf-weights", "dequantize"] if name.startswith("dense") else [])
             cmd = [sys.executable, "-m", "server", "--config", "default", "--threads", str(args.threads),
                    "--model", args.target, "--draft-model", args.draft, "--served-model-name", args.model_name,
                    *flags, "--host", "127.0.0.1", "--port", str(port)]
-            servers[name] = Server(name, cmd, port, dict(os.environ, PYTHONPATH=str(ROOT)))
+            servers[name] = Server(name, cmd, port, dict(os.environ, PYTHONPATH=str(tree)), cwd=tree)
             configs.append((name, servers[name], {"speculative": {"enabled": name.endswith("default")}}))
         else:
             ap.error(f"unknown configuration {name!r}")
@@ -338,12 +365,17 @@ def main(argv=None) -> int:
     finally:
         for s in servers.values():
             s.stop()
+        if base_tree is not None:
+            remove(base_tree)
     for r in rows:
         r.update(memory[r["config"]])
     print_table(rows, [("config", "config", "s"), ("temperature", "T", ".1f"), ("concurrency", "c", "d"),
                        ("e2e_tok_s", "e2e tok/s", ".2f"), ("decode_tok_s", "decode tok/s", ".2f"),
                        ("ttft_p50_s", "TTFT p50 s", ".2f"), ("prompt_tok_s", "prompt tok/s", ".1f"), ("rss_mb", "RSS MiB", ".0f"),
                        ("peak_rss_mb", "peak MiB", ".0f"), ("startup_s", "start s", ".1f")])
+    if args.base is not None:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        print(f"base = {args.base}, ours = {rev.stdout.strip()} (plus any uncommitted changes)")
     write_json("peer.json", dict(machine=machine(), args={k: str(v) for k, v in vars(args).items()},
                                  llama_server=str(binary), rows=rows), args.out)
     return 0
