@@ -27,6 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from engine.device import to_device, to_device_many
@@ -384,10 +385,25 @@ def draw_uniforms(
     """
     if len(generators) != len(n_per_row):
         raise ValueError(f"{len(generators)} generators for {len(n_per_row)} rows")
-    out = torch.zeros(len(n_per_row), max(n_per_row, default=0), dtype=torch.float32)
+    width = max(n_per_row, default=0)
+    out = torch.zeros(len(n_per_row), width, dtype=torch.float32)
+    # one draw per generator, of its rows' total: a CPU generator's numbers are one stream, so the
+    # rows get what one draw a row, in row order, would give them (a row per tree node: hundreds a step)
+    rows_of: dict[int, tuple[torch.Generator, list[int]]] = {}
     for r, (g, n) in enumerate(zip(generators, n_per_row)):
         if n > 0:
-            out[r, :n] = torch.rand(n, generator=g, dtype=torch.float32)
+            rows_of.setdefault(id(g), (g, []))[1].append(r)
+    if sum(len(rows) for _, rows in rows_of.values()) == len(rows_of):  # a row a generator: one draw each
+        for g, (r,) in rows_of.values():
+            out[r, : n_per_row[r]] = torch.rand(n_per_row[r], generator=g, dtype=torch.float32)
+    elif rows_of:
+        order = np.fromiter((r for _, rows in rows_of.values() for r in rows), dtype=np.int64)
+        counts = np.asarray(n_per_row, dtype=np.int64)[order]
+        starts = np.repeat(np.cumsum(counts) - counts, counts)  # each number's row's first place in the draws
+        at = np.repeat(order * width, counts) + np.arange(len(starts)) - starts
+        drawn = [torch.rand(sum(n_per_row[r] for r in rows), generator=g, dtype=torch.float32)
+                 for g, rows in rows_of.values()]
+        out.view(-1)[torch.from_numpy(at)] = drawn[0] if len(drawn) == 1 else torch.cat(drawn)
     return to_device(out, torch.device(device))
 
 

@@ -132,13 +132,14 @@ class DraftTree:
         if not self.extra_parent:
             return self.sub.mask
         m, n = self.num_sub, self.num_nodes
-        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        mask[: m + 1, : m + 1] = self.sub.mask
+        # numpy, not torch: a row a node appended, for every tree of a step (a torch op's dispatch each)
+        mask = np.zeros((n + 1, n + 1), dtype=bool)
+        mask[: m + 1, : m + 1] = self.sub.mask.numpy()
         for j, p in enumerate(self.extra_parent):  # parents precede children
             row = m + 1 + j
             mask[row] = mask[p + 1]
             mask[row, row] = True
-        return mask
+        return torch.from_numpy(mask)
 
     def known_tokens_after(self, n: int) -> list[int]:
         """The host's tokens of the nodes after the first ``n`` (appended ones)."""

@@ -135,15 +135,15 @@ class TreeBatch:
         shapes = [(1 + t.num_nodes, int(c)) for t, c in zip(trees, counts.reshape(b, r).max(axis=1))]
         q = torch.zeros(k, vocab_size, dtype=torch.float32, device=device)
         if any(t.q for t in trees):  # each row's draft law, where the row has a sampled event
-            q_parts, q_at = [], []
-            for n in np.flatnonzero(ev_sampled.any(axis=1)).tolist():
-                i, row = divmod(int(row_keys[n]), r)
-                law = trees[i].q.get(row)
-                if law is not None:
-                    q_parts.append(law.to(torch.float32))
-                    q_at.append(n)
-            if q_parts:
-                q[device_tensor(q_at, device)] = torch.stack([part[:vocab_size] for part in q_parts]).to(device)
+            at = np.flatnonzero(ev_sampled.any(axis=1))
+            tree_of, row_of = np.divmod(row_keys[at], r)
+            laws = [trees[i].q.get(row) for i, row in zip(tree_of.tolist(), row_of.tolist())]
+            q_at = [n for n, law in zip(at.tolist(), laws) if law is not None]
+            if q_at:  # one stack of every law (a few hundred rows a step at batch 32), then one copy
+                laws = [law if law.shape[0] == vocab_size else law[:vocab_size] for law in laws if law is not None]
+                if len({law.dtype for law in laws}) > 1:
+                    laws = [law.to(torch.float32) for law in laws]
+                q[device_tensor(q_at, device)] = torch.stack(laws).to(device, torch.float32)
         as_torch = [torch.from_numpy(x) for x in (tokens, event_node.reshape(b, r, e), row_keys, ev_token, ev_sampled)]
         if not held_by:
             host = [as_torch[0], torch.from_numpy(counts.reshape(b, r)), *as_torch[1:], torch.from_numpy(ev_valid)]

@@ -326,6 +326,26 @@ def test_draw_uniforms_shape_and_padding():
         draw_uniforms(g, [1])
 
 
+@pytest.mark.parametrize("owner", [[0, 1, 0, 2, 0, 1, 1, 2], [0, 1, 2, 3, 4, 5, 6, 7]],
+                         ids=["shared", "a-generator-a-row"])
+def test_draw_uniforms_gives_each_row_what_one_draw_a_row_gives(owner: list[int]):
+    """Rows of one generator, interleaved with others' and with rows drawing nothing, get the numbers
+    one ``torch.rand`` a row in row order would give them, and the generators end in the same state."""
+    widths = [2, 3, 0, 1, 4, 2, 0, 3]
+
+    def gens():
+        return [make_generator(s) for s in range(11, 11 + len(owner))]
+
+    ours, ref = gens(), gens()
+    u = draw_uniforms([ours[o] for o in owner], widths)
+    want = torch.zeros(len(widths), max(widths))
+    for r, (o, n) in enumerate(zip(owner, widths)):
+        if n:
+            want[r, :n] = torch.rand(n, generator=ref[o])
+    assert torch.equal(u, want)
+    assert all(torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b)) for a, b in zip(ours, ref))
+
+
 def test_seeded_generators_reproduce_independent_of_batch():
     probs = torch.softmax(torch.randn(1, 50, generator=torch.Generator().manual_seed(3)), -1)
     alone = [sample_tokens(probs, [make_generator(123)]).item() for _ in range(3)]
