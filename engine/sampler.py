@@ -420,15 +420,21 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # 
     vocabulary, dearer on the CPU than the rest of sampling, so it runs on devices only.)  Returns
     ``[rows]`` int64.
     """
+    return _draw(probs, u)[0]
+
+
+def _draw(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_from_probs`' tokens [rows], and each row's total weight [rows] (its cdf's last
+    entry: positive exactly when some weight is, as weights are not negative)."""
     cdf = probs.cumsum(dim=-1)  # [rows, vocab]
     total = cdf[:, -1:]  # [rows, 1]
     target = torch.minimum(u.to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     idx = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
     if probs.device.type == "cpu":
-        return idx.squeeze(1)
+        return idx.squeeze(1), total[:, 0]
     positions = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
     last_positive = torch.where(probs > 0, positions, -1).cummax(dim=-1).values  # [rows, vocab]
-    return last_positive.gather(1, idx).clamp_(min=0).squeeze(1)
+    return last_positive.gather(1, idx).clamp_(min=0).squeeze(1), total[:, 0]
 
 
 def sample_tokens(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
@@ -445,14 +451,18 @@ def sample_k_distinct(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # 
     When a row's support is exhausted (fewer than ``k`` positive tokens) the remaining entries are -1.
     Returns ``[rows, k]`` int64.
     """
+    k = u.shape[1]
+    if k == 0:
+        return torch.empty(u.shape, dtype=torch.long, device=probs.device)
     weights = probs.clone()
-    out = torch.empty(u.shape, dtype=torch.long, device=probs.device)
-    for j in range(u.shape[1]):  # loop over the k draws, not over tokens
-        alive = weights.sum(dim=-1) > 0  # [rows]
-        tok = sample_from_probs(weights, u[:, j])
-        out[:, j] = torch.where(alive, tok, -1)
-        weights.scatter_(1, tok[:, None], 0.0)
-    return out
+    tokens, alive = [], []
+    for j in range(k):  # loop over the k draws, not over tokens
+        tok, total = _draw(weights, u[:, j])
+        tokens.append(tok)
+        alive.append(total > 0)  # the row still had weight
+        if j + 1 < k:
+            weights.scatter_(1, tok[:, None], 0.0)
+    return torch.where(torch.stack(alive, dim=1), torch.stack(tokens, dim=1), -1)
 
 
 def sample_without_replacement(

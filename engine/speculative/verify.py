@@ -319,18 +319,19 @@ def _try_events(probs: torch.Tensor, trees: TreeBatch, uniforms: Uniforms, greed
     rows = trees.ev_rows
     p = probs[rows]  # [K, V] copies, updated as events are rejected
     q = trees.q.clone()
-    u = uniforms.accept.reshape(-1, uniforms.accept.shape[-1])[rows]  # [K, E]
-    taken = torch.full((rows.numel(),), -1, dtype=torch.long, device=probs.device)
+    u = uniforms.accept.reshape(-1, uniforms.accept.shape[-1])[rows].double()  # [K, E]
+    hit = trees.ev_token == best[:, None]  # [K, E]: a greedy row takes an event of the argmax
+    accepted = torch.zeros_like(trees.ev_sampled)  # [K, E]: the events a row would accept; it takes the first
     for j, k in enumerate(trees.active):
         tok, sampled = trees.ev_token[:k, j], trees.ev_sampled[:k, j]
         pj, qj = p[:k], q[:k]
         p_x = pj.gather(1, tok[:, None])[:, 0].double()
         q_x = torch.where(sampled, qj.gather(1, tok[:, None])[:, 0].double(), 1.0)
-        ok = torch.where(greedy[:k], tok == best[:k], u[:k, j].double() * q_x < p_x)  # exact in float64
+        ok = torch.where(greedy[:k], hit[:k, j], u[:k, j] * q_x < p_x)  # exact in float64
         live = None if trees.ev_live is None else trees.ev_live[:k, j]
         if live is not None:
             ok &= live
-        taken[:k] = torch.where(ok & (taken[:k] < 0), j, taken[:k])
+        accepted[:k, j] = ok
         # the law of the next event and of a final draw: a rejected row's residual (rows that accepted
         # are never the walk's last row, so updating them too changes nothing).  Each law is a few
         # passes over the vocabulary, so a round computes only the kinds its rows have (host-known).
@@ -344,6 +345,7 @@ def _try_events(probs: torch.Tensor, trees: TreeBatch, uniforms: Uniforms, greed
         if without_replacement and any_sampled:  # a one-hot event leaves q as it is
             new_q = torch.where(sampled[:, None], without_rows(qj, tok), qj)
             q[:k] = new_q if live is None else torch.where(live[:, None], new_q, qj)
+    taken = torch.where(accepted.any(dim=1), accepted.int().argmax(dim=1), -1)  # argmax: the first of equal maxima
     return taken, p
 
 

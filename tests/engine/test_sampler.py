@@ -317,6 +317,29 @@ def test_k_distinct_exact_and_exhausted():
     assert sample_k_distinct(probs, torch.tensor([[0.6, 0.7, 0.1, 0.5]])).tolist() == [[2, 3, 0, -1]]
 
 
+def test_sample_k_distinct_is_k_draws_with_the_drawn_zeroed():
+    """Against its definition, written out: draw ``j`` is :func:`sample_from_probs` on the weights with
+    the earlier draws zeroed, -1 once a row has no weight left (rows of 1-3 positive tokens, k = 4)."""
+    gen = torch.Generator().manual_seed(5)
+    probs = torch.rand(40, 30, generator=gen) ** 3
+    probs[torch.rand(40, 30, generator=gen) < 0.5] = 0.0
+    probs[:8, 3:] = 0.0  # at most 3 tokens with weight
+    probs[8, :] = 0.0
+    probs[9, :] = 0.0
+    probs[9, 7] = 1e-40  # a denormal's weight still counts
+    u = torch.rand(40, 4, generator=gen)
+    weights, want = probs.clone(), []
+    for j in range(4):
+        alive = weights.sum(dim=-1) > 0
+        tok = sample_from_probs(weights, u[:, j])
+        want.append(torch.where(alive, tok, -1))
+        weights.scatter_(1, tok[:, None], 0.0)
+    got = sample_k_distinct(probs, u)
+    assert torch.equal(got, torch.stack(want, dim=1))
+    assert (got[:8, 3] == -1).all() and (got[8] == -1).all() and got[9].tolist() == [7, -1, -1, -1]
+    assert sample_k_distinct(probs, u[:, :0]).shape == (40, 0)
+
+
 # ----------------------------------------------------------------------------- randomness
 def test_draw_uniforms_shape_and_padding():
     g = [make_generator(1), make_generator(2)]
