@@ -63,6 +63,11 @@ class EngineConfig:
                                 "host reads this step's tokens, so the host's work between steps (output, "
                                 "scheduling) overlaps the device's; waiting requests join a step later.  "
                                 "'auto': on CUDA", choices=("auto", "on", "off"))
+    warm_up: str = setting("auto", "before it serves, the engine runs a few requests of its own (one greedy, one "
+                           "sampled, then a batch of both, with the configured speculation), so the first "
+                           "requests do not pay what a process sets up at its first use of each kernel and size "
+                           "(CUDA modules, memory pools, compiled code); nothing is learned from them.  'auto': "
+                           "on CUDA", choices=("auto", "on", "off"))
     static_shapes: bool = setting(False, "run every forward that fits a bucket through the padded fixed-shape path "
                                   "a CUDA graph replays, on any device (tests; off the GPU it is slower)",
                                   server=False)

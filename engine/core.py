@@ -23,7 +23,7 @@ from engine.models.loader import LoadedModel
 from engine.models.model import Model
 from engine.models.qweight import QuantLinear, quantized_copy
 from engine.models.vocab import OutputVocab, frequent_vocab
-from engine.request import GenerationRequest, RequestOutput, RequestRejected
+from engine.request import GenerationRequest, RequestOutput, RequestRejected, SamplingParams
 from engine.runner import ModelRunner, SeqStepResult, record_step
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
@@ -94,6 +94,7 @@ class EngineCore:
         # structured outputs: the server compiles each request's grammar with this (off the event loop)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids, cfg.grammar_whitespace)
         self._stats: list[StepStats] = []
+        self._learning = True  # the planner and the drafters learn from each step (not while warming up)
         ahead = cfg.decode_ahead
         self.decode_ahead = ahead == "on" or (ahead == "auto" and target.model.device.type == "cuda")
 
@@ -142,6 +143,46 @@ class EngineCore:
             return draft
         log.info("draft %s: linear weights in Q8_0 blocks", draft.source)
         return replace(draft, model=quantized_copy(draft.model, "q8_0"))
+
+    # ------------------------------------------------------------------ warming up
+    def warm_up(self) -> int:
+        """Runs a few requests of the engine's own before it serves (``warm_up``; ``auto``: on CUDA):
+        one greedy sequence, one sampled, then a batch of both, each with the configured speculation.
+        What a process sets up at its first use of each kernel and size (CUDA's modules, the pinned and
+        device memory pools, a compiled function's first calls) is then paid here rather than by the
+        first requests: on an H200 the first round of engine steps of a process ran 2.6-4.3x slower
+        than the next ones (``docs/gpu.md``).  The planner and the drafters learn nothing from these
+        steps and their statistics are dropped; the engine ends as idle as it started.  Returns the
+        number of steps run."""
+        mode = self.config.warm_up
+        if mode == "off" or (mode == "auto" and self.target.model.device.type != "cuda"):
+            return 0
+        if self.has_unfinished():
+            raise RuntimeError("warm up an engine before it takes requests")
+        t0, steps = time.perf_counter(), 0
+        width = min(self.config.max_batch, 4)
+        prompt_len = max(1, min(48, self.max_model_len // 4))
+        new_tokens = max(1, min(16, self.max_model_len - prompt_len))
+        phases = [[0.0], [0.7], [0.0 if i % 2 else 0.7 for i in range(width)]]
+        self._learning = False
+        try:
+            for p, temperatures in enumerate(phases):
+                for i, temperature in enumerate(temperatures):
+                    # a repeating run of ordinary ids (below every special token), so Max-Gram finds matches
+                    ids = [1 + (7 * (j % 12) + i) % (self.vocab_size - 1) for j in range(prompt_len)]
+                    params = SamplingParams(max_tokens=new_tokens, temperature=temperature, ignore_eos=True,
+                                            seed=i if temperature else None)
+                    self.add_request(GenerationRequest(f"warm-up-{p}-{i}", ids, params))
+                while self.has_unfinished():
+                    self.step()
+                    steps += 1
+        finally:
+            for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self.abort_request(seq.request_id)  # (only if a step raised)
+            self._learning = True
+            self.drain_step_stats()
+        log.info("warmed up: %d engine steps in %.1f s", steps, time.perf_counter() - t0)
+        return steps
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: GenerationRequest) -> None:
@@ -276,11 +317,13 @@ class EngineCore:
             for seq in step.stopped:
                 self.scheduler.stop_drafting(seq)
             stats.speculation_failures = len(step.stopped)
-            try:  # learning from the step: its tokens are already decided
-                self.planner.observe(results, step.plans, stats.verify_seconds if step.whole and not failed else None)
-            except Exception:  # noqa: BLE001 - a failure to learn fails no request
-                log.exception("the planner failed to learn from the step")
-            self.runner.observe(results, step.plans)
+            if self._learning:
+                try:  # learning from the step: its tokens are already decided
+                    self.planner.observe(results, step.plans,
+                                         stats.verify_seconds if step.whole and not failed else None)
+                except Exception:  # noqa: BLE001 - a failure to learn fails no request
+                    log.exception("the planner failed to learn from the step")
+                self.runner.observe(results, step.plans)
             for res in results:
                 record_step(stats, res)
                 try:

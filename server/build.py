@@ -32,6 +32,7 @@ def build_core(settings: Settings):
         draft = load_model(settings.draft_model, settings.dtype, settings.device, tokenizer_of=target, **weights)
     config = settings.engine_config()
     core = EngineCore(target, draft, config, model_name=settings.model_id)
+    core.warm_up()  # on CUDA (warm_up = "auto"): /health says 503 until it is done
     log.info("engine ready: context %d tokens, tree %s, default method %s, max batch %d", core.max_model_len,
              list(settings.tree) if draft else "none (no draft model)", settings.spec_method, settings.max_batch)
     # What loading built (a few hundred thousand objects: tokenizer tables, modules, configs) lives as

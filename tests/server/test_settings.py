@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -101,7 +102,8 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_cli_serves_a_local_model_directory(tmp_path):
-    """``python -m server`` on tiny HF directories: /health 503 or 200, a completion, clean SIGINT exit."""
+    """``python -m server`` on tiny HF directories, warming up first (``--warm-up on``, CUDA's default):
+    /health 503 or 200, a completion, clean SIGINT exit."""
     from tests.fakes import make_tokenizer
     from tests.tiny import save_tiny_pair
 
@@ -109,7 +111,8 @@ def test_cli_serves_a_local_model_directory(tmp_path):
     port = _free_port()
     env = {**os.environ, "MCSD_MAX_MODEL_LEN": "128", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "server", "--config", "tiny-test", "--model", str(tmp_path / "target"),
-                             "--draft-model", str(tmp_path / "draft"), "--port", str(port), "--served-model-name", "t"],
+                             "--draft-model", str(tmp_path / "draft"), "--port", str(port), "--served-model-name", "t",
+                             "--warm-up", "on"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
@@ -129,6 +132,7 @@ def test_cli_serves_a_local_model_directory(tmp_path):
         proc.send_signal(signal.SIGINT)
         out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0 and "Application shutdown complete" in out, out
+    assert re.search(r"warmed up: \d+ engine steps", out), out
 
 
 @pytest.mark.slow
