@@ -151,36 +151,48 @@ class EngineCore:
         What a process sets up at its first use of each kernel and size (CUDA's modules, the pinned and
         device memory pools, a compiled function's first calls) is then paid here rather than by the
         first requests: on an H200 the first round of engine steps of a process ran 2.6-4.3x slower
-        than the next ones (``docs/gpu.md``).  The planner and the drafters learn nothing from these
-        steps and their statistics are dropped; the engine ends as idle as it started.  Returns the
-        number of steps run."""
+        than the next ones (``docs/gpu.md``).  The steps leave no trace: the planner and the drafters
+        learn nothing from them, what planning moved (probe counters, the requests chosen to explore)
+        is put back, the prefix caches keep none of their prompts, their statistics are dropped, and
+        the engine ends as idle as it started.  Returns the number of steps run."""
         mode = self.config.warm_up
         if mode == "off" or (mode == "auto" and self.target.model.device.type != "cuda"):
             return 0
         if self.has_unfinished():
             raise RuntimeError("warm up an engine before it takes requests")
-        t0, steps = time.perf_counter(), 0
+        t0, steps, errors = time.perf_counter(), 0, []
         width = min(self.config.max_batch, 4)
         prompt_len = max(1, min(48, self.max_model_len // 4))
         new_tokens = max(1, min(16, self.max_model_len - prompt_len))
         phases = [[0.0], [0.7], [0.0 if i % 2 else 0.7 for i in range(width)]]
+        prefix = [c for c in (self.scheduler.prefix, self.scheduler.draft_prefix) if c is not None]
+        was_enabled = [c.enabled for c in prefix]
+        planning = self.planner.planning_state()
         self._learning = False
+        for c in prefix:
+            c.enabled = False  # the warm-up's prompts are nobody's prefix, and each phase prefills anew
         try:
             for p, temperatures in enumerate(phases):
                 for i, temperature in enumerate(temperatures):
-                    # a repeating run of ordinary ids (below every special token), so Max-Gram finds matches
-                    ids = [1 + (7 * (j % 12) + i) % (self.vocab_size - 1) for j in range(prompt_len)]
+                    # a run of ids repeating every 12 (Max-Gram finds matches), other for every request
+                    ids = [1 + (7 * (j % 12) + 13 * p + i) % (self.vocab_size - 1) for j in range(prompt_len)]
                     params = SamplingParams(max_tokens=new_tokens, temperature=temperature, ignore_eos=True,
                                             seed=i if temperature else None)
                     self.add_request(GenerationRequest(f"warm-up-{p}-{i}", ids, params))
                 while self.has_unfinished():
-                    self.step()
+                    errors += [o.error for o in self.step() if o.error]
                     steps += 1
         finally:
-            for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-                self.abort_request(seq.request_id)  # (only if a step raised)
+            for seq in list(self.scheduler.running) + list(self.scheduler.waiting):  # (only if a step raised)
+                self.scheduler.finish(seq, reusable=False)
+            self.runner.drop_ahead()
+            for c, enabled in zip(prefix, was_enabled):
+                c.enabled = enabled
+            self.planner.restore_planning(planning)
             self._learning = True
             self.drain_step_stats()
+        if errors:
+            log.warning("warming up: %d requests failed: %s", len(errors), errors[0])
         log.info("warmed up: %d engine steps in %.1f s", steps, time.perf_counter() - t0)
         return steps
 

@@ -102,6 +102,14 @@ class SpecPolicy:
     def observe(self, results: list["SeqStepResult"]) -> None:
         return None
 
+    def planning_state(self) -> object:
+        """What planning itself moves (not learning): counters that space out probe steps and the
+        requests chosen to explore; :meth:`restore_planning` puts them back (``EngineCore.warm_up``)."""
+        return None
+
+    def restore_planning(self, state: object) -> None:
+        return None
+
     def observe_trust(self, seq: SeqView, tokens: int, trusted: bool, drafted: bool,
                       step: Optional[StepBudget] = None) -> None:
         """A step of a sequence whose method trusts long Max-Gram matches: ``tokens`` emitted, whether
@@ -249,6 +257,13 @@ class AdaptiveSpeculation(SpecPolicy):
         self._rent: "weakref.WeakKeyDictionary[SeqView, float]" = weakref.WeakKeyDictionary()
         self._idle_steps = 0
         self._chosen_depth = self.max_depth  # the last budget's depth (a probe's when it was one)
+
+    def planning_state(self) -> object:
+        return self._idle_steps, self._chosen_depth, {g: set(ids) for g, ids in self._explorers.items()}
+
+    def restore_planning(self, state: object) -> None:
+        self._idle_steps, self._chosen_depth, explorers = state
+        self._explorers = {g: set(ids) for g, ids in explorers.items()}
 
     @classmethod
     def from_config(cls, config: "EngineConfig", topology: TreeTopology, target, draft, target_cache,

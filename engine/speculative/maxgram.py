@@ -285,6 +285,13 @@ class LengthChooser:
         self.probe_every = probe_every
         self._idle = 0
 
+    def planning_state(self) -> int:
+        """The steps since a cap last let Max-Gram propose (what spaces out its probes)."""
+        return self._idle
+
+    def restore_planning(self, state: int) -> None:
+        self._idle = state
+
     def expected(self) -> tuple[list[list[float]], list[list[float]]]:
         """(rows, tokens): ``[class][cap]`` expected proposal rows and accepted tokens, cap 0..max_len."""
         w = self.weight

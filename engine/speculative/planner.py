@@ -102,6 +102,20 @@ class Planner:
         empty = self.topology.subtree(())
         return [DraftPlan(s.request.spec.method or self.config.spec_method, empty) for s in seqs]
 
+    def planning_state(self) -> tuple:
+        """What planning moves besides learning (the policy's and Max-Gram's probe counters, the
+        requests chosen to explore); :meth:`restore_planning` puts it back, so that steps the engine
+        runs for itself (``EngineCore.warm_up``) leave no trace in later plans."""
+        return (None if self.policy is None else self.policy.planning_state(),
+                None if self.lengths is None else self.lengths.planning_state())
+
+    def restore_planning(self, state: tuple) -> None:
+        policy, lengths = state
+        if self.policy is not None:
+            self.policy.restore_planning(policy)
+        if self.lengths is not None:
+            self.lengths.restore_planning(lengths)
+
     def observe(self, results: list["SeqStepResult"], plans: list[DraftPlan],
                 verify_seconds: Optional[float] = None) -> None:
         """Learns from the step: ``results`` and the plans they followed, in the same order, and what

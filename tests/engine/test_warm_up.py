@@ -58,11 +58,19 @@ def test_it_runs_on_cuda_only_unless_asked(tiny_pair) -> None:
 
 def test_it_leaves_the_engine_as_it_found_it(tiny_pair, learned) -> None:
     core = core_of(tiny_pair, warm_up="on")
+    planning = core.planner.planning_state()
+    moved = []  # what planning moved during the warm-up (a probe counter, a request chosen to explore)
+    original = core.planner.restore_planning
+    core.planner.restore_planning = lambda state: (moved.append(core.planner.planning_state() != state),
+                                                   original(state))
     steps = core.warm_up()
     assert steps > 3
     assert not learned, "the warm-up's steps taught the planner or the drafters"
+    assert moved == [True] and core.planner.planning_state() == planning
     assert not core.has_unfinished() and core.drain_step_stats() == []
-    assert core.cache.used_blocks == 0 and core.runner.proposer.cache.used_blocks == 0
+    for pool in (core.cache, core.runner.proposer.cache):
+        assert pool.used_blocks == 0 and pool.cached_blocks == 0  # nothing held, no prompt left cached
+    assert core.scheduler.prefix.enabled and core.scheduler.draft_prefix.enabled
     assert core.runner.ahead is None
     generate(core)
     assert "planner" in learned and "runner" in learned  # learning is back for the requests that follow
