@@ -13,7 +13,8 @@
   they with every layer compiled first (``graph_compile``);
 * Max-Gram's tail on the device (eager and compiled) proposes what the host's Max-Gram proposes, and
   the GPU preset's mcsd+maxgram gives plain decoding's tokens;
-* the server, on the device, answers concurrent streams with the official ``openai`` client.
+* the server, on the device, answers concurrent streams with the official ``openai`` client;
+* the start-up warm-up runs there by default and leaves no trace.
 
 On a machine without CUDA these tests are skipped with that reason (``-ra`` lists them); the CPU
 suite checks the same code paths with the device-check mode (``tests/engine/test_device.py``).
@@ -161,6 +162,21 @@ def test_decoding_ahead_gives_the_same_tokens(pair32, sampling):
             core.step()
         assert report.declared["to_host"] <= 1 and not report.declared["synchronize"]
         assert all(w.filename.endswith("torch/cuda/streams.py") for w in report.reported)
+
+
+def test_the_warm_up_runs_on_cuda_and_leaves_no_trace(pair32):
+    """``warm_up`` (``auto``: on with CUDA) with graphs captured: it runs, the engine ends idle with both
+    pools empty, and the requests after it get a cold engine's tokens (a fixed tree, so seeded ones too)."""
+    from tests.engine.test_warm_up import core_of, generate
+
+    config = dict(adaptive=False, load_aware=False, cuda_graphs=True)
+    cold = generate(core_of(pair32, **config))
+    warm = core_of(pair32, **config)
+    assert warm.warm_up() > 3
+    for pool in (warm.cache, warm.runner.proposer.cache):
+        assert pool.used_blocks == 0 and pool.cached_blocks == 0
+    assert generate(warm) == cold
+    assert warm.cache.captured.replays > 0
 
 
 @pytest.mark.parametrize("method_name", ["mcsd+maxgram", "cascade"])
