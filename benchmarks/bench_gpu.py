@@ -258,12 +258,13 @@ READ_FIRST = "plain, read before the next forward"
 
 
 def engine_core(target, draft, batch: int, prompt_len: int, new_tokens: int, tree, method: str,
-                graphs: bool, compiled: bool = False) -> EngineCore:
+                graphs: bool, compiled: bool = False, warm_up: str = "off") -> EngineCore:
     """A core for one configuration, made once and reused by every round (capturing its graphs is a
     start-up cost, not a step's): greedy, the graphs captured at this batch only, fixed trees (no
     adaptive depth, no load-aware budget) unless ``method`` is :data:`ADAPTIVE`, which measures its cost
     curve at start and may choose plain decoding or Max-Gram where the draft cannot pay (with random
-    weights it cannot).  ``compiled``: each layer compiled before capture (``graph_compile``)."""
+    weights it cannot).  ``compiled``: each layer compiled before capture (``graph_compile``);
+    ``warm_up``: the core's start-up warm-up setting (:meth:`EngineCore.warm_up`, run by the caller)."""
     adaptive, level_reads, read_first = method == ADAPTIVE, method == LEVEL_READS, method == READ_FIRST
     # Max-Gram as the GPU preset runs it: the draft's tokens stay on the device (one read a step), its tail
     # proposed there, 2 tokens at most
@@ -273,11 +274,13 @@ def engine_core(target, draft, batch: int, prompt_len: int, new_tokens: int, tre
                                         else method, decode_ahead="off" if read_first else "auto",
                                         adaptive=adaptive or level_reads, load_aware=adaptive,
                                         adaptive_level_stop=level_reads, cuda_graphs=graphs, graph_batches=(batch,),
-                                        graph_compile=compiled, maxgram_read_tree=False, maxgram_tail=2, **extra)
+                                        graph_compile=compiled, maxgram_read_tree=False, maxgram_tail=2,
+                                        warm_up=warm_up, **extra)
     return EngineCore(target, draft, config)
 
 
 _runs = itertools.count()  # request ids stay unique across the runs of one core
+_warmed = False  # the process's first engine core has had its start-up warm-up (--engine-warm-up)
 
 
 def engine_run(core: EngineCore, batch: int, prompt_len: int, new_tokens: int, spec_on: bool,
@@ -346,6 +349,10 @@ def main(argv=None) -> None:
                     help="seconds of back-to-back forwards before the engine runs (GPU clocks up)")
     ap.add_argument("--warmup-rounds", type=int, default=1,
                     help="untimed rounds of every engine configuration before the timed ones")
+    ap.add_argument("--engine-warm-up", choices=("auto", "on", "off"), default="auto",
+                    help="the first engine core made warms up as a server's does at its start "
+                         "(EngineCore.warm_up; auto: on CUDA), so that the column 'warm-up x slower' shows "
+                         "what is left of a process's first-round slowness after it ('off': the raw cost)")
     ap.add_argument("--acceptance", default="benchmarks/acceptance/code.json,benchmarks/acceptance/chat.json",
                     help="bench_spec.py results (tokens per step by tree, measured on the CPU with the real pair) "
                          "for the projection, comma separated ('' to skip)")
@@ -493,11 +500,21 @@ def run_configs(configs: list[tuple], target: LoadedModel, args, partial=None) -
     made once; then one short run per configuration under torch's sync debug mode for the counts.
     ``partial(rows)``: after each timed round, the rows so far (medians of the rounds run; no sync
     counts yet)."""
+    global _warmed
     cores = {}
     t0 = time.perf_counter()
     for i, (name, batch, d, spec_on, t, method, graphs, compiled) in enumerate(configs):
-        cores[i] = engine_core(target, d, batch, args.prompt_len, args.new_tokens, t, method, graphs, compiled)
+        warm_up = getattr(args, "engine_warm_up", "off") if i == 0 and not _warmed else "off"
+        cores[i] = engine_core(target, d, batch, args.prompt_len, args.new_tokens, t, method, graphs, compiled,
+                               warm_up)
     print(f"{len(cores)} engine cores made in {time.perf_counter() - t0:.1f} s (their graphs captured)", flush=True)
+    if cores and not _warmed:  # the process's first core, as a server's start warms its engine up
+        _warmed = True
+        t0 = time.perf_counter()
+        steps = cores[0].warm_up()
+        if steps:
+            print(f"the first core warmed up as a server does: {steps} steps in {time.perf_counter() - t0:.1f} s",
+                  flush=True)
     samples: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
     warm: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
     for rnd in range(args.warmup_rounds + args.rounds):

@@ -27,6 +27,7 @@ def test_bench_gpu_runs_on_the_cpu_and_its_figures_add_up(tmp_path, capsys):
                     "--big-shape", "", "--vocab", "101", "--rows", "1,4", "--reps", "1", "--batches", "1,2",
                     "--spec-batches", "1", "--trees", "2,1;1", "--new-tokens", "12", "--prompt-len", "16",
                     "--context", "64", "--rounds", "2", "--warmup-s", "0.1", "--acceptance", str(spec),
+                    "--engine-warm-up", "on",
                     "--host-profile", str(tmp_path / "profile.txt"), "--out", str(out)])
     result = json.loads(out.read_text())
     assert [(r["layers"], r["rows"]) for r in result["forward"]] == [("eager", 1), ("eager", 4), ("compiled", 1),
@@ -78,6 +79,7 @@ def test_bench_gpu_runs_on_the_cpu_and_its_figures_add_up(tmp_path, capsys):
     assert "==== mcsd" in (tmp_path / "profile.txt").read_text()
     printed = capsys.readouterr().out
     assert "engine steps" in printed and "PROJECTION (not measured)" in printed
+    assert printed.count("the first core warmed up as a server does") == 1  # the process's first core only
 
 
 def test_the_floor_decoder_attends_only_to_what_it_cached():
