@@ -501,15 +501,15 @@ def run_configs(configs: list[tuple], target: LoadedModel, args, partial=None) -
     ``partial(rows)``: after each timed round, the rows so far (medians of the rounds run; no sync
     counts yet)."""
     global _warmed
+    first, _warmed = not _warmed, True  # the process's first core warms up, as a server's start does
     cores = {}
     t0 = time.perf_counter()
     for i, (name, batch, d, spec_on, t, method, graphs, compiled) in enumerate(configs):
-        warm_up = getattr(args, "engine_warm_up", "off") if i == 0 and not _warmed else "off"
+        warm_up = getattr(args, "engine_warm_up", "off") if first and i == 0 else "off"
         cores[i] = engine_core(target, d, batch, args.prompt_len, args.new_tokens, t, method, graphs, compiled,
                                warm_up)
     print(f"{len(cores)} engine cores made in {time.perf_counter() - t0:.1f} s (their graphs captured)", flush=True)
-    if cores and not _warmed:  # the process's first core, as a server's start warms its engine up
-        _warmed = True
+    if first and cores:
         t0 = time.perf_counter()
         steps = cores[0].warm_up()
         if steps:

@@ -95,8 +95,7 @@ class EngineCore:
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids, cfg.grammar_whitespace)
         self._stats: list[StepStats] = []
         self._learning = True  # the planner and the drafters learn from each step (not while warming up)
-        ahead = cfg.decode_ahead
-        self.decode_ahead = ahead == "on" or (ahead == "auto" and target.model.device.type == "cuda")
+        self.decode_ahead = _chosen(cfg.decode_ahead, target.model.device)
 
     def _new_cache(self, model: LoadedModel, max_len: int) -> KVCache:
         """A paged cache of ``kv_cache_tokens`` (default: ``max_batch`` sequences of ``max_len``) for one
@@ -155,8 +154,7 @@ class EngineCore:
         learn nothing from them, what planning moved (probe counters, the requests chosen to explore)
         is put back, the prefix caches keep none of their prompts, their statistics are dropped, and
         the engine ends as idle as it started.  Returns the number of steps run."""
-        mode = self.config.warm_up
-        if mode == "off" or (mode == "auto" and self.target.model.device.type != "cuda"):
+        if not _chosen(self.config.warm_up, self.target.model.device):
             return 0
         if self.has_unfinished():
             raise RuntimeError("warm up an engine before it takes requests")
@@ -408,6 +406,12 @@ class EngineCore:
             prompt_tokens=seq.num_prompt, cached_tokens=seq.cached_prompt_tokens,
             completion_tokens=seq.num_output, spec=seq.spec,
         )
+
+
+def _chosen(mode: str, device: torch.device) -> bool:
+    """An ``auto`` / ``on`` / ``off`` setting (``decode_ahead``, ``warm_up``) for an engine on ``device``:
+    ``auto`` is on with CUDA."""
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
 def _draft_vocab(draft: LoadedModel, cfg: EngineConfig) -> Optional[OutputVocab]:

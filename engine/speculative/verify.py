@@ -241,7 +241,7 @@ def start_verify(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, uniform
     # taken: [K] each row's accepted event, -1 where none is
     if st.all_greedy:  # each row takes its first event whose token is the argmax: every event at once
         hit = (trees.ev_token == flat_best[:, None]) & (trees.ev_valid if trees.ev_live is None else trees.ev_live)
-        taken = torch.where(hit.any(dim=1), hit.int().argmax(dim=1), -1)  # argmax: the first of equal maxima
+        taken = first_true(hit)
     else:
         probs = finish_probs(x.reshape(b * r, v), st)  # [B*R, V]; greedy rows one-hot
         taken, residual = _try_events(probs, trees, uniforms, greedy.reshape(-1)[trees.ev_rows], flat_best,
@@ -345,8 +345,13 @@ def _try_events(probs: torch.Tensor, trees: TreeBatch, uniforms: Uniforms, greed
         if without_replacement and any_sampled:  # a one-hot event leaves q as it is
             new_q = torch.where(sampled[:, None], without_rows(qj, tok), qj)
             q[:k] = new_q if live is None else torch.where(live[:, None], new_q, qj)
-    taken = torch.where(accepted.any(dim=1), accepted.int().argmax(dim=1), -1)  # argmax: the first of equal maxima
-    return taken, p
+    return first_true(accepted), p
+
+
+def first_true(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's first True column of ``mask`` [K, E] bool, -1 where there is none (argmax gives the
+    first of equal maxima, on every device)."""
+    return torch.where(mask.any(dim=1), mask.int().argmax(dim=1), -1)
 
 
 def residual_rows(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
