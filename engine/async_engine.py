@@ -10,8 +10,9 @@ condition variable:
 * per-request ``asyncio.Queue`` objects, filled with ``loop.call_soon_threadsafe``.
 
 Each engine-thread iteration is: apply aborts -> admit pending requests -> one ``core.step()`` for
-the whole running batch -> hand out the deltas -> hand step stats to the listener.  When there is
-no work the thread sleeps on the condition variable.
+the whole running batch -> hand out the deltas.  The step's stats and the finished requests' records
+reach the listener while the device runs the next step (``EngineCore.defer``), or at once when
+there is none.  When there is no work the thread sleeps on the condition variable.
 
 The engine also keeps per-request timestamps (:class:`RequestRecord`); a listener (the server's
 metrics exporter) gets them when a request finishes, plus every step's :class:`StepStats`.  The
@@ -320,6 +321,7 @@ class AsyncEngine(EngineFront):
         finally:
             if self.state is EngineState.READY and self._stop_now:
                 self._fail(self._snapshot(), SHUTDOWN_MESSAGE, kind="shutdown")
+            self.core.run_deferred()  # the metrics of the last steps
 
     def _loop(self) -> None:
         busy = False
@@ -339,6 +341,8 @@ class AsyncEngine(EngineFront):
             if busy:
                 self._step()
                 busy = self.core.has_unfinished()
+            if not busy:
+                self.core.run_deferred()  # the metrics deferred to the next step: there is none for now
             self._publish_gauges()
 
     def _apply_aborts(self, ids: list[str]) -> None:
@@ -391,7 +395,7 @@ class AsyncEngine(EngineFront):
             outbox, self._outbox = self._outbox, None
             for loop, items in outbox.items():
                 self._post(loop, items)
-        self._drain_stats()
+        self._off_the_step(self._drain_stats)
 
     def _snapshot(self) -> list[_Entry]:
         """The unfinished requests (the event loop inserts into ``_entries`` under the lock)."""
@@ -424,10 +428,21 @@ class AsyncEngine(EngineFront):
         self._entries.pop(entry.req.request_id, None)
         self._deliver(entry, out)
         if self.listener is not None:
-            try:
-                self.listener.on_request_finished(rec)
-            except Exception:  # noqa: BLE001 - metrics must never break serving
-                log.exception("metrics listener failed")
+            self._off_the_step(lambda: self._record_finished(rec))
+
+    def _record_finished(self, rec: RequestRecord) -> None:
+        try:
+            self.listener.on_request_finished(rec)
+        except Exception:  # noqa: BLE001 - metrics must never break serving
+            log.exception("metrics listener failed")
+
+    def _off_the_step(self, work: Callable[[], None]) -> None:
+        """Runs metrics ``work`` while the device runs the next step (``EngineCore.defer``) when called
+        on the engine thread; now otherwise."""
+        if self.core is not None and threading.current_thread() is self._thread:
+            self.core.defer(work)
+        else:
+            work()
 
     def _deliver(self, entry: _Entry, out: RequestOutput) -> None:
         if not out.finished:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -94,6 +94,8 @@ class EngineCore:
         # structured outputs: the server compiles each request's grammar with this (off the event loop)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids, cfg.grammar_whitespace)
         self._stats: list[StepStats] = []
+        self._steps = 0  # steps begun
+        self._later: list[tuple[int, Callable[[], None]]] = []  # (step, work) for while the device works: defer()
         self._learning = True  # the planner and the drafters learn from each step (not while warming up)
         self.decode_ahead = _chosen(cfg.decode_ahead, target.model.device)
 
@@ -294,12 +296,34 @@ class EngineCore:
         return self.cache.used_blocks, self.cache.cached_blocks, self.cache.num_blocks
 
     def drain_step_stats(self) -> list[StepStats]:
+        self.run_deferred()  # the last step's accounting, if it waits for the next step
         out, self._stats = self._stats, []
         return out
+
+    # ------------------------------------------------------------------ host work off the step's path
+    def defer(self, work: Callable[[], None]) -> None:
+        """Queues host work that the next step does not depend on (a step's statistics, metrics) to run
+        while the device works: just before the next step's read of the device, when that step's
+        forwards are queued already, so on a GPU it adds nothing to the time between two steps' device
+        work.  It runs at the latest at the end of the next step, or when :meth:`drain_step_stats` or
+        :meth:`run_deferred` is called (on the CPU, where the device is the host, only the order
+        changes)."""
+        self._later.append((self._steps, work))
+
+    def run_deferred(self, before_step: Optional[int] = None) -> None:
+        """Runs the deferred work, in the order it was queued (``before_step``: only what steps before
+        that one queued).  Work that raises is logged; it fails nothing else."""
+        while self._later and (before_step is None or self._later[0][0] < before_step):
+            _, work = self._later.pop(0)
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - statistics and metrics must never fail a step
+                log.exception("host work deferred from an earlier step failed")
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self._steps += 1
         ahead = self.runner.ahead is not None  # this step's forward is queued already: no one joins it
         plan = self.scheduler.schedule(admit=not ahead)
         stats = StepStats()
@@ -322,7 +346,8 @@ class EngineCore:
             wish = self._plan(decode)
             plans = self.planner.plain(decode) if self.runner.ahead is not None else wish
             stats.budget = max(p.sub.num_nodes for p in plans)
-            step = self.runner.step(decode, plans, stats, ahead=self._may_go_ahead(plan, wish))
+            step = self.runner.step(decode, plans, stats, ahead=self._may_go_ahead(plan, wish),
+                                    while_waiting=self.run_deferred)
             results, failed = step.results, step.failed
             for seq in step.stopped:
                 self.scheduler.stop_drafting(seq)
@@ -334,8 +359,9 @@ class EngineCore:
                 except Exception:  # noqa: BLE001 - a failure to learn fails no request
                     log.exception("the planner failed to learn from the step")
                 self.runner.observe(results, step.plans)
+            # the step's accounting runs while the next step's device work does (defer)
+            self.defer(lambda: _record_all(stats, results))
             for res in results:
-                record_step(stats, res)
                 try:
                     outputs.append(self._postprocess(res, stats))
                 except Exception as exc:  # noqa: BLE001 - e.g. detokenization: this request alone fails
@@ -344,6 +370,7 @@ class EngineCore:
             outputs += [self._fail(seq, exc) for seq, exc in failed]
         if self.runner.ahead is not None and not self.scheduler.running:
             self.runner.drop_ahead()  # every sequence it ran has ended
+        self.run_deferred(before_step=self._steps)  # what no read of this step ran
         stats.step_seconds = time.perf_counter() - t0
         if not plan.empty:
             self._stats.append(stats)
@@ -406,6 +433,11 @@ class EngineCore:
             prompt_tokens=seq.num_prompt, cached_tokens=seq.cached_prompt_tokens,
             completion_tokens=seq.num_output, spec=seq.spec,
         )
+
+
+def _record_all(stats: StepStats, results: list[SeqStepResult]) -> None:
+    for res in results:
+        record_step(stats, res)
 
 
 def _chosen(mode: str, device: torch.device) -> bool:

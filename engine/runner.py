@@ -128,12 +128,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ decode
     def step(self, seqs: list[Sequence], plans: list[DraftPlan], stats: StepStats,
-             ahead: bool = False) -> StepOutcome:
+             ahead: bool = False, while_waiting: Optional[Callable[[], None]] = None) -> StepOutcome:
         """Drafts, verifies and updates the caches of ``seqs`` (``plans[i]``: what sequence i drafts).
 
         ``ahead``: when the step is plain decoding of the whole batch, the next step's forward of the
         same sequences is queued on the device before the host waits for this step's tokens
         (:meth:`_decode_ahead`); the next step then uses it (:attr:`ahead`) if its batch is among them.
+        ``while_waiting``: host work for the time the device works; called once, when the step's read
+        is queued (after the forward ahead) and before the host waits for it.
 
         One request's failure is that request's alone:
 
@@ -151,9 +153,10 @@ class ModelRunner:
         for f in forwards:
             plan_of = {id(s): p for s, p in zip(f.seqs, f.plans)}
             committed: set[int] = set()  # sequences whose caches the step updated before its read
-            go_ahead = (lambda pendings: self._decode_ahead(f.seqs, pendings, committed)) \
-                if ahead and len(forwards) == 1 and out.whole else None
-            results, failed = self._verify_all(f.seqs, f.trees, f.plans, f.logits, go_ahead)  # logits: [B, rows, vocab]
+            go_ahead = ahead and len(forwards) == 1 and out.whole
+            work, while_waiting = while_waiting, None  # once: the first read waits for all the step's work
+            results, failed = self._verify_all(f.seqs, f.trees, f.plans, f.logits,  # logits: [B, rows, vocab]
+                                               self._before_wait(f.seqs, committed, go_ahead, work))
             if committed:
                 out.whole = False  # the step's time holds the next forward's launch
             for res, exc in zip(results, self._update_caches(results, committed)):
@@ -175,6 +178,20 @@ class ModelRunner:
         if ran_ahead:
             out.whole = False  # its forward ran during the last step: the step's time is not its rows' cost
         return out
+
+    def _before_wait(self, seqs: list[Sequence], committed: set[int], go_ahead: bool,
+                     work: Optional[Callable[[], None]]) -> Optional[Callable[[list[Pending]], None]]:
+        """What runs once a forward's read is queued, before the host waits for it: the next step's
+        forward of ``seqs`` (``go_ahead``, :meth:`_decode_ahead`), then the host's ``work``."""
+        if not go_ahead and work is None:
+            return None
+
+        def before_wait(pendings: list[Pending]) -> None:
+            if go_ahead:
+                self._decode_ahead(seqs, pendings, committed)
+            if work is not None:
+                work()
+        return before_wait
 
     def _from_ahead(self, seqs: list[Sequence], plans: list[DraftPlan]) -> list[_Forward]:
         """The step's forward from :attr:`ahead`, when it ran this batch's plain step (every sequence

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from functools import lru_cache
-from typing import Optional
+from typing import Callable, Optional
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -98,6 +98,7 @@ class FakeCore:
         self._waiting: deque[_Seq] = deque()
         self._running: dict[str, _Seq] = {}
         self._stats: list[StepStats] = []
+        self._later: list[Callable[[], None]] = []  # defer()
         self._thread: Optional[int] = None  # the one thread allowed to call us
 
     # ----------------------------------------------------------------- interface
@@ -136,8 +137,10 @@ class FakeCore:
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("injected failure")
+        t0 = time.perf_counter()
+        self.run_deferred()  # while the "device" works, as the real core runs it before its read
         if self.step_delay:
-            time.sleep(self.step_delay)
+            time.sleep(max(0.0, self.step_delay - (time.perf_counter() - t0)))
         self.steps_run += 1
         stats = StepStats(budget=self.depth, draft_seconds=0.001, verify_seconds=0.002)
         while self._waiting and len(self._running) < self.max_batch:
@@ -150,8 +153,17 @@ class FakeCore:
         return outputs
 
     def drain_step_stats(self) -> list[StepStats]:
+        self.run_deferred()
         out, self._stats = self._stats, []
         return out
+
+    def defer(self, work: Callable[[], None]) -> None:
+        self._check_thread()
+        self._later.append(work)
+
+    def run_deferred(self) -> None:
+        while self._later:
+            self._later.pop(0)()
 
     @property
     def num_running(self) -> int:

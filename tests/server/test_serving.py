@@ -207,3 +207,30 @@ def test_factory_loads_on_engine_thread_and_reports_failures():
 def test_max_queue_validated():
     with pytest.raises(ValueError, match="max_queue"):
         AsyncEngine(FakeCore(), max_queue=0)
+
+
+def test_metrics_reach_the_listener_during_the_next_step_or_once_idle():
+    """Step stats and finished requests' records are handed to the listener off the step's path (while
+    the next step runs, ``EngineCore.defer``), on the engine thread, and without waiting for another
+    step once the engine is idle."""
+    class ThreadRecorder(Recorder):
+        def on_request_finished(self, record) -> None:
+            super().on_request_finished(record)
+            self.threads.add(threading.get_ident())
+
+    async def main():
+        rec, core = ThreadRecorder(), FakeCore(step_delay=0.005)
+        rec.threads = set()
+        engine = await started(AsyncEngine(core, listener=rec))
+        short, long = engine.generate(req("short", max_tokens=2)), engine.generate(req("long", max_tokens=40))
+        outs = await asyncio.gather(_drain(short), _drain(long))
+        await wait_for(lambda: len(rec.records) == 2)  # the engine is idle: no step is coming
+        drafted = sum(s.drafted_tokens for s in rec.stats)
+        await engine.shutdown()
+        return rec, core, outs, drafted
+
+    rec, core, outs, drafted = asyncio.run(main())
+    assert rec.threads == {core._thread}
+    assert sorted(r.completion_tokens for r in rec.records) == [2, 40]
+    assert drafted == sum(o[-1].spec.drafted_tokens for o in outs) > 0
+    assert len(rec.stats) == core.steps_run
