@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import re
 import statistics
 import sys
@@ -118,7 +119,11 @@ def _counting(counter_of, fn, on_call):
 
 def _engine(config: dict, batch: int, temperature: float, spec: bool, steps: int) -> EngineCore:
     """The tiny pair on the fixed-shape path, ``batch`` requests added (long enough for ``steps``), set
-    as on CUDA: Max-Gram not reading the draft's tree, plain decoding ahead of its reads."""
+    as on CUDA: Max-Gram not reading the draft's tree, plain decoding ahead of its reads.  What it built
+    is frozen out of the garbage collector's scans, as the server does after loading (a full
+    collection over the process's objects otherwise lands in some steps)."""
+    gc.unfreeze()  # (the last engine's objects: collectable again)
+    gc.collect()
     target, draft = tiny_loaded("qwen2", seed=0), tiny_loaded("qwen2", seed=1, layers=1)
     core = EngineCore(target, draft, EngineConfig.from_settings(
         max_batch=batch, max_model_len=512, static_shapes=True, graph_batches=(batch,), load_aware=False,
@@ -129,6 +134,8 @@ def _engine(config: dict, batch: int, temperature: float, spec: bool, steps: int
         params = SamplingParams(max_tokens=min(steps * 8 + 8, 400), temperature=temperature, ignore_eos=True,
                                 seed=i if temperature else None)
         core.add_request(GenerationRequest(f"r{i}", ids, params, SpecOptions(enabled=spec)))
+    gc.collect()
+    gc.freeze()
     return core
 
 
@@ -291,8 +298,11 @@ def main(argv=None) -> None:
                     help="plain decoding queues its next forward before reading (decode_ahead, as on CUDA)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    with torch_formulation():  # what a GPU runs; this process's own kernels again afterwards
-        run(args)
+    try:
+        with torch_formulation():  # what a GPU runs; this process's own kernels again afterwards
+            run(args)
+    finally:
+        gc.unfreeze()  # (what _engine froze)
 
 
 def run(args) -> None:
