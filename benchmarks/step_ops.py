@@ -62,6 +62,9 @@ from engine.request import GenerationRequest, SamplingParams, SpecOptions  # noq
 from tests.device_check import DeviceCheck, _tensors, is_marked, mark_engine  # noqa: E402
 from tests.tiny import tiny_loaded  # noqa: E402
 
+#: what ``--clock`` times host and serial ms with
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
 #: torch calls that make no kernel: views, metadata
 VIEWS = {"view", "view_as", "reshape", "transpose", "unsqueeze", "squeeze", "expand", "expand_as", "permute", "t",
          "split", "chunk", "unbind", "narrow", "select", "flatten", "unflatten", "as_strided", "detach", "__getitem__",
@@ -164,27 +167,30 @@ def count_steps(config: dict, batch: int, temperature: float, spec: bool, steps:
         return _count(core, counter, current, steps)
 
 
-def time_steps(config: dict, batch: int, temperature: float, spec: bool, steps: int) -> list[tuple[float, float]]:
+def time_steps(config: dict, batch: int, temperature: float, spec: bool, steps: int,
+               clock=time.perf_counter) -> list[tuple[float, float]]:
     """``(host ms, serial ms)`` of ``steps`` decoding steps, timed without the counting mode's own cost.
     Host ms: the step's wall time less the time in the forwards (which a GPU replays from graphs).
     Serial ms: the host's time from a read of the device to the next forward's launch (summed over the
-    step's forwards), when a GPU would have nothing queued: it adds to the step's time there."""
+    step's forwards), when a GPU would have nothing queued: it adds to the step's time there.
+    ``clock``: wall time, or the thread's CPU time (``time.thread_time``: what the host's own work took,
+    without the time a shared machine gave its core to others)."""
     core = _engine(config, batch, temperature, spec, steps)
     inside, serial, read_at = [0.0], [0.0], [None]
 
     def timed(*args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = clock()
         if read_at[0] is not None:
             serial[0] += t0 - read_at[0]
             read_at[0] = None
         try:
             return forward(*args, **kwargs)
         finally:
-            inside[0] += time.perf_counter() - t0
+            inside[0] += clock() - t0
 
     def on_sync(label: str) -> None:
         if label == "to_host":  # (the next forward queued behind the read keeps the device busy)
-            read_at[0] = time.perf_counter() if core.runner.ahead is None else None
+            read_at[0] = clock() if core.runner.ahead is None else None
     forward = engine_graphs.static_hidden
     out = []
     with contextlib.ExitStack() as stack:
@@ -198,9 +204,9 @@ def time_steps(config: dict, batch: int, temperature: float, spec: bool, steps: 
             if not core.has_unfinished():
                 break
             inside[0] = serial[0] = 0.0
-            t0 = time.perf_counter()
+            t0 = clock()
             core.step()
-            out.append(((time.perf_counter() - t0 - inside[0]) * 1e3, serial[0] * 1e3))
+            out.append(((clock() - t0 - inside[0]) * 1e3, serial[0] * 1e3))
     return out
 
 
@@ -296,6 +302,9 @@ def main(argv=None) -> None:
                     help="also count one forward's operators, eager and compiled")
     ap.add_argument("--decode-ahead", action=argparse.BooleanOptionalAction, default=True,
                     help="plain decoding queues its next forward before reading (decode_ahead, as on CUDA)")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="host and serial ms in wall time, or in the engine thread's CPU time (steadier on a "
+                         "shared machine, whose other tenants take the core away at times)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     try:
@@ -314,7 +323,7 @@ def run(args) -> None:
                 per = count_steps(config, batch, temperature, spec, args.steps)
                 med = {k: statistics.median(p[k] for p in per) for k in ("device_ops", "h2d", "forwards", "reads")}
                 if args.time_steps:
-                    timed = time_steps(config, batch, temperature, spec, args.time_steps)
+                    timed = time_steps(config, batch, temperature, spec, args.time_steps, CLOCKS[args.clock])
                     med["host_ms"] = statistics.median(h for h, _ in timed)
                     med["serial_ms"] = statistics.median(s for _, s in timed)
                 rows.append(dict(config=name, batch=batch, temperature=temperature, **med, steps=len(per),

@@ -33,3 +33,12 @@ def test_step_ops_counts_a_steps_launches_and_they_do_not_grow_with_the_batch(tm
     eager, compiled = result["forward"]
     assert (eager["layers"], compiled["layers"]) == ("eager", "compiled")
     assert 20 <= eager["per_layer"] <= 40 and compiled["per_layer"] <= 10  # Inductor fused the elementwise work
+
+
+def test_step_ops_times_the_host_in_cpu_time_on_request(tmp_path):
+    out = tmp_path / "step_ops.json"
+    step_ops.main(["--configs", "mcsd:2,1", "--batches", "1", "--temperatures", "0", "--steps", "1",
+                   "--time-steps", "3", "--no-forward", "--clock", "thread", "--out", str(out)])
+    result = json.loads(out.read_text())
+    (row,) = result["steps"]
+    assert result["args"]["clock"] == "thread" and 0 < row["serial_ms"] <= row["host_ms"] < 1000
