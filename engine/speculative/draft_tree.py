@@ -32,13 +32,14 @@ prefix) are one event: a deterministic proposal repeated carries no new informat
 from __future__ import annotations
 
 import itertools
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
 import torch
 
-from engine.device import to_device_many, to_host
+from engine.device import to_device, to_device_many, to_host
 from engine.speculative.features import NodeFeatures
 from engine.speculative.tree import SubTree
 
@@ -53,13 +54,81 @@ ONEHOT, SAMPLED = 0, 1
 DRAFT_MODEL, MAXGRAM, CASCADE, BIGRAM = "draft", "maxgram", "cascade", "bigram"
 
 
+class DraftLaws(MutableMapping):
+    """Block row -> the [vocab] law its sampled children were drawn from (``DraftTree.q``).  The draft
+    model's laws are rows of its levels' probabilities, kept as (level tensor, row index)
+    (:meth:`set_row`) and made a tensor view only when read one by one: verification gathers a step's
+    laws with one index per level (:func:`gather_laws`), not one view a row (hundreds a step at
+    batch 32)."""
+
+    def __init__(self, laws: Optional[dict[int, torch.Tensor]] = None) -> None:
+        self._at: dict[int, tuple[torch.Tensor, Optional[int]]] = {row: (law, None) for row, law in (laws or {}).items()}
+
+    def set_row(self, row: int, source: torch.Tensor, index: int) -> None:
+        """Row ``row``'s law is ``source[index]``."""
+        self._at[row] = (source, index)
+
+    def where(self, row: int) -> Optional[tuple[torch.Tensor, Optional[int]]]:
+        """(source, index) of the row's law (index None: the source is the law), or None."""
+        return self._at.get(row)
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        source, index = self._at[row]
+        return source if index is None else source[index]
+
+    def __setitem__(self, row: int, law: torch.Tensor) -> None:
+        self._at[row] = (law, None)
+
+    def __delitem__(self, row: int) -> None:
+        del self._at[row]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._at)
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+
+def gather_laws(places: list[tuple[torch.Tensor, Optional[int]]], vocab_size: int) -> torch.Tensor:
+    """The laws at ``places`` (:meth:`DraftLaws.where`) as one float32 [len(places), vocab_size] tensor,
+    in order: one index a source for the rows of a level, one stack for the laws held whole."""
+    groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # id(source) -> (source, places, rows)
+    whole: tuple[list[int], list[torch.Tensor]] = ([], [])
+    for n, (source, index) in enumerate(places):
+        if index is None:
+            whole[0].append(n)
+            whole[1].append(source[:vocab_size].float())
+        else:
+            group = groups.setdefault(id(source), (source, [], []))
+            group[1].append(n)
+            group[2].append(index)
+    if not whole[0] and len(groups) == 1:  # the common case: one level's rows
+        ((source, _, rows),) = groups.values()
+        return _rows(source, rows)[:, :vocab_size].float()
+    order, parts = list(whole[0]), [torch.stack(whole[1])] if whole[1] else []
+    for source, at, rows in groups.values():
+        order += at
+        parts.append(_rows(source, rows)[:, :vocab_size].float())
+    out = torch.cat(parts)
+    inverse = np.empty(len(order), dtype=np.int64)
+    inverse[np.asarray(order)] = np.arange(len(order))
+    return out if np.array_equal(inverse, np.arange(len(order))) else out[to_device(torch.from_numpy(inverse), out.device)]
+
+
+def _rows(source: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``source[rows]``: a slice when the rows are consecutive (no copy of the index)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return source[rows[0]: rows[0] + len(rows)]
+    return source[to_device(torch.tensor(rows, dtype=torch.long), source.device)]
+
+
 @dataclass
 class DraftTree:
     """What one sequence drafted in one step."""
 
     sub: SubTree
     tokens: list[int]  # [n] node tokens, DEAD where a child could not be drawn
-    q: dict[int, torch.Tensor] = field(default_factory=dict)  # block row -> [vocab] its sampled children's law
+    q: MutableMapping[int, torch.Tensor] = field(default_factory=DraftLaws)  # block row -> [vocab] its sampled children's law
     drafted_levels: int = 0  # levels of ``sub`` actually run through the draft (s - 1)
     features: list[NodeFeatures] = field(default_factory=list)  # per sampled level, when the policy wants them
     scores: list[torch.Tensor] = field(default_factory=list)  # per level [level nodes], the policy's own use

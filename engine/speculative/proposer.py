@@ -206,7 +206,7 @@ class DraftModelProposer:
             chosen[at] = self._sample(probs[at], [widths[row_seq[r]] for r in s_rows], gens, max(widths))
             for r in s_rows:
                 j = row_seq[r]
-                trees[j].q[parent_rows[j][r - first[j]]] = probs[r]
+                trees[j].q.set_row(parent_rows[j][r - first[j]], probs, r)  # a row of probs: no view made
         # what the policy learns from the level, on the device (it runs on the host)
         features = self.policy is not None and self.policy.wants_features
         full = features and self.policy.wants_full_features

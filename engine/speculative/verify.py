@@ -47,7 +47,7 @@ from engine.sampler import (
     SamplingTensors, draw_uniforms, finish_probs, process_logits, raw_logprobs, sample_from_probs,
 )
 from engine.speculative.constrained import allowed_rows
-from engine.speculative.draft_tree import DEAD, SAMPLED, DraftTree, holders, joined
+from engine.speculative.draft_tree import DEAD, SAMPLED, DraftLaws, DraftTree, gather_laws, holders, joined
 from engine.speculative.history import batch_histories
 from engine.speculative.view import SeqView
 from engine.speculative.walk import SeqStepResult, VerifyResult
@@ -55,6 +55,14 @@ from engine.speculative.walk import SeqStepResult, VerifyResult
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.speculative.methods import DraftPlan
+
+
+def _law_place(laws, row: int) -> Optional[tuple[torch.Tensor, Optional[int]]]:
+    """Where row ``row``'s draft law is (``DraftLaws.where``; a plain dict of laws holds them whole)."""
+    if isinstance(laws, DraftLaws):
+        return laws.where(row)
+    law = laws.get(row)
+    return None if law is None else (law, None)
 
 
 @dataclass
@@ -137,13 +145,10 @@ class TreeBatch:
         if any(t.q for t in trees):  # each row's draft law, where the row has a sampled event
             at = np.flatnonzero(ev_sampled.any(axis=1))
             tree_of, row_of = np.divmod(row_keys[at], r)
-            laws = [trees[i].q.get(row) for i, row in zip(tree_of.tolist(), row_of.tolist())]
-            q_at = [n for n, law in zip(at.tolist(), laws) if law is not None]
-            if q_at:  # one stack of every law (a few hundred rows a step at batch 32), then one copy
-                laws = [law if law.shape[0] == vocab_size else law[:vocab_size] for law in laws if law is not None]
-                if len({law.dtype for law in laws}) > 1:
-                    laws = [law.to(torch.float32) for law in laws]
-                q[device_tensor(q_at, device)] = torch.stack(laws).to(device, torch.float32)
+            places = [_law_place(trees[i].q, row) for i, row in zip(tree_of.tolist(), row_of.tolist())]
+            q_at = [n for n, place in zip(at.tolist(), places) if place is not None]
+            if q_at:  # a few hundred rows a step at batch 32: gathered by level, then one write
+                q[device_tensor(q_at, device)] = gather_laws([p for p in places if p is not None], vocab_size).to(device)
         as_torch = [torch.from_numpy(x) for x in (tokens, event_node.reshape(b, r, e), row_keys, ev_token, ev_sampled)]
         if not held_by:
             host = [as_torch[0], torch.from_numpy(counts.reshape(b, r)), *as_torch[1:], torch.from_numpy(ev_valid)]

@@ -79,3 +79,30 @@ def test_parse_widths():
         parse_widths("4,0")
     with pytest.raises(ValueError):
         parse_widths("a,b")
+
+
+def test_draft_laws_keep_level_rows_and_gather_them_in_order():
+    """``DraftTree.q`` holds the draft model's laws as rows of its levels' probabilities; read one by one
+    they are those rows, and ``gather_laws`` brings any mix of them (and laws held whole) back in the
+    order asked, cut to the vocabulary, as float32."""
+    from engine.speculative.draft_tree import DraftLaws, gather_laws
+
+    gen = torch.Generator().manual_seed(0)
+    level1 = torch.rand(3, 7, generator=gen)  # a padded vocabulary: 7 columns for 5 tokens
+    level2 = torch.rand(4, 7, generator=gen, dtype=torch.float64)
+    whole = torch.rand(5, generator=gen)
+    laws = DraftLaws({9: whole})
+    laws.set_row(1, level1, 2)
+    laws.set_row(4, level2, 0)
+    laws.set_row(5, level2, 3)
+    laws.set_row(2, level1, 0)
+    assert sorted(laws) == [1, 2, 4, 5, 9] and len(laws) == 5 and torch.equal(laws[5], level2[3])
+    assert laws.where(9) == (whole, None) and laws.where(3) is None and laws.get(3) is None
+    order = [5, 9, 1, 2, 4]
+    got = gather_laws([laws.where(r) for r in order], 5)
+    assert got.dtype == torch.float32 and got.shape == (5, 5)
+    assert torch.equal(got, torch.stack([laws[r][:5].float() for r in order]))
+    one_level = gather_laws([laws.where(2), laws.where(1)], 5)  # one source: one index, no reordering
+    assert torch.equal(one_level, level1[[0, 2], :5])
+    del laws[9]
+    assert 9 not in laws and len(laws) == 4
