@@ -103,7 +103,7 @@ class PrefixCache:
         n = len(tokens) if count is None else min(count, len(tokens))
         if n // bs <= done:  # the common case on every step: no new full block (and no cache read)
             return
-        full = min(n, int(self.cache.lens[slot])) // bs
+        full = min(n, int(self.cache.lens_np[slot])) // bs
         for i in range(done, full):
             key = block_key(key, tokens[i * bs:(i + 1) * bs])
             self.cache.publish(slot, i, key)  # False when another block holds it already: this one stays private

@@ -21,7 +21,7 @@ from engine.device import DeviceTimer, Pending, finish_all, tensor as device_ten
 from engine.kv_cache import KVCache
 from engine.models.model import Model
 from engine.sequence import Sequence
-from engine.speculative.draft_tree import DEAD, DRAFT_MODEL, DraftTree, holders
+from engine.speculative.draft_tree import DEAD, DRAFT_MODEL, DraftTree, holders, index_ranges
 from engine.speculative.drafter import Drafter
 from engine.registry import method
 from engine.speculative.methods import DraftPlan
@@ -454,14 +454,12 @@ def verification_ids(blocks: list[Block], trees: list[DraftTree], device: torch.
     b, t = base.shape
     ids = to_device(base, device)
     for holder in holders(trees):
-        at = torch.full((b, t), holder.root, dtype=torch.long)  # the root stand-in: a live 0, unused
-        use = torch.zeros(b, t, dtype=torch.bool)
-        for i, tr in enumerate(trees):
-            if tr.unread is holder:
-                off, size = holder.offset_of(tr), tr.num_held
-                at[i, 1: 1 + size] = torch.arange(off, off + size)
-                use[i, 1: 1 + size] = True
-        at, use = to_device_many([at, use], device)
+        mine = [tr.unread is holder for tr in trees]
+        # column 0 (the root) and what others hold: the root stand-in (a live 0, unused)
+        at, use = index_ranges([holder.offset_of(tr) - 1 if m else 0 for tr, m in zip(trees, mine)],
+                               [1 + tr.num_held if m else 0 for tr, m in zip(trees, mine)], t, holder.root)
+        at[:, 0], use[:, 0] = holder.root, False
+        at, use = to_device_many([torch.from_numpy(at), torch.from_numpy(use)], device)
         ids = torch.where(use, holder.flat.index_select(0, at.view(-1)).view(b, t).clamp(min=0), ids)
     return ids
 

@@ -115,6 +115,14 @@ def gather_laws(places: list[tuple[torch.Tensor, Optional[int]]], vocab_size: in
     return out if np.array_equal(inverse, np.arange(len(order))) else out[to_device(torch.from_numpy(inverse), out.device)]
 
 
+def index_ranges(starts: list[int], lengths: list[int], width: int, fill: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row i: ``starts[i] + j`` for ``j < lengths[i]``, then ``fill``, ``width`` columns (int64), and where
+    the range is (bool): index tables built on the host at once, not a few tensor writes a row."""
+    cols = np.arange(width, dtype=np.int64)
+    use = cols[None, :] < np.asarray(lengths, dtype=np.int64).reshape(-1, 1)
+    return np.where(use, np.asarray(starts, dtype=np.int64).reshape(-1, 1) + cols[None, :], fill), use
+
+
 def _rows(source: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``source[rows]``: a slice when the rows are consecutive (no copy of the index)."""
     if rows == list(range(rows[0], rows[0] + len(rows))):

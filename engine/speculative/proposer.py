@@ -31,7 +31,7 @@ from engine.sampler import (
 )
 from engine.speculative.adaptive import SpecPolicy, StepBudget
 from engine.speculative.constrained import mask_rows, path_masks, tree_row_paths
-from engine.speculative.draft_tree import DEAD, DraftTree, HeldTokens
+from engine.speculative.draft_tree import DEAD, DraftTree, HeldTokens, index_ranges
 from engine.speculative.drafter import DrafterContext
 from engine.speculative.features import ParentStats, level_features, parent_stats
 from engine.speculative.history import PathCounts
@@ -369,11 +369,10 @@ class DeviceTokens(HeldTokens):
     def level_ids(self, trees: list[DraftTree], to_run: list[int], d: int) -> torch.Tensor:
         """Token ids [len(to_run), widest level] of level ``d`` of the trees ``to_run`` (dead: 0)."""
         levels = [trees[i].sub.level(d) for i in to_run]
-        width = max(lv.stop - lv.start for lv in levels)
-        at = torch.full((len(to_run), width), self.root, dtype=torch.long)
-        for r, (i, lv) in enumerate(zip(to_run, levels)):
-            at[r, : lv.stop - lv.start] = torch.arange(lv.start, lv.stop) + self.offsets[i]
-        ids = self.flat.index_select(0, to_device(at.reshape(-1), self.flat.device)).view(at.shape)
+        lengths = [lv.stop - lv.start for lv in levels]
+        at, _ = index_ranges([lv.start + self.offsets[i] for i, lv in zip(to_run, levels)], lengths, max(lengths),
+                             self.root)
+        ids = self.flat.index_select(0, to_device(torch.from_numpy(at.reshape(-1)), self.flat.device)).view(at.shape)
         return ids.clamp(min=0)
 
     def keep_features(self, which: list[int], d: int, parent_rows: list[list[int]], first: list[int], full: bool,

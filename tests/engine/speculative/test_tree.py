@@ -106,3 +106,11 @@ def test_draft_laws_keep_level_rows_and_gather_them_in_order():
     assert torch.equal(one_level, level1[[0, 2], :5])
     del laws[9]
     assert 9 not in laws and len(laws) == 4
+
+
+def test_index_ranges_builds_each_rows_range_then_the_fill():
+    from engine.speculative.draft_tree import index_ranges
+
+    at, use = index_ranges([5, 0, 9], [2, 0, 4], 4, -7)
+    assert at.tolist() == [[5, 6, -7, -7], [-7, -7, -7, -7], [9, 10, 11, 12]]
+    assert use.tolist() == [[True, True, False, False], [False] * 4, [True] * 4]
