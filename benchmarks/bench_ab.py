@@ -32,7 +32,7 @@ from benchmarks.harness import machine  # noqa: E402
 
 SERVING = ("output_throughput_tok_s", "ttft_ms.p50", "e2e_ms.mean", "mean_accepted_length")
 SPEC = ("tok_s", "decode_tok_s", "block_eff")
-STEP_OPS = ("host_ms", "serial_ms", "device_ops", "h2d")
+STEP_OPS = ("host_ms", "serial_ms", "device_ops", "h2d", "torch_calls", "py_calls")
 
 
 def rows_of(result: dict) -> dict[str, dict[str, float]]:

@@ -17,6 +17,11 @@ device. Per decoding step (the prefill step left out):
   and ``copy_packed`` one (a forward's inputs into its bucket's buffers);
 * **forwards**: the captured forwards the step replays (target and draft);
 * **reads**: the host reads the engine declares (``engine.device.to_host``);
+* **torch calls**: every torch call outside the forwards, views and host tensors' too (each costs the
+  host a dispatch, a few microseconds, whether or not it makes a kernel);
+* **py calls**: every Python function and builtin called outside the forwards (``sys.setprofile``).
+  With torch calls, a count of the host's work that does not vary with the machine's load, as the
+  clocks below do;
 * **host ms**: the step's wall time less the time inside the forwards (median of ``--time-steps``
   steps, timed apart from the counting).  With compute this small it is what the host spends on a
   step outside its graphs, at the CPU's dispatch cost (a GPU's launches cost more): a floor under
@@ -59,8 +64,12 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.models.cpu_kernels import torch_formulation  # noqa: E402
 from engine.request import GenerationRequest, SamplingParams, SpecOptions  # noqa: E402
+from tests import device_check  # noqa: E402
 from tests.device_check import DeviceCheck, _tensors, is_marked, mark_engine  # noqa: E402
 from tests.tiny import tiny_loaded  # noqa: E402
+
+#: files whose frames are the counting's own, not the step's (``StepCounter.profile``)
+_OWN_FILES = {__file__, str(Path(__file__).resolve()), device_check.__file__}
 
 #: what ``--clock`` times host and serial ms with
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
@@ -83,9 +92,13 @@ class StepCounter(DeviceCheck):
         self.ops: Counter[str] = Counter()
         self.copies = 0
         self.forwards = 0
+        self.calls = 0  # every torch call, views and host tensors' included
+        self.py_calls = 0  # every Python and builtin function call (:meth:`profile`)
         self.quiet = 0  # inside a forward or a copy: not counted as the step's own operations
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.quiet:
+            self.calls += 1
         out = super().__torch_function__(func, types, args, kwargs)
         name = getattr(func, "__name__", str(func))
         if name in ("to", "type_as", "contiguous") and args and out is args[0]:
@@ -102,8 +115,15 @@ class StepCounter(DeviceCheck):
 
     def clear(self) -> None:
         self.ops.clear()
-        self.copies = self.forwards = 0
+        self.copies = self.forwards = self.calls = self.py_calls = 0
         self.reset()
+
+    def profile(self, frame, event: str, arg) -> None:
+        """A ``sys.setprofile`` hook counting the step's own function calls outside the forwards (this
+        counter's and the device check's frames left out): a measure of the host's Python work that,
+        unlike a clock, does not vary with what else the machine runs."""
+        if event in ("call", "c_call") and not self.quiet and frame.f_code.co_filename not in _OWN_FILES:
+            self.py_calls += 1
 
 
 def _counting(counter_of, fn, on_call):
@@ -230,9 +250,14 @@ def _count(core: EngineCore, counter: StepCounter, current: list, steps: int) ->
             if not core.has_unfinished():
                 break
             counter.clear()
-            core.step()
+            sys.setprofile(counter.profile)
+            try:
+                core.step()
+            finally:
+                sys.setprofile(None)
             out.append(dict(device_ops=sum(counter.ops.values()), h2d=counter.copies, forwards=counter.forwards,
-                            reads=counter.syncs.get("to_host", 0), top=counter.ops.most_common(8)))
+                            reads=counter.syncs.get("to_host", 0), torch_calls=counter.calls,
+                            py_calls=counter.py_calls, top=counter.ops.most_common(8)))
         current[0] = None
     return out
 
@@ -321,7 +346,8 @@ def run(args) -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             for temperature in (float(t) for t in args.temperatures.split(",")):
                 per = count_steps(config, batch, temperature, spec, args.steps)
-                med = {k: statistics.median(p[k] for p in per) for k in ("device_ops", "h2d", "forwards", "reads")}
+                med = {k: statistics.median(p[k] for p in per)
+                       for k in ("device_ops", "h2d", "forwards", "reads", "torch_calls", "py_calls")}
                 if args.time_steps:
                     timed = time_steps(config, batch, temperature, spec, args.time_steps, CLOCKS[args.clock])
                     med["host_ms"] = statistics.median(h for h, _ in timed)
@@ -332,7 +358,8 @@ def run(args) -> None:
     print("\nper decoding step, outside the captured forwards (medians; tiny models, torch formulation, CPU)")
     print_table(rows, [("config", "config", "s"), ("batch", "batch", "d"), ("temperature", "T", ".1f"),
                        ("device_ops", "device ops", ".0f"), ("h2d", "h2d copies", ".0f"),
-                       ("forwards", "forwards", ".0f"), ("reads", "reads", ".0f")]
+                       ("forwards", "forwards", ".0f"), ("reads", "reads", ".0f"),
+                       ("torch_calls", "torch calls", ".0f"), ("py_calls", "py calls", ".0f")]
                 + ([("host_ms", "host ms", ".2f"), ("serial_ms", "serial ms", ".2f")] if args.time_steps else []))
     result = dict(machine=machine(), args=vars(args), steps=rows, forward=[])
     if args.forward:

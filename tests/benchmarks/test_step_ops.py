@@ -20,6 +20,7 @@ def test_step_ops_counts_a_steps_launches_and_they_do_not_grow_with_the_batch(tm
         assert r["reads"] == 1 and r["steps"] == 2
         assert r["forwards"] == (1 if config == "plain" else 3)  # a draft forward a level, then the target's
         assert r["device_ops"] > 0 and r["h2d"] >= 1
+        assert r["torch_calls"] >= r["device_ops"] and r["py_calls"] > r["torch_calls"] / 2  # every call, views too
         assert 0 < r["host_ms"] < 1000  # timed outside the forwards
         if config == "plain":  # the next forward is queued before the read (decode_ahead): no serial time
             assert r["serial_ms"] == 0
