@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import numpy as np
 import torch
 
-from engine.device import to_device, to_device_many, to_host
+from engine.device import to_device_many, to_host
 from engine.speculative.features import NodeFeatures
 from engine.speculative.tree import SubTree
 
@@ -91,28 +91,36 @@ class DraftLaws(MutableMapping):
 
 def gather_laws(places: list[tuple[torch.Tensor, Optional[int]]], vocab_size: int) -> torch.Tensor:
     """The laws at ``places`` (:meth:`DraftLaws.where`) as one float32 [len(places), vocab_size] tensor,
-    in order: one index a source for the rows of a level, one stack for the laws held whole."""
+    in order: one index a source for the rows of a level, one stack for the laws held whole; the
+    indices reach the device in one copy."""
     groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # id(source) -> (source, places, rows)
-    whole: tuple[list[int], list[torch.Tensor]] = ([], [])
+    whole_at, whole = [], []
     for n, (source, index) in enumerate(places):
         if index is None:
-            whole[0].append(n)
-            whole[1].append(source[:vocab_size].float())
+            whole_at.append(n)
+            whole.append(source[:vocab_size].float())
         else:
             group = groups.setdefault(id(source), (source, [], []))
             group[1].append(n)
             group[2].append(index)
-    if not whole[0] and len(groups) == 1:  # the common case: one level's rows
-        ((source, _, rows),) = groups.values()
-        return _rows(source, rows)[:, :vocab_size].float()
-    order, parts = list(whole[0]), [torch.stack(whole[1])] if whole[1] else []
-    for source, at, rows in groups.values():
-        order += at
-        parts.append(_rows(source, rows)[:, :vocab_size].float())
-    out = torch.cat(parts)
+    order = whole_at + [n for _, at, _ in groups.values() for n in at]
     inverse = np.empty(len(order), dtype=np.int64)
-    inverse[np.asarray(order)] = np.arange(len(order))
-    return out if np.array_equal(inverse, np.arange(len(order))) else out[to_device(torch.from_numpy(inverse), out.device)]
+    inverse[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
+    in_order = bool((inverse == np.arange(len(order))).all())
+    # rows not consecutive in their source, and the permutation back to ``places``' order, are indices
+    # on the device: copied together
+    gathered = [rows for _, _, rows in groups.values() if rows != list(range(rows[0], rows[0] + len(rows)))]
+    host = [torch.tensor(rows, dtype=torch.long) for rows in gathered] + ([] if in_order else [torch.from_numpy(inverse)])
+    device = next(iter(groups.values()))[0].device if groups else whole[0].device
+    on_device = iter(to_device_many(host, device) if host else [])
+    parts = [torch.stack(whole)] if whole else []
+    for source, _, rows in groups.values():
+        if rows == list(range(rows[0], rows[0] + len(rows))):  # consecutive: a slice, no index
+            parts.append(source[rows[0]: rows[0] + len(rows), :vocab_size].float())
+        else:
+            parts.append(source.index_select(0, next(on_device))[:, :vocab_size].float())
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out if in_order else out[next(on_device)]
 
 
 def index_ranges(starts: list[int], lengths: list[int], width: int, fill: int) -> tuple[np.ndarray, np.ndarray]:
@@ -121,13 +129,6 @@ def index_ranges(starts: list[int], lengths: list[int], width: int, fill: int) -
     cols = np.arange(width, dtype=np.int64)
     use = cols[None, :] < np.asarray(lengths, dtype=np.int64).reshape(-1, 1)
     return np.where(use, np.asarray(starts, dtype=np.int64).reshape(-1, 1) + cols[None, :], fill), use
-
-
-def _rows(source: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``source[rows]``: a slice when the rows are consecutive (no copy of the index)."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return source[rows[0]: rows[0] + len(rows)]
-    return source[to_device(torch.tensor(rows, dtype=torch.long), source.device)]
 
 
 @dataclass
