@@ -101,7 +101,7 @@ class StepCounter(DeviceCheck):
             self.calls += 1
         out = super().__torch_function__(func, types, args, kwargs)
         name = getattr(func, "__name__", str(func))
-        if name in ("to", "type_as", "contiguous") and args and out is args[0]:
+        if name in ("to", "type_as", "contiguous", "float") and args and out is args[0]:
             return out  # nothing to do: no kernel
         if self.quiet:
             return out
