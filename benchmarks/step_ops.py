@@ -142,15 +142,16 @@ def _counting(counter_of, fn, on_call):
 
 def _engine(config: dict, batch: int, temperature: float, spec: bool, steps: int) -> EngineCore:
     """The tiny pair on the fixed-shape path, ``batch`` requests added (long enough for ``steps``), set
-    as on CUDA: Max-Gram not reading the draft's tree, plain decoding ahead of its reads.  What it built
-    is frozen out of the garbage collector's scans, as the server does after loading (a full
-    collection over the process's objects otherwise lands in some steps)."""
+    as on CUDA: Max-Gram not reading the draft's tree, plain decoding ahead of its reads, deferred host
+    work before the next read.  What it built is frozen out of the garbage collector's scans, as the
+    server does after loading (a full collection over the process's objects otherwise lands in some
+    steps)."""
     gc.unfreeze()  # (the last engine's objects: collectable again)
     gc.collect()
     target, draft = tiny_loaded("qwen2", seed=0), tiny_loaded("qwen2", seed=1, layers=1)
     core = EngineCore(target, draft, EngineConfig.from_settings(
         max_batch=batch, max_model_len=512, static_shapes=True, graph_batches=(batch,), load_aware=False,
-        **{"maxgram_read_tree": False, "decode_ahead": "on", **config}))
+        **{"maxgram_read_tree": False, "decode_ahead": "on", "defer_host_work": "on", **config}))
     gen = torch.Generator().manual_seed(batch)
     for i in range(batch):
         ids = torch.randint(1, 100, (40,), generator=gen).tolist()

@@ -63,6 +63,11 @@ class EngineConfig:
                                 "host reads this step's tokens, so the host's work between steps (output, "
                                 "scheduling) overlaps the device's; waiting requests join a step later.  "
                                 "'auto': on CUDA", choices=("auto", "on", "off"))
+    defer_host_work: str = setting("auto", "a step's accounting and the server's metrics run in the next step once its "
+                                   "device work is queued, before its read, so the host does them while the device "
+                                   "computes; otherwise at the end of the next step (on the CPU, where the host is "
+                                   "the device, that keeps them out of the times the cost model learns).  'auto': "
+                                   "on CUDA", choices=("auto", "on", "off"), server=False)
     warm_up: str = setting("auto", "before it serves, the engine runs a few requests of its own (one greedy, one "
                            "sampled, then a batch of both, with the configured speculation), so the first "
                            "requests do not pay what a process sets up at its first use of each kernel and size "

@@ -98,6 +98,7 @@ class EngineCore:
         self._later: list[tuple[int, Callable[[], None]]] = []  # (step, work) for while the device works: defer()
         self._learning = True  # the planner and the drafters learn from each step (not while warming up)
         self.decode_ahead = _chosen(cfg.decode_ahead, target.model.device)
+        self.overlap_host_work = _chosen(cfg.defer_host_work, target.model.device)  # defer(): before the next read
 
     def _new_cache(self, model: LoadedModel, max_len: int) -> KVCache:
         """A paged cache of ``kv_cache_tokens`` (default: ``max_batch`` sequences of ``max_len``) for one
@@ -303,11 +304,12 @@ class EngineCore:
     # ------------------------------------------------------------------ host work off the step's path
     def defer(self, work: Callable[[], None]) -> None:
         """Queues host work that the next step does not depend on (a step's statistics, metrics) to run
-        while the device works: just before the next step's read of the device, when that step's
-        forwards are queued already, so on a GPU it adds nothing to the time between two steps' device
-        work.  It runs at the latest at the end of the next step, or when :meth:`drain_step_stats` or
-        :meth:`run_deferred` is called (on the CPU, where the device is the host, only the order
-        changes)."""
+        while the device works: with ``defer_host_work`` (on CUDA), just before the next step's read of
+        the device, when that step's forwards are queued already, so on a GPU it adds nothing to the
+        time between two steps' device work.  Otherwise, and at the latest, at the end of the next step
+        (on the CPU, where the host is the device, overlapping gains nothing, and there the work stays
+        out of the verification time the cost model learns); also when :meth:`drain_step_stats` or
+        :meth:`run_deferred` is called."""
         self._later.append((self._steps, work))
 
     def run_deferred(self, before_step: Optional[int] = None) -> None:
@@ -347,7 +349,7 @@ class EngineCore:
             plans = self.planner.plain(decode) if self.runner.ahead is not None else wish
             stats.budget = max(p.sub.num_nodes for p in plans)
             step = self.runner.step(decode, plans, stats, ahead=self._may_go_ahead(plan, wish),
-                                    while_waiting=self.run_deferred)
+                                    while_waiting=self.run_deferred if self.overlap_host_work else None)
             results, failed = step.results, step.failed
             for seq in step.stopped:
                 self.scheduler.stop_drafting(seq)

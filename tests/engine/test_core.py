@@ -348,15 +348,19 @@ def test_a_failure_outside_verification_costs_only_its_own_request(stage, monkey
     assert draft_cache.free_slots == draft_cache.num_slots and draft_cache.used_blocks == 0
 
 
+@pytest.mark.parametrize("overlap", ["on", "auto"])
 @pytest.mark.parametrize("spec", [True, False])
-def test_deferred_host_work_runs_while_the_next_step_is_on_the_device(models, spec, monkeypatch):
-    """Work deferred after a step (its accounting, the server's metrics) runs in the next step once that
-    step's forwards are queued and before the host waits for its read (``EngineCore.defer``); what no
-    read runs, the end of the next step does; a job that raises fails nothing."""
+def test_deferred_host_work_runs_while_the_next_step_is_on_the_device(models, spec, overlap, monkeypatch):
+    """Work deferred after a step (its accounting, the server's metrics) runs in the next step: with
+    ``defer_host_work`` (CUDA's default) once that step's forwards are queued and before the host waits
+    for its read (``EngineCore.defer``), else (the CPU's) at its end; what no read runs, the end of the
+    next step does; a job that raises fails nothing."""
     import engine.device as engine_device
 
     target, _, draft = models
-    core = EngineCore(target, draft, EngineConfig.from_settings(max_batch=2, max_model_len=128, tree=(2, 1)))
+    core = EngineCore(target, draft, EngineConfig.from_settings(max_batch=2, max_model_len=128, tree=(2, 1),
+                                                                defer_host_work=overlap))
+    assert core.overlap_host_work == (overlap == "on")
     events: list[str] = []
     monkeypatch.setattr(engine_device, "sync_listeners",
                         [*engine_device.sync_listeners, lambda label: events.append(label)])
@@ -364,13 +368,15 @@ def test_deferred_host_work_runs_while_the_next_step_is_on_the_device(models, sp
                                        SpecOptions(enabled=spec)))
     core.defer(lambda: events.append("before the first step"))
     emitted = sum(len(o.new_token_ids) for o in core.step())  # a prefill and its first token
-    assert events.index("before the first step") < events.index("to_host")  # that step's read ran it
+    before_read = events.index("before the first step") < events.index("to_host")
+    assert before_read == core.overlap_host_work  # that step's read ran it, or its end
     for _ in range(3):
         events.clear()
         core.defer(lambda: 1 / 0)  # logged; the next job and the step go on
         core.defer(lambda: events.append("work"))
         outputs = core.step()
-        assert events[0] == "work" and "to_host" in events and outputs[0].new_token_ids
+        assert events[0 if core.overlap_host_work else -1] == "work" and "to_host" in events
+        assert outputs[0].new_token_ids
         emitted += len(outputs[0].new_token_ids)
     events.clear()
     core.defer(lambda: events.append("work"))
