@@ -135,7 +135,7 @@ def test_health_answers_while_a_prompt_is_tokenized():
                 time.sleep(0.01)
             t0 = time.perf_counter()
             assert httpx.get(s.url + "/health").status_code == 200
-            assert time.perf_counter() - t0 < 0.1  # not stuck behind the 1.5 s tokenization
+            assert time.perf_counter() - t0 < 0.5  # not stuck behind the 1.5 s tokenization
             assert pending.result().status_code == 200
 
 
