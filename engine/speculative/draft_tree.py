@@ -109,16 +109,16 @@ def gather_laws(places: list[tuple[torch.Tensor, Optional[int]]], vocab_size: in
     in_order = bool((inverse == np.arange(len(order))).all())
     # rows not consecutive in their source, and the permutation back to ``places``' order, are indices
     # on the device: copied together
-    gathered = [rows for _, _, rows in groups.values() if rows != list(range(rows[0], rows[0] + len(rows)))]
-    host = [torch.tensor(rows, dtype=torch.long) for rows in gathered] + ([] if in_order else [torch.from_numpy(inverse)])
-    device = next(iter(groups.values()))[0].device if groups else whole[0].device
+    sources = [(source, rows, rows == list(range(rows[0], rows[0] + len(rows)))) for source, _, rows in groups.values()]
+    host = [torch.tensor(rows, dtype=torch.long) for _, rows, sliced in sources if not sliced]
+    host += [] if in_order else [torch.from_numpy(inverse)]
+    device = sources[0][0].device if sources else whole[0].device
     on_device = iter(to_device_many(host, device) if host else [])
     parts = [torch.stack(whole)] if whole else []
-    for source, _, rows in groups.values():
-        if rows == list(range(rows[0], rows[0] + len(rows))):  # consecutive: a slice, no index
-            parts.append(source[rows[0]: rows[0] + len(rows), :vocab_size].float())
-        else:
-            parts.append(source.index_select(0, next(on_device))[:, :vocab_size].float())
+    for source, rows, sliced in sources:
+        # consecutive rows: a slice, no index
+        rows_of = source[rows[0]: rows[0] + len(rows)] if sliced else source.index_select(0, next(on_device))
+        parts.append(rows_of[:, :vocab_size].float())
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out if in_order else out[next(on_device)]
 
@@ -137,7 +137,7 @@ class DraftTree:
 
     sub: SubTree
     tokens: list[int]  # [n] node tokens, DEAD where a child could not be drawn
-    q: MutableMapping[int, torch.Tensor] = field(default_factory=DraftLaws)  # block row -> [vocab] its sampled children's law
+    q: DraftLaws = field(default_factory=DraftLaws)  # block row -> [vocab] its sampled children's law
     drafted_levels: int = 0  # levels of ``sub`` actually run through the draft (s - 1)
     features: list[NodeFeatures] = field(default_factory=list)  # per sampled level, when the policy wants them
     scores: list[torch.Tensor] = field(default_factory=list)  # per level [level nodes], the policy's own use
@@ -158,6 +158,10 @@ class DraftTree:
     held: Optional[int] = None
     #: Max-Gram's tail came with the tree (the device cascade proposes it after its chain's end)
     has_tail: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.q, DraftLaws):  # laws given whole ({row: law}: tests, a drafter's own)
+            self.q = DraftLaws(self.q)
 
     def cut(self, sub: SubTree) -> None:
         """Stop at ``sub``, a prefix of this tree's subtree (its first ``sub.num_nodes`` nodes).

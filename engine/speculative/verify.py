@@ -47,7 +47,7 @@ from engine.sampler import (
     SamplingTensors, draw_uniforms, finish_probs, process_logits, raw_logprobs, sample_from_probs,
 )
 from engine.speculative.constrained import allowed_rows
-from engine.speculative.draft_tree import DEAD, SAMPLED, DraftLaws, DraftTree, gather_laws, holders, joined
+from engine.speculative.draft_tree import DEAD, SAMPLED, DraftTree, gather_laws, holders, joined
 from engine.speculative.history import batch_histories
 from engine.speculative.view import SeqView
 from engine.speculative.walk import SeqStepResult, VerifyResult
@@ -55,14 +55,6 @@ from engine.speculative.walk import SeqStepResult, VerifyResult
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.speculative.methods import DraftPlan
-
-
-def _law_place(laws, row: int) -> Optional[tuple[torch.Tensor, Optional[int]]]:
-    """Where row ``row``'s draft law is (``DraftLaws.where``; a plain dict of laws holds them whole)."""
-    if isinstance(laws, DraftLaws):
-        return laws.where(row)
-    law = laws.get(row)
-    return None if law is None else (law, None)
 
 
 @dataclass
@@ -145,7 +137,7 @@ class TreeBatch:
         if any(t.q for t in trees):  # each row's draft law, where the row has a sampled event
             at = np.flatnonzero(ev_sampled.any(axis=1))
             tree_of, row_of = np.divmod(row_keys[at], r)
-            places = [_law_place(trees[i].q, row) for i, row in zip(tree_of.tolist(), row_of.tolist())]
+            places = [trees[i].q.where(row) for i, row in zip(tree_of.tolist(), row_of.tolist())]
             q_at = [n for n, place in zip(at.tolist(), places) if place is not None]
             if q_at:  # a few hundred rows a step at batch 32: gathered by level, then one write
                 q[device_tensor(q_at, device)] = gather_laws([p for p in places if p is not None], vocab_size).to(device)
