@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from engine.batching import Block, run_blocks
@@ -216,13 +217,13 @@ class DraftModelProposer:
             device_side += [stats.q_children] + ([stats.entropy, stats.top_probs] if full else [])
             device_side += [h for _, h in frontier] if full else []
         if kept is not None:  # read with the whole tree, later
-            kept.place(which, trees, d, parent_rows, first, chosen)
+            kept.place(which, trees, d, first, chosen)
             if features:
                 kept.keep_features(which, d, parent_rows, first, full, device_side[1:])
             return
         # the level's one read: its tokens, and the policy's features
         host = to_host(*device_side)
-        self._place(trees, d, parent_rows, host[0].tolist(), first)
+        self._place(trees, d, host[0].tolist(), first)
         if features:
             record_features(trees, d, parent_rows, first, full, host[1:])
 
@@ -243,10 +244,9 @@ class DraftModelProposer:
         return torch.cat(parts)
 
     @staticmethod
-    def _place(trees: list[DraftTree], d: int, parent_rows: list[list[int]], chosen: list[list[int]],
-               first: list[int]) -> None:
+    def _place(trees: list[DraftTree], d: int, chosen: list[list[int]], first: list[int]) -> None:
         """Level ``d`` of ``trees`` from the host's copy of ``chosen`` (:func:`level_slots`)."""
-        for j, node, row, rank, parent in level_slots(trees, d, parent_rows, first):
+        for j, node, row, rank, parent in zip(*(a.tolist() for a in level_slots(trees, d, first))):
             tree = trees[j]
             tok = chosen[row][rank] if parent < 0 or tree.tokens[parent] != DEAD else DEAD
             tree.tokens[node] = tok if tok >= 0 else DEAD
@@ -305,15 +305,43 @@ class DraftModelProposer:
         return torch.cat([logits, pad], dim=-1)
 
 
-def level_slots(trees: list[DraftTree], d: int, parent_rows: list[list[int]], first: list[int]):
-    """Where each depth-``d`` node of ``trees`` comes from, in level order: ``(tree j, node, row of
-    the sampled children it is in, its rank there, parent node or -1 for the root)``.  A node takes
-    its row's ``rank``-th child, DEAD when its parent is (both placements follow this)."""
+def level_slots(trees: list[DraftTree], d: int, first: list[int]) -> tuple[np.ndarray, ...]:
+    """Where each depth-``d`` node of ``trees`` comes from, as int64 arrays with an entry a node:
+    ``(tree j, node, row of the sampled children it is in, its rank there, parent node or -1 for the
+    root)``.  A node takes its row's ``rank``-th child, DEAD when its parent is (both placements follow
+    this).  Trees of one shape share a template (:func:`_level_template`): a few numpy calls a shape,
+    not a few Python calls a node."""
+    groups: dict[int, tuple[SubTree, list[int]]] = {}
     for j, tree in enumerate(trees):
-        lv, k = tree.sub.level(d), tree.sub.widths[d - 1]
-        for n, node in enumerate(range(lv.start, lv.stop)):
-            pj, rank = divmod(n, k)
-            yield j, node, first[j] + pj, rank, parent_rows[j][pj] - 1
+        groups.setdefault(id(tree.sub), (tree.sub, []))[1].append(j)
+    parts = []
+    for sub, js in groups.values():
+        node, pj, rank, up = _level_template(sub, d)
+        at = np.asarray(js, dtype=np.int64)[:, None]
+        rows = np.asarray([first[j] for j in js], dtype=np.int64)[:, None] + pj
+        parts.append([np.broadcast_to(at, rows.shape), np.broadcast_to(node, rows.shape), rows,
+                      np.broadcast_to(rank, rows.shape), np.broadcast_to(up, rows.shape)])
+    if not parts:
+        return tuple(np.zeros(0, dtype=np.int64) for _ in range(5))
+    return tuple(np.concatenate([p[i].reshape(-1) for p in parts]) for i in range(5))
+
+
+def _level_template(sub: SubTree, d: int) -> tuple[np.ndarray, ...]:
+    """Level ``d`` of ``sub``: its nodes, each node's parent row (within the tree's sampled rows of
+    the level), its rank among that row's children, and its parent node (-1: the root)."""
+    key = (sub.widths, d)
+    cached = _TEMPLATES.get(key)
+    if cached is None:
+        lv, k = sub.level(d), sub.widths[d - 1]
+        n = np.arange(lv.stop - lv.start, dtype=np.int64)
+        pj = n // k
+        up = np.full_like(n, -1) if d == 1 else sub.level(d - 1).start + pj
+        cached = _TEMPLATES[key] = (lv.start + n, pj, n % k, up)
+    return cached
+
+
+#: (tree widths, depth) -> :func:`_level_template`'s arrays (a few shapes an engine)
+_TEMPLATES: dict[tuple[tuple[int, ...], int], tuple[np.ndarray, ...]] = {}
 
 
 def record_features(trees: list[DraftTree], d: int, parent_rows: list[list[int]], first: list[int], full: bool,
@@ -344,18 +372,16 @@ class DeviceTokens(HeldTokens):
         # rows, full, tensors); recorded once the tokens are read
         self.levels: list[tuple] = []
 
-    def place(self, which: list[int], trees: list[DraftTree], d: int, parent_rows: list[list[int]],
-              first: list[int], chosen: torch.Tensor) -> None:
+    def place(self, which: list[int], trees: list[DraftTree], d: int, first: list[int],
+              chosen: torch.Tensor) -> None:
         """Level ``d`` of ``trees`` (tree ``j`` is entry ``which[j]``) from ``chosen`` [rows, width]."""
         width = chosen.shape[1]
-        dst, src, parent = [], [], []
-        for j, node, row, rank, up in level_slots(trees, d, parent_rows, first):
-            off = self.offsets[which[j]]
-            dst.append(off + node)
-            src.append(row * width + rank)
-            parent.append(self.root if up < 0 else off + up)
+        j, node, row, rank, up = level_slots(trees, d, first)
+        off = np.asarray(self.offsets, dtype=np.int64)[np.asarray(which, dtype=np.int64)][j]
+        parent = np.where(up < 0, self.root, off + up)
         dev = self.flat.device
-        dst_t, src_t, parent_t = to_device_many([torch.tensor(x, dtype=torch.long) for x in (dst, src, parent)], dev)
+        dst_t, src_t, parent_t = to_device_many([torch.from_numpy(x) for x in (off + node, row * width + rank, parent)],
+                                                dev)
         tok = chosen.reshape(-1).index_select(0, src_t)
         alive = self.flat.index_select(0, parent_t) != DEAD
         self.flat.index_copy_(0, dst_t, torch.where(alive & (tok >= 0), tok, DEAD))
