@@ -517,6 +517,13 @@ def _count_methods(tree: DraftTree, nodes: Sequence_[int], by_method: dict[str, 
         if nodes:
             by_method[DRAFT_MODEL] = by_method.get(DRAFT_MODEL, 0) + len(nodes)
         return
+    sources, own = tree.sources, 0  # (a node with no entry is the draft model's alone: DraftTree.node_sources)
     for i in nodes:
-        for m in tree.node_sources(i):
+        found = sources.get(i)
+        if found is None:
+            own += 1
+            continue
+        for m in found:
             by_method[m] = by_method.get(m, 0) + 1
+    if own:
+        by_method[DRAFT_MODEL] = by_method.get(DRAFT_MODEL, 0) + own

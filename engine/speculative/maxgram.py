@@ -180,6 +180,8 @@ class MaxGramDrafter:
         self.bigram = bigram
         self.bigram_len = bigram_len
         self._index: "weakref.WeakKeyDictionary[SeqView, NgramIndex]" = weakref.WeakKeyDictionary()
+        # seq -> (its token count, root_match then): tokens only ever grow
+        self._roots: "weakref.WeakKeyDictionary[SeqView, tuple[int, Optional[int]]]" = weakref.WeakKeyDictionary()
 
     def proposal_length(self, match: int, cap: int) -> int:
         """Tokens worth proposing after a ``match``-token suffix match (1 -> 2, 2 -> 4, 3+ -> all)."""
@@ -194,9 +196,16 @@ class MaxGramDrafter:
 
     def root_match(self, seq: SeqView) -> Optional[int]:
         """The suffix match length of the proposal from the root (0: the bigram table); None if there
-        is no proposal."""
+        is no proposal.  Kept until the sequence's tokens grow: a step's planning asks up to twice a
+        sequence (the trust test, the length caps)."""
+        size = len(seq.tokens)
+        known = self._roots.get(seq)
+        if known is not None and known[0] == size:
+            return known[1]
         props = self.propose(seq, (), 1)
-        return props[0].match if props else None
+        match = props[0].match if props else None
+        self._roots[seq] = (size, match)
+        return match
 
     def propose(self, seq: SeqView, path: Seq[int] = (), max_len: Optional[int] = None,
                 branches: int = 1) -> list[Proposal]:
