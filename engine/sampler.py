@@ -387,23 +387,26 @@ def draw_uniforms(
         raise ValueError(f"{len(generators)} generators for {len(n_per_row)} rows")
     width = max(n_per_row, default=0)
     out = torch.zeros(len(n_per_row), width, dtype=torch.float32)
+    if not width:
+        return to_device(out, torch.device(device))
     # one draw per generator, of its rows' total: a CPU generator's numbers are one stream, so the
-    # rows get what one draw a row, in row order, would give them (a row per tree node: hundreds a step)
-    rows_of: dict[int, tuple[torch.Generator, list[int]]] = {}
-    for r, (g, n) in enumerate(zip(generators, n_per_row)):
-        if n > 0:
-            rows_of.setdefault(id(g), (g, []))[1].append(r)
-    if sum(len(rows) for _, rows in rows_of.values()) == len(rows_of):  # a row a generator: one draw each
-        for g, (r,) in rows_of.values():
-            out[r, : n_per_row[r]] = torch.rand(n_per_row[r], generator=g, dtype=torch.float32)
-    elif rows_of:
-        order = np.fromiter((r for _, rows in rows_of.values() for r in rows), dtype=np.int64)
-        counts = np.asarray(n_per_row, dtype=np.int64)[order]
-        starts = np.repeat(np.cumsum(counts) - counts, counts)  # each number's row's first place in the draws
-        at = np.repeat(order * width, counts) + np.arange(len(starts)) - starts
-        drawn = [torch.rand(sum(n_per_row[r] for r in rows), generator=g, dtype=torch.float32)
-                 for g, rows in rows_of.values()]
-        out.view(-1)[torch.from_numpy(at)] = drawn[0] if len(drawn) == 1 else torch.cat(drawn)
+    # rows get what one draw a row, in row order, would give them (a row per tree node: hundreds a
+    # step, so the grouping is numpy's, not a few Python calls a row)
+    counts = np.asarray(n_per_row, dtype=np.int64)
+    owners = list(dict.fromkeys(generators))  # distinct generators, in order of their first row
+    if len(owners) == len(generators):  # a row a generator: one draw each, in place
+        totals, order = counts, np.arange(len(counts))
+    else:
+        number = {id(g): i for i, g in enumerate(owners)}
+        owner = np.fromiter(map(number.__getitem__, map(id, generators)), dtype=np.int64, count=len(generators))
+        totals = np.bincount(owner, weights=counts, minlength=len(owners)).astype(np.int64)
+        order = np.argsort(owner, kind="stable")  # each generator's rows, in row order
+    drawn = [torch.rand(int(n), generator=g, dtype=torch.float32)
+             for g, n in zip(owners, totals.tolist()) if n > 0]
+    c = counts[order]
+    starts = np.repeat(np.cumsum(c) - c, c)  # each number's row's first place in the draws
+    at = np.repeat(order * width, c) + np.arange(len(starts)) - starts
+    out.view(-1)[torch.from_numpy(at)] = drawn[0] if len(drawn) == 1 else torch.cat(drawn)
     return to_device(out, torch.device(device))
 
 
