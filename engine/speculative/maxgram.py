@@ -21,6 +21,7 @@ incrementally as tokens are accepted, so a lookup is a few dictionary probes.
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import logging
 import time
@@ -30,7 +31,7 @@ import torch
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence as Seq
+from typing import Iterable, Optional, Sequence as Seq
 
 from engine.config import DrafterSettings, setting
 from engine.registry import Method, drafter_settings, register_drafter, register_method
@@ -116,12 +117,18 @@ class NgramIndex:
     def continuations(self, gram: tuple[int, ...], limit: int, split: int) -> list[int]:
         """Continuation starts ``< limit`` of ``gram``: those ``< split`` (the prompt) first, then the
         rest, most recent first within each part."""
+        pos, order = self.places(gram, limit, split)
+        return [pos[i] for i in order]
+
+    def places(self, gram: tuple[int, ...], limit: int, split: int) -> tuple[list[int], Iterable[int]]:
+        """:meth:`continuations` as the gram's positions and the order to read them in (lazily: a
+        proposal reads the first few of what may be thousands, a frequent token's)."""
         pos = self.table.get(gram)
         if not pos:
-            return []
+            return [], ()
         hi = bisect.bisect_left(pos, limit)
         mid = min(bisect.bisect_left(pos, split), hi)
-        return pos[:mid][::-1] + pos[mid:hi][::-1]
+        return pos, itertools.chain(range(mid - 1, -1, -1), range(hi - 1, mid - 1, -1))
 
 
 class BigramTable:
@@ -220,8 +227,11 @@ class MaxGramDrafter:
         firsts: set[int] = set()
         for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
             gram = tuple(context[-n:])
-            for start in idx.continuations(gram, len(toks), seq.num_prompt):
-                cont = toks[start:start + self.proposal_length(n, cap)]
+            length = self.proposal_length(n, cap)
+            pos, order = idx.places(gram, len(toks), seq.num_prompt)
+            for i in order:
+                start = pos[i]
+                cont = toks[start:start + length]
                 if cont and cont[0] not in firsts:
                     firsts.add(cont[0])
                     out.append(Proposal(list(cont), n))
