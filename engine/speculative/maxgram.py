@@ -106,6 +106,7 @@ class NgramIndex:
         self.max_n = max_n
         self.table: dict[tuple[int, ...], list[int]] = {}
         self.size = 0
+        self.root: tuple[int, Optional[int]] = (-1, None)  # (size, the root proposal's match then): root_match
 
     def extend(self, tokens: Seq[int]) -> None:
         """Indexes ``tokens[self.size:]`` (``tokens`` only ever grows)."""
@@ -187,8 +188,6 @@ class MaxGramDrafter:
         self.bigram = bigram
         self.bigram_len = bigram_len
         self._index: "weakref.WeakKeyDictionary[SeqView, NgramIndex]" = weakref.WeakKeyDictionary()
-        # seq -> (its token count, root_match then): tokens only ever grow
-        self._roots: "weakref.WeakKeyDictionary[SeqView, tuple[int, Optional[int]]]" = weakref.WeakKeyDictionary()
 
     def proposal_length(self, match: int, cap: int) -> int:
         """Tokens worth proposing after a ``match``-token suffix match (1 -> 2, 2 -> 4, 3+ -> all)."""
@@ -205,14 +204,11 @@ class MaxGramDrafter:
         """The suffix match length of the proposal from the root (0: the bigram table); None if there
         is no proposal.  Kept until the sequence's tokens grow: a step's planning asks up to twice a
         sequence (the trust test, the length caps)."""
-        size = len(seq.tokens)
-        known = self._roots.get(seq)
-        if known is not None and known[0] == size:
-            return known[1]
-        props = self.propose(seq, (), 1)
-        match = props[0].match if props else None
-        self._roots[seq] = (size, match)
-        return match
+        idx = self.index(seq)
+        if idx.root[0] != idx.size:  # (tokens only ever grow)
+            props = self._propose(idx, seq, (), 1, 1)
+            idx.root = (idx.size, props[0].match if props else None)
+        return idx.root[1]
 
     def propose(self, seq: SeqView, path: Seq[int] = (), max_len: Optional[int] = None,
                 branches: int = 1) -> list[Proposal]:
@@ -221,7 +217,10 @@ class MaxGramDrafter:
         cap = self.max_len if max_len is None else max_len
         if cap < 1 or branches < 1:
             return []
-        idx, toks = self.index(seq), seq.tokens
+        return self._propose(self.index(seq), seq, path, cap, branches)
+
+    def _propose(self, idx: NgramIndex, seq: SeqView, path: Seq[int], cap: int, branches: int) -> list[Proposal]:
+        toks = seq.tokens
         context = list(toks[-self.max_ngram:]) + list(path)
         out: list[Proposal] = []
         firsts: set[int] = set()

@@ -62,6 +62,17 @@ def test_index_is_incremental_and_excludes_the_suffix_itself():
     assert idx.size == 5 and idx.continuations((2, 1), limit=5, split=5) == [3]
 
 
+def test_root_match_follows_the_tokens_as_they_grow():
+    s = seq_of([1, 2, 3, 9], [])
+    d = MaxGramDrafter(max_len=4, max_ngram=3)
+    assert d.root_match(s) is None  # "9" never appeared before, and no bigram table
+    assert d.root_match(s) is None  # (asked again for the same tokens)
+    s.tokens += [1, 2]
+    assert d.root_match(s) == 2 == d.propose(s)[0].match  # "1 2" -> "3 9"
+    s.tokens += [3]
+    assert d.root_match(s) == 3 == d.propose(s)[0].match
+
+
 def test_bigram_fallback_only_without_a_match():
     table = BigramTable.from_token_lists([[1, 2, 3, 1, 2, 3, 1, 2, 4]])
     assert table.successor == {1: 2, 2: 3, 3: 1}  # 2->4 seen once: below min_count
