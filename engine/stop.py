@@ -233,8 +233,12 @@ class TextStream:
 
     def _step(self, tok: int) -> str:
         self.num_tokens += 1
-        if self.checker.is_stop_token(tok):
+        checker = self.checker
+        if tok in checker.stop_token_ids:
             return self._finish("stop", tok)
+        if not checker.stop_strings:  # nothing to withhold or look for: the text goes out as it comes
+            text = self.detokenizer.add(tok)
+            return self._finish("length", None, text) if self.num_tokens >= checker.max_tokens else text
         self._held += self.detokenizer.add(tok)
         match = self.checker.find_stop(self._held)
         if match is not None:
@@ -248,9 +252,10 @@ class TextStream:
         out, self._held = self._held[:cut], self._held[cut:]
         return out
 
-    def _finish(self, reason: str, stop_reason: Optional[str | int]) -> str:
-        """Flush withheld text; a stop string completed by the flushed bytes still truncates."""
-        rest = self._held + self.detokenizer.flush()
+    def _finish(self, reason: str, stop_reason: Optional[str | int], text: str = "") -> str:
+        """Flush withheld text (after ``text``, the last token's); a stop string completed by the
+        flushed bytes still truncates."""
+        rest = text + self._held + self.detokenizer.flush()
         self._held = ""
         match = self.checker.find_stop(rest)
         if match is not None:

@@ -218,6 +218,26 @@ def test_streaming_equals_reference_for_any_chunking(byte_tok):
         assert "".join(pieces) == ts.text == expect, (text, stops)
 
 
+def test_a_stream_without_stop_strings_gives_what_one_with_an_absent_stop_string_gives(byte_tok):
+    """Without stop strings nothing is withheld (a path of its own); its pieces, consumed counts and
+    ends are those of a stream whose stop string never occurs, multibyte characters and a
+    ``max_tokens`` inside one included."""
+    rng = random.Random(1)
+    for _ in range(40):
+        text = "".join(rng.choice(["a", "b", " ", "é", "😀", "中"]) for _ in range(rng.randint(1, 10)))
+        ids = [i for c in text for i in enc(byte_tok, c)]  # a multibyte character: several tokens
+        limit = rng.randint(1, len(ids) + 2)
+        plain = stream(byte_tok, SamplingParams(max_tokens=limit))
+        absent = stream(byte_tok, SamplingParams(stop=["QQ"], max_tokens=limit))
+        pos = 0
+        while pos < len(ids) and not plain.finished:
+            step = rng.randint(1, 4)
+            a, b = plain.feed(ids[pos:pos + step]), absent.feed(ids[pos:pos + step])
+            assert a == b, (text, limit)
+            pos += a.consumed
+        assert (plain.text, plain.finished, plain.num_tokens) == (absent.text, absent.finished, absent.num_tokens)
+
+
 def test_invalid_checker_config():
     with pytest.raises(ValueError):
         StopChecker([""])
