@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Callable, ClassVar, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -380,16 +381,15 @@ class LlamaModel(nn.Module):
         if packing is None and (num_logits is None or all(n == k for n in num_logits)):  # a decoding step
             idx = to_device(logits_rows, hidden.device)
             return torch.gather(hidden, 1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])), None
-        counts = num_logits if num_logits is not None else [k] * b
-        lengths = packing.lengths if packing is not None else [block] * b  # hidden rows of each row
-        starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
-        flat = starts[:, None] + logits_rows  # [batch, rows]: rows of hidden, flattened (or packed)
-        wanted = torch.cat([flat[i, : max(n, 1)] for i, n in enumerate(counts)])
-        firsts = torch.tensor([0] + [max(n, 1) for n in counts[:-1]]).cumsum(0)
-        at = torch.stack([firsts[i] + torch.arange(k).clamp(max=max(n, 1) - 1) for i, n in enumerate(counts)])
-        dev = hidden.device
+        # numpy index tables: a few calls a forward, not a few tensor ops a row (hundreds a step)
+        counts = np.maximum(np.asarray(num_logits if num_logits is not None else [k] * b, dtype=np.int64), 1)
+        lengths = np.asarray(packing.lengths if packing is not None else [block] * b, dtype=np.int64)
+        starts = np.cumsum(lengths) - lengths  # each row's first hidden row, flattened (or packed)
+        cols = np.arange(k, dtype=np.int64)[None, :]
+        wanted = (starts[:, None] + logits_rows.numpy())[cols < counts[:, None]]  # row by row
+        at = (np.cumsum(counts) - counts)[:, None] + np.minimum(cols, counts[:, None] - 1)
         source = hidden.reshape(-1, hidden.shape[-1])
-        wanted, at = to_device_many([wanted, at], dev)
+        wanted, at = to_device_many([torch.from_numpy(wanted), torch.from_numpy(at)], hidden.device)
         return source[wanted].unsqueeze(0), at
 
     def hidden_states(self, input_ids: torch.Tensor, ctx: ForwardContext,
