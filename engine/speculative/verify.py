@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from engine.device import tensor as device_tensor
-from engine.device import Pending, to_device, to_device_many
+from engine.device import Pending, to_device_many
 from engine.grammar import apply_mask
 from engine.registry import LOSSLESS_RULE, rule_factories
 from engine.request import TokenLogprob
@@ -174,15 +174,18 @@ def draw_tables(generators: Sequence[Optional[torch.Generator]], batch: TreeBatc
     its own tree's rows and events, so what a seeded request draws does not depend on the other
     trees of the batch.  Greedy sequences (``None``) draw nothing; unused entries are 0.  Moved to
     ``device`` once."""
-    r, e = batch.num_rows, batch.ev_token.shape[1]
-    accept = torch.zeros(len(generators), r, e, dtype=torch.float32)
-    final = torch.zeros(len(generators), r, dtype=torch.float32)
+    b, r, e = len(generators), batch.num_rows, batch.ev_token.shape[1]
+    accept = torch.zeros(b * r * e + b * r, dtype=torch.float32)  # the [B, R, E] table, then the [B, R] one
+    drawn, at = [], []
     for i, (g, (rows, events)) in enumerate(zip(generators, batch.shapes)):
-        if g is not None:
-            u = torch.rand(rows * (events + 1), generator=g, dtype=torch.float32)
-            accept[i, :rows, :events] = u[: rows * events].view(rows, events)
-            final[i, :rows] = u[rows * events:]
-    return Uniforms(to_device(accept, device), to_device(final, device))
+        if g is not None:  # (where its numbers go: numpy, one write for the batch, not two a sequence)
+            drawn.append(torch.rand(rows * (events + 1), generator=g, dtype=torch.float32))
+            at.append(((i * r + np.arange(rows)[:, None]) * e + np.arange(events)).reshape(-1))
+            at.append(b * r * e + i * r + np.arange(rows))
+    if drawn:
+        accept[torch.from_numpy(np.concatenate(at))] = drawn[0] if len(drawn) == 1 else torch.cat(drawn)
+    accept, final = to_device_many([accept[: b * r * e].view(b, r, e), accept[b * r * e:].view(b, r)], device)
+    return Uniforms(accept, final)
 
 
 @dataclass
