@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from engine.device import to_device
@@ -58,14 +59,22 @@ def run_blocks(model: Model, cache: KVCache, blocks: list[Block], vocab: Optiona
     if any(bl.mask is not None or bl.device_mask is not None for bl in blocks):
         pending = [int(cache.pending_np[bl.slot]) for bl in blocks]
         width = max(p + t for p in pending)
-        mask = torch.zeros(b, t, width, dtype=torch.bool)
+        # numpy: a write a distinct mask (a step's trees of one shape share their level's), not a few
+        # tensor ops a block
+        mask_np = np.zeros((b, t, width), dtype=bool)
+        shared: dict[int, tuple[torch.Tensor, list[int]]] = {}  # a mask object -> the blocks that have it
         for i, bl in enumerate(blocks):
             n = len(bl.tokens)
             if bl.mask is None and bl.device_mask is None:  # causal over pending + block
-                mask[i, :n, : pending[i]] = True
-                mask[i, :n, pending[i]: pending[i] + n] = torch.ones(n, n, dtype=torch.bool).tril()
+                mask_np[i, :n, : pending[i]] = True
+                mask_np[i, :n, pending[i]: pending[i] + n] = np.tri(n, dtype=bool)
             elif bl.mask is not None:
-                mask[i, :n, : bl.mask.shape[1]] = bl.mask
+                shared.setdefault(id(bl.mask), (bl.mask, []))[1].append(i)
+        for m, at in shared.values():
+            m = m.numpy()
+            which = slice(at[0], at[-1] + 1) if at[-1] - at[0] == len(at) - 1 else at
+            mask_np[which, : m.shape[0], : m.shape[1]] = m
+        mask = torch.from_numpy(mask_np)
         if any(bl.device_mask is not None for bl in blocks):  # the rest joins them on the device
             mask = to_device(mask, model.device)
             for i, bl in enumerate(blocks):

@@ -161,7 +161,7 @@ class DraftModelProposer:
         for i in to_run:
             sub, seq = trees[i].sub, seqs[i]
             lv = sub.level(d)
-            mask = sub.mask[1 + lv.start: 1 + lv.stop, 1: 1 + lv.stop]  # rows C_{d-1}:C_d, cols :C_d
+            mask = sub.level_masks[d - 1]  # rows C_{d-1}:C_d, cols :C_d
             toks = [0] * (lv.stop - lv.start) if kept is not None else [t if t != DEAD else 0 for t in trees[i].tokens[lv]]
             root_pos = len(seq.tokens) - 1
             blocks.append(Block(seq.draft_slot, toks, [root_pos + d] * len(toks), list(range(len(toks))), mask))

@@ -98,6 +98,13 @@ class SubTree:
         """Node positions (within this subtree) of depth ``d`` (1-based)."""
         return slice(self.level_offsets[d - 1], self.level_offsets[d])
 
+    @cached_property
+    def level_masks(self) -> list[torch.Tensor]:
+        """``[d - 1]``: what depth ``d``'s nodes see of the tree's nodes, [its nodes, ``C_d``] (the
+        rows of :attr:`mask` below the root, its columns up to the level's end, the root's left out):
+        a level's draft forward's mask, made once for every tree of this shape."""
+        return [self.mask[1 + a: 1 + b, 1: 1 + b] for a, b in zip(self.level_offsets, self.level_offsets[1:])]
+
 
 class TreeTopology:
     """Parents, depths, ranks and the topology-aware causal mask of the largest tree."""
