@@ -3,6 +3,7 @@ host; the model runs only the real rows, ``engine.models.llama.Packing``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from typing import Optional
 
@@ -41,7 +42,7 @@ def block_ids(blocks: list[Block]) -> torch.Tensor:
 
 def run_blocks(model: Model, cache: KVCache, blocks: list[Block], vocab: Optional[OutputVocab] = None,
                ids: Optional[torch.Tensor] = None,
-               shift: Optional[torch.Tensor] = None) -> tuple[ForwardOutput, list[torch.Tensor]]:
+               shift: Optional[torch.Tensor] = None) -> tuple[ForwardOutput, "BlockLogits"]:
     """One forward over all blocks; returns the raw output and each block's logits [rows, vocab]
     (``vocab``: a restricted output layer, -inf logits outside it).  ``ids``: the blocks' token ids
     already on the device ([blocks, longest block], padded), which the host has not read: the blocks'
@@ -84,5 +85,33 @@ def run_blocks(model: Model, cache: KVCache, blocks: list[Block], vocab: Optiona
     out = model(ids, pos, cache, [bl.slot for bl in blocks], block_mask=mask,
                 num_new=[len(bl.tokens) for bl in blocks], logits_rows=rows,
                 num_logits=[len(bl.logit_rows) for bl in blocks], vocab=vocab, position_shift=shift)
-    per_block = [out.logits[i, : len(bl.logit_rows)] for i, bl in enumerate(blocks)]
-    return out, per_block
+    return out, BlockLogits(out.logits, [len(bl.logit_rows) for bl in blocks])
+
+
+class BlockLogits(Sequence_):
+    """Each block's logits, ``[its logit rows, vocab]``: views of the forward's ``[blocks, rows,
+    vocab]``, made when asked (the target's forwards ask for none), or a level's rows at once
+    (:meth:`rows`)."""
+
+    def __init__(self, logits: torch.Tensor, counts: list[int]) -> None:
+        self.logits = logits
+        self.counts = counts
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self.counts)))]
+        return self.logits[i, : self.counts[i]]
+
+    def rows(self, blocks: Optional[list[int]] = None) -> torch.Tensor:
+        """The logit rows of ``blocks`` (default: all), block after block, ``[rows, vocab]``: a view of
+        the forward's when they are all its blocks, in order, each with the same number of rows (a
+        level of trees of one shape; a catch-up's roots), else one concatenation."""
+        every = blocks is None or blocks == list(range(len(self.counts)))
+        _, k, vocab = self.logits.shape
+        if every and all(n == k for n in self.counts):
+            return self.logits.reshape(-1, vocab)
+        parts = [self[j] for j in (range(len(self.counts)) if blocks is None else blocks)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -84,7 +84,7 @@ class CascadeProposer:
 
     def propose(self, seqs: list[SeqView], depths: list[int], empties: list[SubTree]) -> list[DraftTree]:
         """``empties``: each sequence's (empty) draft-model subtree, which the chain is appended to."""
-        logits, _ = self.draft._catch_up(seqs)
+        logits = self.draft._catch_up(seqs).roots()
         chains = [_Chain(s, d, frontier=lg) for s, d, lg in zip(seqs, depths, logits)]
         while True:
             active = [c for c in chains if not c.done]

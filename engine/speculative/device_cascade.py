@@ -92,9 +92,9 @@ class DeviceCascade:
         """Each sequence's chain of up to ``depths[s]`` reviewed tokens and Max-Gram's tail of up to
         ``tails[s]`` after it, as held trees (``empties[s]``: the sequence's empty draft-model subtree)."""
         draft, L, m = self.draft, self.guess, self.maxgram.maxgram.max_ngram
-        logits, _ = draft._catch_up(seqs)  # committed: the rounds' blocks are the only pending entries
+        roots = draft._catch_up(seqs).logits  # committed: the rounds' blocks are the only pending entries
         assert not any(draft.cache.pending_np[s.draft_slot] for s in seqs), "the catch-up commits"
-        dev = logits[0].device
+        dev = roots.logits.device
         S, T = len(seqs), max(tails)
         rounds = self.rounds.rounds(seqs, depths)
         fixed = max(self.maxgram.width, L, T)  # Max-Gram's proposals at one width: one compiled graph
@@ -109,7 +109,7 @@ class DeviceCascade:
                                          [j for j in range(S) for _ in range(L + 1)], device=dev)
         history = _Histories(seqs, L, draft.vocab_size, dev)
         chains = _Chains(depth_t, max(depths) + T, L + (rounds - 1) * (L + 1), draft.vocab_size, rounds)
-        frontier = draft._pad_vocab(torch.stack(logits)).float()  # [S, vocab]: the law after the root
+        frontier = draft._pad_vocab(roots.rows()).float()  # [S, vocab]: the law after the root
         at = 0  # pending entries the rounds appended so far
         for r in range(rounds):
             room = depth_t - chains.length
@@ -121,7 +121,7 @@ class DeviceCascade:
             blocks = [Block(s.draft_slot, [0] * rows, list(range(len(s.tokens), len(s.tokens) + rows)),
                           list(range(rows)), device_mask=seen[j]) for j, s in enumerate(seqs)]
             _, out = draft.forward(blocks, ids, None if r == 0 else chains.length - 1)
-            block = draft._pad_vocab(torch.stack(out)).float()  # [S, rows, vocab]
+            block = draft._pad_vocab(out.rows().view(S, rows, -1)).float()  # [S, rows, vocab]
             raw = torch.cat([frontier[:, None], block], 1) if r == 0 else block  # [S, L + 1, vocab]
             if r:
                 chains.ran_last(at)

@@ -90,7 +90,7 @@ class MjsdProposer:
         self.beam = beam
 
     def propose(self, seqs: list[SeqView], depths: list[int], empties: list[SubTree]) -> list[DraftTree]:
-        logits, _ = self.draft._catch_up(seqs)
+        logits = self.draft._catch_up(seqs).roots()
         levels: list[list[_Level]] = [[] for _ in seqs]
         rows = [lg[None] for lg in logits]  # per sequence: [frontier beams, vocab] raw logits
         scores: list[Optional[torch.Tensor]] = [None] * len(seqs)  # joint log q of each frontier beam

@@ -15,12 +15,12 @@ the prebuilt topology), so the target verifies exactly the drafted nodes.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence as Sequence_
 
 import numpy as np
 import torch
 
-from engine.batching import Block, run_blocks
+from engine.batching import Block, BlockLogits, run_blocks
 from engine.device import tensor as device_tensor
 from engine.device import to_device, to_device_many, to_host
 from engine.kv_cache import KVCache
@@ -66,21 +66,19 @@ class DraftModelProposer:
         forced = forced or [None] * len(seqs)
         # the tokens stay on the device until the tree is whole, when nothing on the host needs them per level
         kept = DeviceTokens(trees, self.cache.k.device) if self._on_device(seqs) else None
-        # seq -> ([parents, vocab] logits, [parents, hidden] draft hidden states) of the next level's parents
-        frontier = {i: (lg[None], h[None]) for i, (lg, h) in enumerate(zip(*self._catch_up(seqs)))}
+        frontier = self._catch_up(seqs)  # the draft's outputs at the next level's parents
         for d in range(1, max(sub.max_depth for sub in subs) + 1):
             active = [i for i, t in enumerate(trees) if t.sub.max_depth >= d]
             if not active:
                 break
-            self._sample_level([seqs[i] for i in active], [trees[i] for i in active], d,
-                               [frontier[i] for i in active], kept, active)
+            self._sample_level([seqs[i] for i in active], [trees[i] for i in active], d, frontier, kept, active)
             if d == 1 and any(f is not None for f in forced):
                 self._force_first_level(trees, forced, kept)
             deeper = [i for i in active if trees[i].sub.max_depth > d and forced[i] is None]
             self._apply_policy(seqs, trees, deeper, d, step)
             to_run = [i for i in active if trees[i].sub.max_depth > d]
             if to_run:
-                frontier = dict(zip(to_run, self._run_level(seqs, trees, to_run, d, kept)))
+                frontier = self._run_level(seqs, trees, to_run, d, kept)
         if kept is not None:  # read with the step's verification (LosslessRule), or by whoever reads them first
             kept.hold()
         return trees
@@ -132,8 +130,8 @@ class DraftModelProposer:
         ``run_blocks``)."""
         return run_blocks(self.model, self.cache, blocks, self.vocab, ids=ids, shift=shift)
 
-    def _catch_up(self, seqs: list[SeqView]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Root logits [vocab] and draft hidden states [hidden] of every sequence.
+    def _catch_up(self, seqs: list[SeqView]) -> "Frontier":
+        """The draft's outputs at every sequence's root (block and tree ``j``: ``seqs[j]``).
 
         A sequence drafting for the first time catches up on its whole prompt (draft prefill is lazy,
         see ``ModelRunner.prefill``), at most ``chunk`` tokens per forward."""
@@ -153,10 +151,10 @@ class DraftModelProposer:
         for j, s in enumerate(seqs):
             self.cache.commit(s.draft_slot)
             s.draft_cached = len(s.tokens)
-        return [g[0] for g in lg], [out.hidden[j, len(b.tokens) - 1] for j, b in enumerate(blocks)]
+        return Frontier(lg, out.hidden, [slice(len(b.tokens) - 1, len(b.tokens)) for b in blocks], range(len(seqs)))
 
-    def _run_level(self, seqs, trees, to_run: list[int], d: int,
-                   kept: Optional["DeviceTokens"] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _run_level(self, seqs, trees, to_run: list[int], d: int, kept: Optional["DeviceTokens"] = None) -> "Frontier":
+        """Level ``d`` of the trees ``to_run`` through the draft: the outputs at their depth-``d`` nodes."""
         blocks = []
         for i in to_run:
             sub, seq = trees[i].sub, seqs[i]
@@ -167,21 +165,20 @@ class DraftModelProposer:
             blocks.append(Block(seq.draft_slot, toks, [root_pos + d] * len(toks), list(range(len(toks))), mask))
             trees[i].drafted_levels = d
         out, logits = self.forward(blocks, None if kept is None else kept.level_ids(trees, to_run, d))
-        return [(lg, out.hidden[j, : len(bl.tokens)]) for j, (lg, bl) in enumerate(zip(logits, blocks))]
+        return Frontier(logits, out.hidden, [slice(0, len(bl.tokens)) for bl in blocks], to_run)
 
     # ------------------------------------------------------------------ sampling children
-    def _sample_level(self, seqs: list[SeqView], trees: list[DraftTree], d: int,
-                      frontier: list[tuple[torch.Tensor, torch.Tensor]], kept: Optional["DeviceTokens"] = None,
-                      which: Optional[list[int]] = None) -> None:
+    def _sample_level(self, seqs: list[SeqView], trees: list[DraftTree], d: int, frontier: "Frontier",
+                      kept: Optional["DeviceTokens"], which: list[int]) -> None:
         """Draws the depth-``d`` children of every sequence's depth-(d-1) nodes, all sequences at once.
 
-        frontier[j]: ([parents_j, vocab] draft logits, [parents_j, hidden] draft hidden states) of
-        sequence j's depth-(d-1) nodes, in level order.  ``kept``: the step's tokens stay on the device
-        (``which[j]``: tree j's index there); else the level's tokens are read back now.
+        ``which[j]``: tree ``j``'s index among the step's trees: in ``frontier`` (the draft's logits and
+        hidden states at its depth-(d-1) nodes, in level order) and, when the step's tokens stay on the
+        device, in ``kept``; else the level's tokens are read back now.
         """
         parent_rows = [self._parent_rows(t.sub, d) for t in trees]
         row_seq = [j for j, rows in enumerate(parent_rows) for _ in rows]
-        x = self._pad_vocab(torch.cat([lg for lg, _ in frontier])).float()  # [rows, vocab]
+        x = self._pad_vocab(frontier.logit_rows(which)).float()  # [rows, vocab]
         dev = x.device
         st = SamplingTensors.from_params([s.request.sampling for s in seqs], self.vocab_size, row_seq, device=dev)
         counts, prompt = self._histories(seqs, trees, parent_rows, dev, kept, which)
@@ -215,7 +212,7 @@ class DraftModelProposer:
         if features:
             stats = parent_stats(x, probs, st.greedy, chosen, full)
             device_side += [stats.q_children] + ([stats.entropy, stats.top_probs] if full else [])
-            device_side += [h for _, h in frontier] if full else []
+            device_side += frontier.hidden_of(which) if full else []
         if kept is not None:  # read with the whole tree, later
             kept.place(which, trees, d, first, chosen)
             if features:
@@ -303,6 +300,37 @@ class DraftModelProposer:
             return logits[..., : self.vocab_size]
         pad = logits.new_full((*logits.shape[:-1], self.vocab_size - v), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
+
+
+class Frontier:
+    """The draft's logits and hidden states at the nodes whose children the next level draws, from one
+    forward: block ``j`` holds tree ``trees[j]``'s nodes (a catch-up's block: its root alone).  A
+    level asks for its trees' logit rows at once (a view of the forward's when every tree of the last
+    forward goes on with the same shape) and for hidden states only when the policy reads them."""
+
+    def __init__(self, logits: BlockLogits, hidden: torch.Tensor, rows: list[slice], trees: Sequence_[int]) -> None:
+        self.logits = logits
+        self.hidden = hidden  # the forward's [blocks, block, hidden]
+        self.rows = rows  # block j's nodes among its rows
+        self.trees = trees
+
+    def _blocks(self, trees: list[int]) -> list[int]:
+        if trees == list(self.trees):
+            return list(range(len(trees)))
+        at = {t: j for j, t in enumerate(self.trees)}
+        return [at[t] for t in trees]
+
+    def logit_rows(self, trees: list[int]) -> torch.Tensor:
+        """``[their nodes, vocab]``: the nodes of ``trees``, tree after tree."""
+        return self.logits.rows(self._blocks(trees))
+
+    def hidden_of(self, trees: list[int]) -> list[torch.Tensor]:
+        """Each tree's ``[its nodes, hidden]``."""
+        return [self.hidden[j, self.rows[j]] for j in self._blocks(trees)]
+
+    def roots(self) -> list[torch.Tensor]:
+        """Each block's first row's logits ``[vocab]``: a catch-up's, the law after each root."""
+        return [lg[0] for lg in self.logits]
 
 
 def level_slots(trees: list[DraftTree], d: int, first: list[int]) -> tuple[np.ndarray, ...]:

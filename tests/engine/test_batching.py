@@ -51,3 +51,22 @@ def test_the_engine_prefills_mixed_prompts_without_padding_them_and_decodes_as_a
     for p, out in zip(prompts, together):
         alone, _ = run_engine(tiny_target, None, [p], tree=(), max_tokens=6, ignore_eos=True)
         assert out.tokens == alone[0].tokens
+
+
+def test_block_logits_give_each_block_its_rows_and_a_level_at_once():
+    """``run_blocks``' logits: block ``i``'s first ``counts[i]`` rows, one at a time or several blocks'
+    rows together, block after block: a view of the forward's when they are every block and all full."""
+    import torch
+
+    from engine.batching import BlockLogits
+
+    logits = torch.arange(3 * 2 * 4, dtype=torch.float32).view(3, 2, 4)
+    full = BlockLogits(logits, [2, 2, 2])
+    assert len(full) == 3 and torch.equal(full[1], logits[1]) and [t.shape[0] for t in full] == [2, 2, 2]
+    whole = full.rows()
+    assert torch.equal(whole, logits.reshape(6, 4)) and whole.data_ptr() == logits.data_ptr()  # no copy
+    assert torch.equal(full.rows([2, 0]), torch.cat([logits[2], logits[0]]))
+    ragged = BlockLogits(logits, [1, 2, 1])
+    assert torch.equal(ragged[0], logits[0, :1]) and len(ragged[0:2]) == 2
+    assert torch.equal(ragged.rows(), torch.cat([logits[0, :1], logits[1], logits[2, :1]]))
+    assert torch.equal(ragged.rows([1]), logits[1])
