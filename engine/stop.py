@@ -234,28 +234,25 @@ class TextStream:
     def _step(self, tok: int) -> str:
         self.num_tokens += 1
         checker = self.checker
-        if tok in checker.stop_token_ids:
+        if checker.is_stop_token(tok):
             return self._finish("stop", tok)
-        if not checker.stop_strings:  # nothing to withhold or look for: the text goes out as it comes
-            text = self.detokenizer.add(tok)
-            return self._finish("length", None, text) if self.num_tokens >= checker.max_tokens else text
         self._held += self.detokenizer.add(tok)
-        match = self.checker.find_stop(self._held)
-        if match is not None:
-            out = self._held[:match[0]]
-            self._held = ""
-            self._set_finished("stop", match[1])
-            return out
-        if self.num_tokens >= self.checker.max_tokens:
+        if checker.stop_strings:  # (without any, nothing is looked for or withheld: most requests)
+            match = checker.find_stop(self._held)
+            if match is not None:
+                out = self._held[:match[0]]
+                self._held = ""
+                self._set_finished("stop", match[1])
+                return out
+        if self.num_tokens >= checker.max_tokens:
             return self._finish("length", None)
-        cut = len(self._held) - self.checker.holdback(self._held)
+        cut = len(self._held) - checker.holdback(self._held) if checker.stop_strings else len(self._held)
         out, self._held = self._held[:cut], self._held[cut:]
         return out
 
-    def _finish(self, reason: str, stop_reason: Optional[str | int], text: str = "") -> str:
-        """Flush withheld text (after ``text``, the last token's); a stop string completed by the
-        flushed bytes still truncates."""
-        rest = text + self._held + self.detokenizer.flush()
+    def _finish(self, reason: str, stop_reason: Optional[str | int]) -> str:
+        """Flush withheld text; a stop string completed by the flushed bytes still truncates."""
+        rest = self._held + self.detokenizer.flush()
         self._held = ""
         match = self.checker.find_stop(rest)
         if match is not None:

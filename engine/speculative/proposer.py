@@ -337,14 +337,14 @@ def level_slots(trees: list[DraftTree], d: int, first: list[int]) -> tuple[np.nd
     """Where each depth-``d`` node of ``trees`` comes from, as int64 arrays with an entry a node:
     ``(tree j, node, row of the sampled children it is in, its rank there, parent node or -1 for the
     root)``.  A node takes its row's ``rank``-th child, DEAD when its parent is (both placements follow
-    this).  Trees of one shape share a template (:func:`_level_template`): a few numpy calls a shape,
-    not a few Python calls a node."""
+    this).  Trees of one shape share their level's arrays (``SubTree.level_slots``): a few numpy calls
+    a shape, not a few Python calls a node."""
     groups: dict[int, tuple[SubTree, list[int]]] = {}
     for j, tree in enumerate(trees):
         groups.setdefault(id(tree.sub), (tree.sub, []))[1].append(j)
     parts = []
     for sub, js in groups.values():
-        node, pj, rank, up = _level_template(sub, d)
+        node, pj, rank, up = sub.level_slots[d - 1]
         at = np.asarray(js, dtype=np.int64)[:, None]
         rows = np.asarray([first[j] for j in js], dtype=np.int64)[:, None] + pj
         parts.append([np.broadcast_to(at, rows.shape), np.broadcast_to(node, rows.shape), rows,
@@ -352,24 +352,6 @@ def level_slots(trees: list[DraftTree], d: int, first: list[int]) -> tuple[np.nd
     if not parts:
         return tuple(np.zeros(0, dtype=np.int64) for _ in range(5))
     return tuple(np.concatenate([p[i].reshape(-1) for p in parts]) for i in range(5))
-
-
-def _level_template(sub: SubTree, d: int) -> tuple[np.ndarray, ...]:
-    """Level ``d`` of ``sub``: its nodes, each node's parent row (within the tree's sampled rows of
-    the level), its rank among that row's children, and its parent node (-1: the root)."""
-    key = (sub.widths, d)
-    cached = _TEMPLATES.get(key)
-    if cached is None:
-        lv, k = sub.level(d), sub.widths[d - 1]
-        n = np.arange(lv.stop - lv.start, dtype=np.int64)
-        pj = n // k
-        up = np.full_like(n, -1) if d == 1 else sub.level(d - 1).start + pj
-        cached = _TEMPLATES[key] = (lv.start + n, pj, n % k, up)
-    return cached
-
-
-#: (tree widths, depth) -> :func:`_level_template`'s arrays (a few shapes an engine)
-_TEMPLATES: dict[tuple[tuple[int, ...], int], tuple[np.ndarray, ...]] = {}
 
 
 def record_features(trees: list[DraftTree], d: int, parent_rows: list[list[int]], first: list[int], full: bool,

@@ -105,6 +105,20 @@ class SubTree:
         a level's draft forward's mask, made once for every tree of this shape."""
         return [self.mask[1 + a: 1 + b, 1: 1 + b] for a, b in zip(self.level_offsets, self.level_offsets[1:])]
 
+    @cached_property
+    def level_slots(self) -> list[tuple[np.ndarray, ...]]:
+        """``[d - 1]``: depth ``d``'s nodes as int64 arrays (a draft level's placement, made once for every
+        tree of this shape): the nodes, each one's parent row among the level's sampled rows (its
+        parent's place in level ``d - 1``), its rank among that row's children, and its parent node
+        (-1: the root)."""
+        out = []
+        for d, k in enumerate(self.widths, start=1):
+            lv = self.level(d)
+            n = np.arange(lv.stop - lv.start, dtype=np.int64)
+            pj = n // k
+            out.append((lv.start + n, pj, n % k, np.full_like(n, -1) if d == 1 else self.level(d - 1).start + pj))
+        return out
+
 
 class TreeTopology:
     """Parents, depths, ranks and the topology-aware causal mask of the largest tree."""

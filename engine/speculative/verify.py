@@ -175,7 +175,7 @@ def draw_tables(generators: Sequence[Optional[torch.Generator]], batch: TreeBatc
     trees of the batch.  Greedy sequences (``None``) draw nothing; unused entries are 0.  Moved to
     ``device`` once."""
     b, r, e = len(generators), batch.num_rows, batch.ev_token.shape[1]
-    accept = torch.zeros(b * r * e + b * r, dtype=torch.float32)  # the [B, R, E] table, then the [B, R] one
+    tables = torch.zeros(b * r * e + b * r, dtype=torch.float32)  # the [B, R, E] table, then the [B, R] one
     drawn, at = [], []
     for i, (g, (rows, events)) in enumerate(zip(generators, batch.shapes)):
         if g is not None:  # (where its numbers go: numpy, one write for the batch, not two a sequence)
@@ -183,8 +183,8 @@ def draw_tables(generators: Sequence[Optional[torch.Generator]], batch: TreeBatc
             at.append(((i * r + np.arange(rows)[:, None]) * e + np.arange(events)).reshape(-1))
             at.append(b * r * e + i * r + np.arange(rows))
     if drawn:
-        accept[torch.from_numpy(np.concatenate(at))] = drawn[0] if len(drawn) == 1 else torch.cat(drawn)
-    accept, final = to_device_many([accept[: b * r * e].view(b, r, e), accept[b * r * e:].view(b, r)], device)
+        tables[torch.from_numpy(np.concatenate(at))] = drawn[0] if len(drawn) == 1 else torch.cat(drawn)
+    accept, final = to_device_many([tables[: b * r * e].view(b, r, e), tables[b * r * e:].view(b, r)], device)
     return Uniforms(accept, final)
 
 

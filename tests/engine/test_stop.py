@@ -219,7 +219,7 @@ def test_streaming_equals_reference_for_any_chunking(byte_tok):
 
 
 def test_a_stream_without_stop_strings_gives_what_one_with_an_absent_stop_string_gives(byte_tok):
-    """Without stop strings nothing is withheld (a path of its own); its pieces, consumed counts and
+    """Without stop strings nothing is looked for or withheld; its pieces, consumed counts and
     ends are those of a stream whose stop string never occurs, multibyte characters and a
     ``max_tokens`` inside one included."""
     rng = random.Random(1)
