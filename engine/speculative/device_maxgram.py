@@ -110,7 +110,11 @@ def match_tokens(hist: torch.Tensor, context: torch.Tensor, n_prompt: torch.Tens
     best = run.max(dim=1).values
     pos = torch.arange(w, device=hist.device)
     prio = torch.where(pos < n_prompt[:, None], pos + w, pos)  # the prompt's occurrences first, then the text's
-    start = torch.where(run >= best[:, None], prio, -1).argmax(dim=1)  # the most recent of each
+    # the most recent of each: the greatest priority, whose value says its position (priorities are
+    # distinct).  Not ``argmax``: Inductor in torch 2.11 (the GPU image's) fuses that argmax wrongly
+    # here with dynamic sizes (a start of 0 for batches of two or more; 2.13 does not)
+    top = torch.where(run >= best[:, None], prio, -1).max(dim=1).values
+    start = torch.where(top >= w, top - w, top)
     size = lengths[best].minimum(cap)
     offs = torch.arange(width, device=hist.device)
     cont = hist.gather(1, m + start[:, None] + offs)
