@@ -55,7 +55,11 @@ def run_blocks(model: Model, cache: KVCache, blocks: list[Block], vocab: Optiona
     # not a few per block (the host's time per step matters most when the device is fast)
     pos = torch.tensor([[*bl.positions, *[bl.positions[-1]] * (t - len(bl.positions))] for bl in blocks],
                        dtype=torch.long)
-    rows = torch.tensor([[*bl.logit_rows, *[0] * (k - len(bl.logit_rows))] for bl in blocks], dtype=torch.long)
+    every = list(range(t))
+    if all(bl.logit_rows == every for bl in blocks):  # every row of full blocks (a level of trees of one
+        rows = None  # shape, their verification): the output layer runs on the hidden states as they are
+    else:
+        rows = torch.tensor([[*bl.logit_rows, *[0] * (k - len(bl.logit_rows))] for bl in blocks], dtype=torch.long)
     mask = None
     if any(bl.mask is not None or bl.device_mask is not None for bl in blocks):
         pending = [int(cache.pending_np[bl.slot]) for bl in blocks]

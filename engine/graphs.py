@@ -330,7 +330,8 @@ class CapturedForwards:
         host = host_inputs(self.cache, bucket, self.grid.width, positions, slots, counts)
         b, t = positions.shape
         inp = entry.inputs
-        inp.ids.zero_()  # the ids are on the device already
+        if (b, t) != tuple(inp.ids.shape):
+            inp.ids.zero_()  # padding (the ids are on the device already)
         inp.ids[:b, :t].copy_(ids)
         copy_packed(inp.staged, host, inp.layout)  # every other input in one copy
         if shift is not None:

@@ -457,15 +457,16 @@ def sample_k_distinct(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # 
     k = u.shape[1]
     if k == 0:
         return torch.empty(u.shape, dtype=torch.long, device=probs.device)
-    weights = probs.clone()
-    tokens, alive = [], []
+    weights = probs.clone() if k > 1 else probs  # (the draws zero what they took, in a copy)
+    tokens, totals = [], []
     for j in range(k):  # loop over the k draws, not over tokens
         tok, total = _draw(weights, u[:, j])
         tokens.append(tok)
-        alive.append(total > 0)  # the row still had weight
+        totals.append(total)
         if j + 1 < k:
             weights.scatter_(1, tok[:, None], 0.0)
-    return torch.where(torch.stack(alive, dim=1), torch.stack(tokens, dim=1), -1)
+    alive = torch.stack(totals, dim=1) > 0  # the row still had weight
+    return torch.where(alive, torch.stack(tokens, dim=1), -1)
 
 
 def sample_without_replacement(

@@ -185,14 +185,22 @@ class DraftModelProposer:
         x = process_logits(x, st, counts, prompt)
         x = self._constrain(seqs, trees, parent_rows, x)
         widths = [t.sub.widths[d - 1] for t in trees]
-        chosen = torch.full((x.shape[0], max(widths)), DEAD, dtype=torch.long, device=dev)
+        width = max(widths)
         greedy = [seqs[j].request.sampling.greedy for j in row_seq]  # host-side: no read of st.greedy
         g_rows = [r for r in range(len(row_seq)) if greedy[r]]
-        if g_rows:
-            at = device_tensor(g_rows, dev)
-            best = x[at].topk(max(widths), dim=-1)  # a token the grammar forbids (-inf) is no child
-            chosen[at, : max(widths)] = torch.where(torch.isfinite(best.values), best.indices, DEAD)
         s_rows = [r for r in range(len(row_seq)) if not greedy[r]]
+        # a level whose rows all draw one way (the usual case) takes every row as it is: no index
+        # copied to the device, no gather and no write back
+        chosen = None if not g_rows or not s_rows else \
+            torch.full((x.shape[0], width), DEAD, dtype=torch.long, device=dev)
+        if g_rows:
+            at = device_tensor(g_rows, dev) if s_rows else None
+            best = (x if at is None else x[at]).topk(width, dim=-1)
+            top = torch.where(torch.isfinite(best.values), best.indices, DEAD)  # a token the grammar forbids
+            if at is None:  # (-inf) is no child
+                chosen = top
+            else:
+                chosen[at] = top
         first = [0] * len(trees)  # first row of each sequence
         for r in range(len(row_seq) - 1, -1, -1):
             first[row_seq[r]] = r
@@ -200,8 +208,12 @@ class DraftModelProposer:
         if s_rows:
             probs = finish_probs(x, st)  # [rows, vocab]; greedy rows (one-hot) unused
             gens = [seqs[row_seq[r]].generator for r in s_rows]
-            at = device_tensor(s_rows, dev)
-            chosen[at] = self._sample(probs[at], [widths[row_seq[r]] for r in s_rows], gens, max(widths))
+            row_widths = [widths[row_seq[r]] for r in s_rows]
+            if g_rows:
+                at = device_tensor(s_rows, dev)
+                chosen[at] = self._sample(probs[at], row_widths, gens, width)
+            else:
+                chosen = self._sample(probs, row_widths, gens, width)
             for r in s_rows:
                 j = row_seq[r]
                 trees[j].q.set_row(parent_rows[j][r - first[j]], probs, r)  # a row of probs: no view made
@@ -283,11 +295,14 @@ class DraftModelProposer:
         """probs: [rows, vocab] -> [rows, width] children in sampling order (row r fills widths[r];
         each row draws exactly widths[r] uniforms from its request's generator)."""
         u = draw_uniforms(generators, widths, device=probs.device)
-        u = torch.nn.functional.pad(u, (0, width - u.shape[1]))
+        if u.shape[1] < width:
+            u = torch.nn.functional.pad(u, (0, width - u.shape[1]))
         if self.without_replacement:
             out = sample_k_distinct(probs, u)
         else:
             out = torch.stack([sample_from_probs(probs, u[:, j]) for j in range(width)], dim=1)
+        if min(widths) == width:  # every row fills the width: nothing past a row's own
+            return out
         cols = torch.arange(width, device=probs.device)[None, :]
         return torch.where(cols < device_tensor(widths, probs.device)[:, None], out, DEAD)
 
@@ -354,6 +369,18 @@ def level_slots(trees: list[DraftTree], d: int, first: list[int]) -> tuple[np.nd
     return tuple(np.concatenate([p[i].reshape(-1) for p in parts]) for i in range(5))
 
 
+def _strided(at: np.ndarray, groups: int) -> Optional[tuple[int, int, int]]:
+    """``(offset, stride, 1)`` when ``at`` is ``groups`` runs of consecutive entries, each run the
+    same distance after the last, so ``flat[at]`` is a strided view of ``flat``; else None."""
+    if not len(at) or len(at) % groups:
+        return None
+    runs = at.reshape(groups, -1)
+    stride = int(runs[1, 0] - runs[0, 0]) if groups > 1 else 0
+    want = runs[0, 0] + stride * np.arange(groups)[:, None] + np.arange(runs.shape[1])[None, :]
+    apart = groups == 1 or stride >= runs.shape[1]  # (runs that do not overlap)
+    return (int(at[0]), stride, 1) if apart and np.array_equal(runs, want) else None
+
+
 def record_features(trees: list[DraftTree], d: int, parent_rows: list[list[int]], first: list[int], full: bool,
                     host: list[torch.Tensor]) -> None:
     """The level's features, for the policy, from the host copies of what ``_sample_level`` computed:
@@ -388,13 +415,21 @@ class DeviceTokens(HeldTokens):
         width = chosen.shape[1]
         j, node, row, rank, up = level_slots(trees, d, first)
         off = np.asarray(self.offsets, dtype=np.int64)[np.asarray(which, dtype=np.int64)][j]
+        dst, src = off + node, row * width + rank
+        # A chosen entry is a token or DEAD.  Below the root every parent is alive; a level of trees of
+        # one shape takes ``chosen`` in order (src is every entry) into consecutive nodes: then the level
+        # is one write, with no index copied to the device
+        in_order = len(src) == chosen.numel() and np.array_equal(src, np.arange(len(src)))
+        view = _strided(dst, chosen.shape[0]) if d == 1 and in_order else None
+        if view is not None:  # (at batch 1 a slice; else every tree's first level, trees of one size apart)
+            self.flat.as_strided(chosen.shape, view[1:], view[0]).copy_(chosen)
+            return
         parent = np.where(up < 0, self.root, off + up)
-        dev = self.flat.device
-        dst_t, src_t, parent_t = to_device_many([torch.from_numpy(x) for x in (off + node, row * width + rank, parent)],
-                                                dev)
-        tok = chosen.reshape(-1).index_select(0, src_t)
-        alive = self.flat.index_select(0, parent_t) != DEAD
-        self.flat.index_copy_(0, dst_t, torch.where(alive & (tok >= 0), tok, DEAD))
+        dst_t, src_t, parent_t = to_device_many([torch.from_numpy(x) for x in (dst, src, parent)], self.flat.device)
+        tok = chosen.reshape(-1) if in_order else chosen.reshape(-1).index_select(0, src_t)
+        if d > 1:  # a child of a dead node is dead
+            tok = torch.where(self.flat.index_select(0, parent_t) != DEAD, tok, DEAD)
+        self.flat.index_copy_(0, dst_t, tok)
 
     def force(self, which: int, tokens: list[int]) -> None:
         """The first nodes of tree ``which`` become ``tokens`` (host-known; DEAD allowed)."""

@@ -318,7 +318,11 @@ def _try_events(probs: torch.Tensor, trees: TreeBatch, uniforms: Uniforms, greed
     each row (-1: all rejected) and each row's law after its rejected events."""
     rows = trees.ev_rows
     p = probs[rows]  # [K, V] copies, updated as events are rejected
-    q = trees.q.clone()
+    # q is read again only by a later round's sampled events: the rounds before the last such round
+    # update it (without replacement), in a copy
+    sampled_after = [any(kind[0] for kind in trees.kinds[j + 1:]) for j in range(len(trees.kinds))]
+    update_q = [without_replacement and kind[0] and later for kind, later in zip(trees.kinds, sampled_after)]
+    q = trees.q.clone() if any(update_q) else trees.q
     u = uniforms.accept.reshape(-1, uniforms.accept.shape[-1])[rows].double()  # [K, E]
     hit = trees.ev_token == best[:, None]  # [K, E]: a greedy row takes an event of the argmax
     accepted = torch.zeros_like(trees.ev_sampled)  # [K, E]: the events a row would accept; it takes the first
@@ -342,7 +346,7 @@ def _try_events(probs: torch.Tensor, trees: TreeBatch, uniforms: Uniforms, greed
         else:
             new_p = residual_rows(pj, qj) if any_sampled else without_rows(pj, tok)
         p[:k] = new_p if live is None else torch.where(live[:, None], new_p, pj)
-        if without_replacement and any_sampled:  # a one-hot event leaves q as it is
+        if update_q[j]:  # a one-hot event leaves q as it is
             new_q = torch.where(sampled[:, None], without_rows(qj, tok), qj)
             q[:k] = new_q if live is None else torch.where(live[:, None], new_q, qj)
     return first_true(accepted), p
