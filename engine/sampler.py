@@ -426,12 +426,15 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # 
     return _draw(probs, u)[0]
 
 
-def _draw(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw(probs: torch.Tensor, u: torch.Tensor, zero: Optional[torch.Tensor] = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample_from_probs`' tokens [rows], and each row's total weight [rows] (its cdf's last
-    entry: positive exactly when some weight is, as weights are not negative)."""
+    entry: positive exactly when some weight is, as weights are not negative).  ``zero``: a 0 of the
+    probabilities' dtype and device (made here if not given: a caller drawing several times makes it once)."""
     cdf = probs.cumsum(dim=-1)  # [rows, vocab]
     total = cdf[:, -1:]  # [rows, 1]
-    target = torch.minimum(u.to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    below = torch.nextafter(total, torch.zeros_like(total) if zero is None else zero)
+    target = torch.minimum(u.to(cdf.dtype)[:, None] * total, below)
     idx = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
     if probs.device.type == "cpu":
         return idx.squeeze(1), total[:, 0]
@@ -458,9 +461,10 @@ def sample_k_distinct(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # 
     if k == 0:
         return torch.empty(u.shape, dtype=torch.long, device=probs.device)
     weights = probs.clone() if k > 1 else probs  # (the draws zero what they took, in a copy)
+    zero = probs.new_zeros(())
     tokens, totals = [], []
     for j in range(k):  # loop over the k draws, not over tokens
-        tok, total = _draw(weights, u[:, j])
+        tok, total = _draw(weights, u[:, j], zero)
         tokens.append(tok)
         totals.append(total)
         if j + 1 < k:

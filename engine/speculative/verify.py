@@ -234,9 +234,11 @@ def start_verify(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, uniform
     """
     b, r, v = trees.num_seqs, trees.num_rows, x.shape[-1]
     x = x[:, :r]
-    best = x.max(dim=-1).indices  # [B, R]; the argmax (first of ties), faster than argmax on the CPU
+    # the argmax (first of ties; faster than argmax on the CPU), which greedy rows take: not computed
+    # when every row samples
+    best = x.max(dim=-1).indices if st.any_greedy else None  # [B, R]
     greedy = st.greedy.view(b, r)
-    flat_best = best.reshape(-1)[trees.ev_rows]  # [K]
+    flat_best = best.reshape(-1)[trees.ev_rows] if best is not None else None  # [K]
     probs = None
     # taken: [K] each row's accepted event, -1 where none is
     if st.all_greedy:  # each row takes its first event whose token is the argmax: every event at once
@@ -244,7 +246,8 @@ def start_verify(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, uniform
         taken = first_true(hit)
     else:
         probs = finish_probs(x.reshape(b * r, v), st)  # [B*R, V]; greedy rows one-hot
-        taken, residual = _try_events(probs, trees, uniforms, greedy.reshape(-1)[trees.ev_rows], flat_best,
+        taken, residual = _try_events(probs, trees, uniforms,
+                                      greedy.reshape(-1)[trees.ev_rows] if best is not None else None, flat_best,
                                       without_replacement)
         probs.index_copy_(0, trees.ev_rows, residual)  # a row's law once all its events are rejected
     child = torch.full((b * r,), -1, dtype=torch.long, device=x.device)
@@ -261,10 +264,12 @@ def start_verify(x: torch.Tensor, st: SamplingTensors, trees: TreeBatch, uniform
     rows = torch.cat(visited, dim=1)  # [B, D+1]
     path = child.gather(1, rows[:, :-1])  # [B, D] accepted nodes, -1 past the last
     row = rows[:, -1]
-    final = best[seq, row]
-    if probs is not None:
-        drawn = sample_from_probs(probs.view(b, r, v)[seq, row], uniforms.final[seq, row])
-        final = torch.where(greedy[seq, row], final, drawn)
+    if probs is None:
+        final = best[seq, row]
+    else:
+        final = sample_from_probs(probs.view(b, r, v)[seq, row], uniforms.final[seq, row])
+        if best is not None:
+            final = torch.where(greedy[seq, row], best[seq, row], final)
     bonus = trees.num_events[seq, row] == 0
     n = (path >= 0).sum(dim=1, keepdim=True)  # [B, 1] accepted nodes
     emitted = torch.cat([trees.tokens.gather(1, (path + 1).clamp(min=0)), torch.zeros_like(n)], dim=1)
@@ -312,10 +317,11 @@ def unpack_logprobs(host: list[torch.Tensor], i: int, tokens: list[int], k: Opti
     return [TokenLogprob(tokens[j], chosen[j], list(zip(top_ids[j], top_vals[j]))) for j in range(n)]
 
 
-def _try_events(probs: torch.Tensor, trees: TreeBatch, uniforms: Uniforms, greedy: torch.Tensor,
-                best: torch.Tensor, without_replacement: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _try_events(probs: torch.Tensor, trees: TreeBatch, uniforms: Uniforms, greedy: Optional[torch.Tensor],
+                best: Optional[torch.Tensor], without_replacement: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Rounds over the event index for the ``K`` rows with events: returns the accepted event of
-    each row (-1: all rejected) and each row's law after its rejected events."""
+    each row (-1: all rejected) and each row's law after its rejected events.  ``greedy`` and
+    ``best``: [K] each row's greedy flag and argmax (None: no row is greedy)."""
     rows = trees.ev_rows
     p = probs[rows]  # [K, V] copies, updated as events are rejected
     # q is read again only by a later round's sampled events: the rounds before the last such round
@@ -324,14 +330,21 @@ def _try_events(probs: torch.Tensor, trees: TreeBatch, uniforms: Uniforms, greed
     update_q = [without_replacement and kind[0] and later for kind, later in zip(trees.kinds, sampled_after)]
     q = trees.q.clone() if any(update_q) else trees.q
     u = uniforms.accept.reshape(-1, uniforms.accept.shape[-1])[rows].double()  # [K, E]
-    hit = trees.ev_token == best[:, None]  # [K, E]: a greedy row takes an event of the argmax
+    hit = trees.ev_token == best[:, None] if best is not None else None  # [K, E]: a greedy row takes an
+    #                                                                     event of the argmax
     accepted = torch.zeros_like(trees.ev_sampled)  # [K, E]: the events a row would accept; it takes the first
     for j, k in enumerate(trees.active):
         tok, sampled = trees.ev_token[:k, j], trees.ev_sampled[:k, j]
         pj, qj = p[:k], q[:k]
+        any_sampled, any_onehot = trees.kinds[j]
         p_x = pj.gather(1, tok[:, None])[:, 0].double()
-        q_x = torch.where(sampled, qj.gather(1, tok[:, None])[:, 0].double(), 1.0)
-        ok = torch.where(greedy[:k], hit[:k, j], u[:k, j] * q_x < p_x)  # exact in float64
+        if any_sampled:  # (a one-hot event's q(x) is 1)
+            q_x = qj.gather(1, tok[:, None])[:, 0].double()
+            ok = u[:k, j] * (torch.where(sampled, q_x, 1.0) if any_onehot else q_x) < p_x  # exact in float64
+        else:
+            ok = u[:k, j] < p_x
+        if greedy is not None:
+            ok = torch.where(greedy[:k], hit[:k, j], ok)
         live = None if trees.ev_live is None else trees.ev_live[:k, j]
         if live is not None:
             ok &= live
@@ -340,7 +353,6 @@ def _try_events(probs: torch.Tensor, trees: TreeBatch, uniforms: Uniforms, greed
         # are never the walk's last row, so updating them too changes nothing).  Each law is a few
         # passes over the vocabulary, so a round computes only the kinds its rows have (host-known).
         # A dead event (a DEAD token, ``ev_live``) leaves both laws as they are: it was never proposed.
-        any_sampled, any_onehot = trees.kinds[j]
         if any_sampled and any_onehot:
             new_p = torch.where(sampled[:, None], residual_rows(pj, qj), without_rows(pj, tok))
         else:
