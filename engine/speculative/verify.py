@@ -357,11 +357,20 @@ def _try_events(probs: torch.Tensor, trees: TreeBatch, uniforms: Uniforms, greed
             new_p = torch.where(sampled[:, None], residual_rows(pj, qj), without_rows(pj, tok))
         else:
             new_p = residual_rows(pj, qj) if any_sampled else without_rows(pj, tok)
-        p[:k] = new_p if live is None else torch.where(live[:, None], new_p, pj)
+        _keep_live(pj, new_p, live)
         if update_q[j]:  # a one-hot event leaves q as it is
             new_q = torch.where(sampled[:, None], without_rows(qj, tok), qj)
-            q[:k] = new_q if live is None else torch.where(live[:, None], new_q, qj)
+            _keep_live(qj, new_q, live)
     return first_true(accepted), p
+
+
+def _keep_live(law: torch.Tensor, new: torch.Tensor, live: Optional[torch.Tensor]) -> None:
+    """``law`` (rows of the round's laws, in place) becomes ``new`` where its event is live (all rows
+    when ``live`` is None): written once, not built apart and copied in."""
+    if live is None:
+        law.copy_(new)
+    else:
+        torch.where(live[:, None], new, law, out=law)
 
 
 def first_true(mask: torch.Tensor) -> torch.Tensor:
