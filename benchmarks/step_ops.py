@@ -17,6 +17,11 @@ device. Per decoding step (the prefill step left out):
   and ``copy_packed`` one (a forward's inputs into its bucket's buffers);
 * **forwards**: the captured forwards the step replays (target and draft);
 * **reads**: the host reads the engine declares (``engine.device.to_host``);
+* **vocab rows**: rows of the vocabulary's width that those device operations write (a softmax, a
+  residual law, a copy of logits: ``[rows, vocab]`` outputs). Times the vocabulary's bytes (151,936
+  float32 logits, 0.6 MB, for Qwen2.5) it is what they move through the device's memory at a real
+  vocabulary size, which the tiny models' (101) hides: the device time of sampling and verification
+  at large batches;
 * **torch calls**: every torch call outside the forwards, views and host tensors' too (each costs the
   host a dispatch, a few microseconds, whether or not it makes a kernel);
 * **py calls**: every Python function and builtin called outside the forwards (``sys.setprofile``).
@@ -87,9 +92,11 @@ ATEN_VIEWS = ("view", "split", "transpose", "unsqueeze", "reshape", "slice", "se
 class StepCounter(DeviceCheck):
     """The device-check mode, also counting device operations outside the forwards and the copies."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = 0) -> None:
         super().__init__(strict=True)
         self.ops: Counter[str] = Counter()
+        self.vocab = vocab  # the model's vocabulary size: outputs that wide are counted in vocab rows
+        self.vocab_rows = 0
         self.copies = 0
         self.forwards = 0
         self.calls = 0  # every torch call, views and host tensors' included
@@ -109,13 +116,20 @@ class StepCounter(DeviceCheck):
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
             if name == "__setitem__" or any(isinstance(i, (torch.Tensor, list)) for i in index):
                 self.ops[name] += 1  # a gather, or a write: a kernel (plain slicing is a view)
+                self._count_rows(args[2] if name == "__setitem__" and len(args) > 2 else out)
         elif name not in VIEWS and any(is_marked(t) for t in _tensors(out)):
             self.ops[name] += 1
+            self._count_rows(out)
         return out
+
+    def _count_rows(self, written) -> None:
+        for t in _tensors(written):
+            if self.vocab and t.dim() and t.shape[-1] == self.vocab:
+                self.vocab_rows += t.numel() // self.vocab
 
     def clear(self) -> None:
         self.ops.clear()
-        self.copies = self.forwards = self.calls = self.py_calls = 0
+        self.copies = self.forwards = self.calls = self.py_calls = self.vocab_rows = 0
         self.reset()
 
     def profile(self, frame, event: str, arg) -> None:
@@ -167,7 +181,7 @@ def count_steps(config: dict, batch: int, temperature: float, spec: bool, steps:
     """``steps`` decoding steps of ``batch`` requests under :class:`StepCounter`, one dict per step."""
     core = _engine(config, batch, temperature, spec, steps)
     mark_engine(core)
-    counter = StepCounter()
+    counter = StepCounter(core.target.config.vocab_size)
     current = [None]
     forwards = _counting(lambda: current[0], engine_graphs.static_hidden,
                          lambda c, a: setattr(c, "forwards", c.forwards + 1))
@@ -256,7 +270,8 @@ def _count(core: EngineCore, counter: StepCounter, current: list, steps: int) ->
                 core.step()
             finally:
                 sys.setprofile(None)
-            out.append(dict(device_ops=sum(counter.ops.values()), h2d=counter.copies, forwards=counter.forwards,
+            out.append(dict(device_ops=sum(counter.ops.values()), vocab_rows=counter.vocab_rows,
+                            h2d=counter.copies, forwards=counter.forwards,
                             reads=counter.syncs.get("to_host", 0), torch_calls=counter.calls,
                             py_calls=counter.py_calls, top=counter.ops.most_common(8)))
         current[0] = None
@@ -348,7 +363,7 @@ def run(args) -> None:
             for temperature in (float(t) for t in args.temperatures.split(",")):
                 per = count_steps(config, batch, temperature, spec, args.steps)
                 med = {k: statistics.median(p[k] for p in per)
-                       for k in ("device_ops", "h2d", "forwards", "reads", "torch_calls", "py_calls")}
+                       for k in ("device_ops", "vocab_rows", "h2d", "forwards", "reads", "torch_calls", "py_calls")}
                 if args.time_steps:
                     timed = time_steps(config, batch, temperature, spec, args.time_steps, CLOCKS[args.clock])
                     med["host_ms"] = statistics.median(h for h, _ in timed)
@@ -358,7 +373,8 @@ def run(args) -> None:
                 print(f"{name} batch {batch} T={temperature}: {med}", flush=True)
     print("\nper decoding step, outside the captured forwards (medians; tiny models, torch formulation, CPU)")
     print_table(rows, [("config", "config", "s"), ("batch", "batch", "d"), ("temperature", "T", ".1f"),
-                       ("device_ops", "device ops", ".0f"), ("h2d", "h2d copies", ".0f"),
+                       ("device_ops", "device ops", ".0f"), ("vocab_rows", "vocab rows", ".0f"),
+                       ("h2d", "h2d copies", ".0f"),
                        ("forwards", "forwards", ".0f"), ("reads", "reads", ".0f"),
                        ("torch_calls", "torch calls", ".0f"), ("py_calls", "py calls", ".0f")]
                 + ([("host_ms", "host ms", ".2f"), ("serial_ms", "serial ms", ".2f")] if args.time_steps else []))
