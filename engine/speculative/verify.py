@@ -330,8 +330,8 @@ def _try_events(probs: torch.Tensor, trees: TreeBatch, uniforms: Uniforms, greed
     update_q = [without_replacement and kind[0] and later for kind, later in zip(trees.kinds, sampled_after)]
     q = trees.q.clone() if any(update_q) else trees.q
     u = uniforms.accept.reshape(-1, uniforms.accept.shape[-1])[rows].double()  # [K, E]
-    hit = trees.ev_token == best[:, None] if best is not None else None  # [K, E]: a greedy row takes an
-    #                                                                     event of the argmax
+    # [K, E]: a greedy row takes an event of the argmax
+    hit = trees.ev_token == best[:, None] if best is not None else None
     accepted = torch.zeros_like(trees.ev_sampled)  # [K, E]: the events a row would accept; it takes the first
     for j, k in enumerate(trees.active):
         tok, sampled = trees.ev_token[:k, j], trees.ev_sampled[:k, j]
