@@ -319,9 +319,11 @@ def process_logits(
     token_counts: Optional[torch.Tensor] = None,  # [rows, vocab]
     prompt_mask: Optional[torch.Tensor] = None,  # [rows, vocab] bool
 ) -> torch.Tensor:  # -> [rows, vocab] float32
-    """The history-dependent first half: logit_bias, then penalties (a float32 copy).
-    Greedy decisions (argmax, top-k children) are taken on these logits."""
-    x = logits.to(torch.float32, copy=True)
+    """The history-dependent first half: logit_bias, then penalties, in float32.  Greedy decisions
+    (argmax, top-k children) are taken on these logits.  ``logits`` is never written: the bias is added
+    in place into a copy, and penalties make a tensor of their own; without either, float32 logits come
+    back as they are (a [rows, vocab] copy saved; no caller writes the result)."""
+    x = logits.to(torch.float32, copy=st.any_bias)
     x = apply_logit_bias(x, st)
     return apply_penalties(x, st, token_counts, prompt_mask)
 

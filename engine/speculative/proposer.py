@@ -181,9 +181,8 @@ class DraftModelProposer:
         x = self._pad_vocab(frontier.logit_rows(which)).float()  # [rows, vocab]
         dev = x.device
         st = SamplingTensors.from_params([s.request.sampling for s in seqs], self.vocab_size, row_seq, device=dev)
-        if st.any_bias or st.any_penalty:  # (else the forward's rows as they are: nothing writes them)
-            counts, prompt = self._histories(seqs, trees, parent_rows, dev, kept, which)
-            x = process_logits(x, st, counts, prompt)
+        counts, prompt = self._histories(seqs, trees, parent_rows, dev, kept, which)
+        x = process_logits(x, st, counts, prompt)
         x = self._constrain(seqs, trees, parent_rows, x)
         widths = [t.sub.widths[d - 1] for t in trees]
         width = max(widths)
